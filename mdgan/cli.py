@@ -1,0 +1,214 @@
+"""The `mdgan` command: run a local gRPC cluster, simulate in one process, list the models.
+
+`mdgan local` starts the real services (mdgan-server and N mdgan-worker processes) on loopback;
+this module never imports gRPC itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
+
+TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
+                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2")
+
+
+def _print_summary(summary: dict) -> None:
+    keys = ("mode", "iterations", "workers", "workers_alive", "wall_seconds", "seconds_per_iteration",
+            "generator_sha256", "payload_bytes", "swaps", "final")
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
+
+
+def cmd_simulate(args) -> int:
+    from mdgan.run import simulate
+    from mdgan.settings import apply_threads, data_config, training_config
+
+    apply_threads(args.threads)
+    config = training_config(args)
+    summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress)
+    _print_summary(summary)
+    print(f"run directory: {args.out}")
+    return 0
+
+
+def _forwarded_training_flags(args) -> list[str]:
+    flags = []
+    for dest in TRAINING_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            flags += [f"--{dest.replace('_', '-')}", str(value)]
+    if args.swap_optimizer_state:
+        flags.append("--swap-optimizer-state")
+    return flags
+
+
+def _wait_for_file(path: str, process: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as fh:
+                return fh.read().strip()
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode} before serving")
+        time.sleep(0.05)
+    raise RuntimeError(f"the server did not start within {timeout:.0f} s")
+
+
+class LocalCluster:
+    """A server and N worker processes on loopback; every process logs to DIR/logs/."""
+
+    def __init__(self, args):
+        self.args = args
+        self.out = os.path.abspath(args.out)
+        self.logs = os.path.join(self.out, "logs")
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.logs, f"{name}.log"), "w")
+        process = subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+        self.processes.append((name, process))
+        return process
+
+    def start(self) -> subprocess.Popen:
+        a = self.args
+        os.makedirs(self.logs, exist_ok=True)
+        port_file = os.path.join(self.out, "server.port")
+        if os.path.exists(port_file):
+            os.remove(port_file)
+        server = self._spawn("server", [
+            "services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", self.out,
+            "--threads", str(a.threads), "--step-timeout", str(a.step_timeout), "--swap-timeout", str(a.swap_timeout),
+            "--heartbeat-interval", str(a.heartbeat_interval), *_forwarded_training_flags(a)])
+        port = _wait_for_file(port_file, server, 120)
+        for index in range(a.workers):
+            self._spawn(f"worker-{index}", [
+                "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
+                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
+                "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
+                "--threads", str(a.threads), "--server-timeout", str(a.step_timeout + 60)])
+        return server
+
+    def follow(self, server: subprocess.Popen) -> int:
+        """Show progress from history.jsonl until the server exits."""
+        from tqdm import tqdm
+
+        history = os.path.join(self.out, "history.jsonl")
+        seen = 0
+        with tqdm(total=self.args.iterations, desc="mdgan local", unit="it", disable=self.args.no_progress) as bar:
+            while True:
+                done = server.poll() is not None
+                if os.path.exists(history):
+                    with open(history) as fh:
+                        lines = fh.read().splitlines()
+                    if len(lines) > seen:
+                        last = json.loads(lines[-1]) if lines[-1].strip() else {}
+                        bar.update(len(lines) - seen)
+                        bar.set_postfix(workers=last.get("active_workers"), refresh=False)
+                        seen = len(lines)
+                if done:
+                    return server.returncode
+                time.sleep(0.2)
+
+    def stop(self, grace: float = 30.0) -> dict[str, int | None]:
+        deadline = time.monotonic() + grace
+        codes = {}
+        for name, process in self.processes:
+            try:
+                codes[name] = process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    codes[name] = process.wait(5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    codes[name] = process.wait()
+        return codes
+
+
+def cmd_local(args) -> int:
+    from mdgan.settings import training_config
+
+    training_config(args)  # fail here, with a clear message, rather than in a child process
+    cluster = LocalCluster(args)
+    try:
+        server = cluster.start()
+        code = cluster.follow(server)
+    except KeyboardInterrupt:
+        code = 130
+        for _, process in cluster.processes:
+            process.send_signal(signal.SIGTERM)
+    except RuntimeError as exc:
+        print(f"mdgan local: {exc}; see {cluster.logs}", file=sys.stderr)
+        code = 1
+    codes = cluster.stop()
+    if code != 0:
+        print(f"mdgan local: the server exited with {code}; logs in {cluster.logs}", file=sys.stderr)
+        return code or 1
+    with open(os.path.join(cluster.out, "summary.json")) as fh:
+        summary = json.load(fh)
+    summary["mode"] = "local"
+    summary["exit_codes"] = codes
+    with open(os.path.join(cluster.out, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+        fh.write("\n")
+    _print_summary(summary)
+    print(f"run directory: {args.out}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from mdgan.models import ARCHITECTURES, parameter_report
+
+    report = {arch: {gan: parameter_report(ModelSpec(architecture=arch, gan=gan)) for gan in GAN_KINDS}
+              for arch in ARCHITECTURES}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, add_training_arguments
+
+    parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def run_parser(name: str, help_text: str):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_training_arguments(p)
+        add_data_arguments(p)
+        # One thread per process by default: the same arithmetic in every process, so the
+        # in-process run and the gRPC cluster agree bit for bit.
+        add_threads_argument(p, default=1)
+        p.add_argument("--out", default=f"runs/{name}", help="run directory")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        return p
+
+    run_parser("simulate", "Train in one process: every worker is an object.").set_defaults(func=cmd_simulate)
+    local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
+    local.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
+    local.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
+    local.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
+    local.set_defaults(func=cmd_local)
+    sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The MD-GAN training loop, written once over an abstract worker handle.
+
+``Trainer`` drives global iterations against ``WorkerHandle`` objects. ``InProcessWorker`` is a
+handle over a DiscriminatorSide in this process; the gRPC server provides a handle over a stream
+(services/server). Both run this same loop, so both end with the same generator, bit for bit.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mdgan.config import TrainingConfig
+from mdgan.mdgan import DiscriminatorSide, GeneratorSide, StepResult, WorkerBatch, derangement
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLost(Exception):
+    """The worker is gone (crashed, disconnected, or missed its deadline): it leaves the run."""
+
+
+class InputRejected(Exception):
+    """The worker answered with input that failed validation: this iteration goes on without it."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class SwapOrder:
+    swap_round: int
+    send_to: str  # worker id that receives this worker's discriminator
+    receive_from: str  # worker id whose discriminator this worker takes
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    swap_round: int
+    sent: bool
+    received: bool
+    sent_bytes: int  # payload: tensor bytes of the discriminator state sent to the peer
+    error: str = ""
+
+
+class WorkerHandle(abc.ABC):
+    """What the training loop sees of a worker, wherever it runs."""
+
+    worker_id: str
+    shard_index: int  # fixes the worker's rank order
+    shard_size: int  # m
+
+    @abc.abstractmethod
+    async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        """Send (X_g, X_d), get F_n back. Raises WorkerLost or InputRejected."""
+
+    @abc.abstractmethod
+    async def swap(self, order: SwapOrder) -> SwapReport:
+        """Send this worker's D to order.send_to and install the one from order.receive_from."""
+
+    @abc.abstractmethod
+    async def stop(self, reason: str) -> None:
+        """The run is over (or this worker is dropped from it)."""
+
+
+# ---------------------------------------------------------------------------------------------
+
+class InProcessSwapBoard:
+    """Peer-to-peer delivery between in-process workers: one mailbox per (round, receiver)."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[tuple[int, str], asyncio.Future] = {}
+
+    def _box(self, swap_round: int, receiver: str) -> asyncio.Future:
+        return self._boxes.setdefault((swap_round, receiver), asyncio.get_running_loop().create_future())
+
+    def deliver(self, swap_round: int, receiver: str, sender: str, state: dict[str, torch.Tensor]) -> None:
+        box = self._box(swap_round, receiver)
+        if not box.done():
+            box.set_result((sender, state))
+
+    async def collect(self, swap_round: int, receiver: str, timeout: float) -> tuple[str, dict[str, torch.Tensor]]:
+        try:
+            return await asyncio.wait_for(self._box(swap_round, receiver), timeout)
+        finally:
+            self._boxes.pop((swap_round, receiver), None)
+
+
+class InProcessWorker(WorkerHandle):
+    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0):
+        self.side = side
+        self.board = board
+        self.swap_timeout = swap_timeout
+        self.shard_index = side.shard_index
+        self.worker_id = f"worker-{side.shard_index}"
+        self.shard_size = len(side.sampler.shard)
+        self.crashed = False
+
+    def crash(self) -> None:
+        """Emulate the paper's crash experiment: the worker and its data leave the run."""
+        self.crashed = True
+
+    async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
+        return self.side.step(batch)
+
+    async def swap(self, order: SwapOrder) -> SwapReport:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
+        state = self.side.export_state()
+        self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
+        sent = sum(t.numel() * t.element_size() for t in state.values())
+        try:
+            sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
+        except asyncio.TimeoutError:
+            return SwapReport(order.swap_round, True, False, sent, "no discriminator arrived")
+        if sender != order.receive_from:
+            return SwapReport(order.swap_round, True, False, sent, f"unexpected sender {sender}")
+        self.side.import_state(incoming)
+        return SwapReport(order.swap_round, True, True, sent)
+
+    async def stop(self, reason: str) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+
+DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
+
+
+@dataclass
+class Traffic:
+    """Payload bytes (tensor data) by direction, plus the ACGAN labels that ride with the batches."""
+
+    payload_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    label_bytes: int = 0
+
+
+@dataclass
+class IterationRecord:
+    iteration: int
+    active_workers: int
+    answered: int
+    rejected: int
+    lost: int
+    gen_loss: float
+    disc_loss: float
+    real_accuracy: float
+    fake_accuracy: float
+    swap_round: int | None
+    seconds: float
+
+
+@dataclass
+class RunResult:
+    iterations: int
+    workers: int
+    workers_alive: int
+    swaps: int
+    rejections: int
+    swap_period: int
+    traffic: Traffic
+    last: IterationRecord | None
+    stopped_early: str | None = None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class Trainer:
+    """Runs I global iterations of MD-GAN against worker handles."""
+
+    def __init__(self, config: TrainingConfig, generator: GeneratorSide, workers: list[WorkerHandle], *,
+                 step_timeout: float | None = None, swap_timeout: float | None = None,
+                 on_iteration: Callable[[IterationRecord], None] | None = None):
+        self.config = config
+        self.generator = generator
+        self.workers = sorted(workers, key=lambda w: w.shard_index)
+        self.active = list(self.workers)
+        self.step_timeout = step_timeout
+        self.swap_timeout = swap_timeout
+        self.on_iteration = on_iteration
+        self.traffic = Traffic()
+        self.swaps = 0
+        self.rejections = 0
+        shard_size = min((w.shard_size for w in self.workers), default=0)
+        self.swap_period = config.swap_period(shard_size)
+
+    async def _guard(self, awaitable, timeout: float | None):
+        return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable
+
+    async def _drop(self, worker: WorkerHandle, why: str) -> None:
+        if worker in self.active:
+            log.warning("dropping %s: %s", worker.worker_id, why)
+            self.active.remove(worker)
+            try:
+                await asyncio.wait_for(worker.stop(why), 5.0)
+            except Exception:  # the worker is already gone; nothing more to tell it
+                pass
+
+    async def iteration(self, t: int) -> IterationRecord:
+        started = time.perf_counter()
+        active = list(self.active)
+        batches = self.generator.generate(min(self.config.kappa, len(active)))
+        sent = [batches.for_worker(rank) for rank in range(len(active))]
+        replies = await asyncio.gather(*(self._guard(w.step(t, b), self.step_timeout) for w, b in zip(active, sent)),
+                                       return_exceptions=True)
+        feedback, stats, rejected, lost = [], [], 0, 0
+        for worker, batch, reply in zip(active, sent, replies):
+            self.traffic.payload_bytes["server_to_worker"] += _nbytes(batch.generated) + _nbytes(batch.discriminated)
+            self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
+            if isinstance(reply, StepResult):
+                self.traffic.payload_bytes["worker_to_server"] += _nbytes(reply.feedback)
+                feedback.append((batch.generated_index, reply.feedback))
+                stats.append(reply)
+            elif isinstance(reply, InputRejected):
+                rejected += 1
+                log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, reply)
+            elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
+                lost += 1
+                await self._drop(worker, str(reply) or "missed its deadline")
+            else:
+                raise reply
+        self.rejections += rejected
+        if feedback:  # rank order: the order of `active`
+            self.generator.update(batches, feedback)
+
+        swap_round = None
+        if t % self.swap_period == 0 and len(self.active) >= 2:
+            swap_round = await self.swap(t)
+        return IterationRecord(
+            iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
+            gen_loss=_mean([s.gen_loss for s in stats]), disc_loss=_mean([s.disc_loss for s in stats]),
+            real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
+            swap_round=swap_round, seconds=time.perf_counter() - started)
+
+    async def swap(self, t: int) -> int:
+        swap_round = self.swaps + 1
+        participants = list(self.active)
+        plan = derangement([w.worker_id for w in participants], self.config.seed, swap_round)
+        receive_from = {dst: src for src, dst in plan.items()}
+        orders = [SwapOrder(swap_round, plan[w.worker_id], receive_from[w.worker_id]) for w in participants]
+        reports = await asyncio.gather(*(self._guard(w.swap(o), self.swap_timeout) for w, o in zip(participants, orders)),
+                                       return_exceptions=True)
+        for worker, report in zip(participants, reports):
+            if isinstance(report, SwapReport):
+                self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
+                if not (report.sent and report.received):
+                    log.warning("swap %d: %s sent=%s received=%s %s", swap_round, worker.worker_id,
+                                report.sent, report.received, report.error)
+            elif isinstance(report, (WorkerLost, asyncio.TimeoutError)):
+                await self._drop(worker, str(report) or "missed its swap deadline")
+            else:
+                raise report
+        self.swaps = swap_round
+        return swap_round
+
+    async def run(self) -> RunResult:
+        last, stopped = None, None
+        for t in range(1, self.config.iterations + 1):
+            if not self.active:
+                stopped = f"no workers left after iteration {t - 1}"
+                log.error(stopped)
+                break
+            last = await self.iteration(t)
+            if self.on_iteration is not None:
+                self.on_iteration(last)
+        for worker in list(self.active):
+            try:
+                await asyncio.wait_for(worker.stop("run finished"), 10.0)
+            except Exception as exc:
+                log.warning("could not stop %s cleanly: %s", worker.worker_id, exc)
+        return RunResult(iterations=self.generator.updates if last is None else last.iteration,
+                         workers=len(self.workers), workers_alive=len(self.active), swaps=self.swaps,
+                         rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last, stopped_early=stopped)
+
+
+def build_in_process_workers(config: TrainingConfig, shards) -> list[InProcessWorker]:
+    board = InProcessSwapBoard()
+    return [InProcessWorker(DiscriminatorSide(config, shard), board) for shard in shards]

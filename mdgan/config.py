@@ -1,0 +1,134 @@
+"""Run configuration: plain dataclasses, validated once where they are built.
+
+Entry points (the CLI, the services' ``__main__``) read flags and ``MDGAN_*`` variables and build
+these; nothing below them reads the environment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+GAN_KINDS = ("acgan", "gan")
+LOSSES = ("non-saturating", "saturating")
+DATASETS = ("mnist", "synthetic")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent with another one."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What both sides need to build their networks. Travels to workers when they join."""
+
+    architecture: str = "mlp"
+    gan: str = "acgan"  # "acgan": D has 1 + num_classes outputs and G is class conditional
+    loss: str = "non-saturating"
+    latent_dim: int = 100
+    num_classes: int = 10
+    sample_shape: tuple[int, ...] = (784,)
+
+    def validate(self) -> None:
+        from mdgan.models import ARCHITECTURES  # local import: models imports this module
+
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"unknown architecture {self.architecture!r}; choose from {sorted(ARCHITECTURES)}")
+        if self.gan not in GAN_KINDS:
+            raise ConfigError(f"unknown gan kind {self.gan!r}; choose from {GAN_KINDS}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"unknown loss {self.loss!r}; choose from {LOSSES}")
+        if self.latent_dim < 1 or self.num_classes < 1:
+            raise ConfigError("latent_dim and num_classes must be positive")
+        if not self.sample_shape or any(s < 1 for s in self.sample_shape):
+            raise ConfigError(f"bad sample shape {self.sample_shape}")
+
+    @property
+    def conditional(self) -> bool:
+        return self.gan == "acgan"
+
+    @property
+    def sample_size(self) -> int:
+        """d: the number of floats in one generated sample."""
+        return math.prod(self.sample_shape)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Adam, as in the paper; defaults are the usual DCGAN/ACGAN ones."""
+
+    lr: float = 2e-4
+    beta1: float = 0.5
+    beta2: float = 0.999
+
+    def validate(self) -> None:
+        if not (self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"bad Adam settings {self}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One MD-GAN run, as the server sees it."""
+
+    workers: int = 4
+    iterations: int = 1000
+    batch_size: int = 10
+    kappa: int = 1
+    disc_steps: int = 1
+    swap_epochs: float = 1.0
+    swap_every: int | None = None  # overrides ceil(E*m/b), for short runs
+    # Adam moments stay on the worker and are reset when a new discriminator arrives, so a swap
+    # moves |theta| floats exactly as in the paper's Table III; True sends them along (3|theta|).
+    swap_optimizer_state: bool = False
+    seed: int = 0
+    model: ModelSpec = field(default_factory=ModelSpec)
+    generator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    discriminator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+
+    def validate(self) -> "TrainingConfig":
+        if self.workers < 1:
+            raise ConfigError("--workers must be at least 1")
+        if self.iterations < 0:
+            raise ConfigError("--iterations must be >= 0")
+        if self.batch_size < 1:
+            raise ConfigError("--batch-size must be at least 1")
+        if not 1 <= self.kappa <= self.workers:
+            raise ConfigError(f"--kappa must be in [1, workers={self.workers}], got {self.kappa}")
+        if self.disc_steps < 0:
+            raise ConfigError("--disc-steps must be >= 0")
+        if not self.swap_epochs > 0:
+            raise ConfigError("--swap-epochs must be > 0")
+        if self.swap_every is not None and self.swap_every < 1:
+            raise ConfigError("--swap-every must be at least 1")
+        if self.seed < 0:
+            raise ConfigError("--seed must be >= 0")
+        self.model.validate()
+        self.generator_optimizer.validate()
+        self.discriminator_optimizer.validate()
+        return self
+
+    def swap_period(self, shard_size: int) -> int:
+        """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11)."""
+        if self.swap_every is not None:
+            return self.swap_every
+        return max(1, math.ceil(self.swap_epochs * shard_size / self.batch_size))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where a worker's shard comes from."""
+
+    dataset: str = "mnist"
+    data_root: str = "data"
+    num_shards: int = 1
+    split_seed: int = 0
+
+    def validate(self) -> "DataConfig":
+        if self.dataset not in DATASETS:
+            raise ConfigError(f"unknown dataset {self.dataset!r}; choose from {DATASETS}")
+        if self.num_shards < 1:
+            raise ConfigError("number of shards must be at least 1")
+        return self

@@ -1,0 +1,247 @@
+"""Both sides of one MD-GAN global iteration (DESIGN.md section 1, the paper's Algorithm 1).
+
+GeneratorSide lives on the server: it generates kappa batches, assigns them, and turns the
+workers' per-sample feedback into one Adam step of G. DiscriminatorSide lives on a worker: L
+discriminator steps on (real, X_d), then the feedback F_n = dJ_gen(X_g)/dX_g. Nothing here knows
+how the two sides talk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
+from mdgan.data import Shard, ShardSampler
+from mdgan.models import build_discriminator, build_generator
+
+
+def derive_seed(seed: int, role: str, index: int = 0) -> int:
+    """An independent 63-bit seed per role (server noise, worker sampling, initialisation, swaps)."""
+    digest = hashlib.blake2b(f"{seed}/{role}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def make_adam(module: nn.Module, spec: OptimizerSpec) -> torch.optim.Adam:
+    # foreach=False: the per-tensor loop has one summation order everywhere (bitwise repeatable).
+    return torch.optim.Adam(module.parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2), foreach=False)
+
+
+def assignment(rank: int, kappa: int) -> tuple[int, int]:
+    """(index of X_g, index of X_d) for the worker of this rank among the active workers."""
+    return rank % kappa, (rank + 1) % kappa
+
+
+# ---------------------------------------------------------------------------------------------
+# losses. D outputs logits: column 0 is real/fake, columns 1.. are the ACGAN class logits.
+
+def discriminator_loss(spec: ModelSpec, real_logits: torch.Tensor, real_labels: torch.Tensor,
+                       fake_logits: torch.Tensor, fake_labels: torch.Tensor | None) -> torch.Tensor:
+    """J_disc, minimised: -[log D(x_r) + log(1 - D(x_d))] (+ class cross-entropy on both)."""
+    loss = (F.binary_cross_entropy_with_logits(real_logits[:, 0], torch.ones_like(real_logits[:, 0]))
+            + F.binary_cross_entropy_with_logits(fake_logits[:, 0], torch.zeros_like(fake_logits[:, 0])))
+    if spec.conditional:
+        loss = loss + F.cross_entropy(real_logits[:, 1:], real_labels) + F.cross_entropy(fake_logits[:, 1:], fake_labels)
+    return loss
+
+
+def generator_loss(spec: ModelSpec, fake_logits: torch.Tensor, fake_labels: torch.Tensor | None) -> torch.Tensor:
+    """J_gen on one batch (a mean over its b samples).
+
+    non-saturating (default): -log D(G(z)), the usual choice, since log(1 - D(G(z))) has vanishing
+    gradients while D wins early in training; saturating: log(1 - D(G(z))) as written in the paper.
+    ACGAN adds the class cross-entropy of the generated samples.
+    """
+    source = fake_logits[:, 0]
+    if spec.loss == "non-saturating":
+        loss = F.binary_cross_entropy_with_logits(source, torch.ones_like(source))
+    else:
+        loss = -F.binary_cross_entropy_with_logits(source, torch.zeros_like(source))  # mean log(1 - D)
+    if spec.conditional:
+        loss = loss + F.cross_entropy(fake_logits[:, 1:], fake_labels)
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# server side
+
+@dataclass
+class GeneratedBatches:
+    """The kappa batches of one iteration, with the graph kept for the backward pass."""
+
+    samples: torch.Tensor  # (kappa, b, *sample_shape), requires grad
+    labels: torch.Tensor | None  # (kappa, b) int64, ACGAN only
+
+    @property
+    def kappa(self) -> int:
+        return self.samples.shape[0]
+
+    def for_worker(self, rank: int) -> "WorkerBatch":
+        g, d = assignment(rank, self.kappa)
+        detached = self.samples.detach()
+        labels = self.labels
+        return WorkerBatch(detached[g], None if labels is None else labels[g],
+                           detached[d], None if labels is None else labels[d], g)
+
+
+@dataclass
+class WorkerBatch:
+    """What the server sends to one worker in one iteration."""
+
+    generated: torch.Tensor  # X_g: (b, *sample_shape), the feedback is computed on it
+    generated_labels: torch.Tensor | None  # (b,)
+    discriminated: torch.Tensor  # X_d: (b, *sample_shape), D trains on it
+    discriminated_labels: torch.Tensor | None  # (b,)
+    generated_index: int  # which of the kappa batches X_g is
+
+
+class GeneratorSide:
+    def __init__(self, config: TrainingConfig):
+        self.config = config
+        self.spec = config.model
+        self.generator = build_generator(self.spec, derive_seed(config.seed, "generator-init"))
+        self.optimizer = make_adam(self.generator, config.generator_optimizer)
+        self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "server-noise"))
+        self.updates = 0
+
+    def generate(self, kappa: int) -> GeneratedBatches:
+        b, spec = self.config.batch_size, self.spec
+        z = torch.randn(kappa * b, spec.latent_dim, generator=self._noise)  # (kappa*b, l)
+        labels = torch.randint(0, spec.num_classes, (kappa * b,), generator=self._noise) if spec.conditional else None
+        samples = self.generator(z, labels)  # (kappa*b, *sample_shape)
+        return GeneratedBatches(samples.view(kappa, b, *spec.sample_shape),
+                                None if labels is None else labels.view(kappa, b))
+
+    def accumulate(self, batches: GeneratedBatches, feedback: list[tuple[int, torch.Tensor]]) -> None:
+        """Backpropagate (1/N) sum_n F_n through G; feedback is [(index of X_g, F_n (b, *shape))].
+
+        Summed in the order given (worker rank order), never arrival order: bit-for-bit repeatable.
+        """
+        if not feedback:
+            raise ValueError("no feedback to update from")
+        incoming = torch.zeros_like(batches.samples)  # (kappa, b, *sample_shape)
+        for index, gradient in feedback:
+            incoming[index] += gradient
+        incoming /= len(feedback)
+        self.optimizer.zero_grad(set_to_none=True)
+        batches.samples.backward(incoming)
+
+    def update(self, batches: GeneratedBatches, feedback: list[tuple[int, torch.Tensor]]) -> None:
+        self.accumulate(batches, feedback)
+        self.optimizer.step()
+        self.updates += 1
+
+    @torch.no_grad()
+    def sample(self, z: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        self.generator.eval()
+        try:
+            return self.generator(z, labels)
+        finally:
+            self.generator.train()
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side
+
+@dataclass
+class StepResult:
+    feedback: torch.Tensor  # F_n: (b, *sample_shape) float32
+    disc_loss: float
+    gen_loss: float  # J_gen(X_g) under this worker's D
+    real_accuracy: float  # share of real samples D calls real (last D step)
+    fake_accuracy: float  # share of X_d samples D calls generated (last D step)
+
+
+class DiscriminatorSide:
+    def __init__(self, config: TrainingConfig, shard: Shard):
+        self.config = config
+        self.spec = config.model
+        # All D_n start equal, as the paper assumes (section IV-A).
+        self.discriminator = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init"))
+        self.optimizer = make_adam(self.discriminator, config.discriminator_optimizer)
+        self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
+
+    @property
+    def shard_index(self) -> int:
+        return self.sampler.shard.index
+
+    def step(self, batch: WorkerBatch) -> StepResult:
+        spec, disc = self.spec, self.discriminator
+        real, real_labels = self.sampler.next_batch()  # X_r: (b, *shape), (b,)
+        disc_loss = torch.tensor(float("nan"))
+        real_acc = fake_acc = float("nan")
+        for _ in range(self.config.disc_steps):
+            real_logits = disc(real)
+            fake_logits = disc(batch.discriminated)
+            disc_loss = discriminator_loss(spec, real_logits, real_labels, fake_logits, batch.discriminated_labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            disc_loss.backward()
+            self.optimizer.step()
+            real_acc = (real_logits[:, 0] > 0).float().mean().item()
+            fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
+
+        generated = batch.generated.detach().clone().requires_grad_(True)
+        gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
+        (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
+        return StepResult(feedback, disc_loss.item(), gen_loss.item(), real_acc, fake_acc)
+
+    # -- swap ------------------------------------------------------------------------------------
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """D's weights (and Adam moments when configured), as named contiguous tensors."""
+        state = {name: t.detach().clone() for name, t in self.discriminator.state_dict().items()}
+        if self.config.swap_optimizer_state:
+            state.update(self._optimizer_tensors())
+        return state
+
+    def state_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The names, shapes and dtypes an incoming state must have."""
+        layout = {n: (tuple(t.shape), t.dtype) for n, t in self.discriminator.state_dict().items()}
+        if self.config.swap_optimizer_state:
+            for name, param in self.discriminator.named_parameters():
+                layout[f"adam.{name}.exp_avg"] = (tuple(param.shape), param.dtype)
+                layout[f"adam.{name}.exp_avg_sq"] = (tuple(param.shape), param.dtype)
+                layout[f"adam.{name}.step"] = ((), torch.float32)
+        return layout
+
+    def import_state(self, state: dict[str, torch.Tensor]) -> None:
+        weights = {n: state[n] for n in self.discriminator.state_dict()}
+        self.discriminator.load_state_dict(weights)
+        # Adam moments belong to the discriminator they were estimated for.
+        self.optimizer.state.clear()
+        if self.config.swap_optimizer_state:
+            for name, param in self.discriminator.named_parameters():
+                self.optimizer.state[param] = {
+                    "step": state[f"adam.{name}.step"].clone(),
+                    "exp_avg": state[f"adam.{name}.exp_avg"].clone(),
+                    "exp_avg_sq": state[f"adam.{name}.exp_avg_sq"].clone(),
+                }
+
+    def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in self.discriminator.named_parameters():
+            st = self.optimizer.state.get(param, {})
+            out[f"adam.{name}.exp_avg"] = st["exp_avg"].clone() if st else torch.zeros_like(param)
+            out[f"adam.{name}.exp_avg_sq"] = st["exp_avg_sq"].clone() if st else torch.zeros_like(param)
+            out[f"adam.{name}.step"] = st["step"].clone().float().reshape(()) if st else torch.zeros(())
+        return out
+
+
+def derangement(worker_ids: list[str], seed: int, swap_round: int) -> dict[str, str]:
+    """sender -> receiver: a random permutation of worker_ids without fixed points.
+
+    Seeded by (run seed, swap round), so every transport computes the same plan. Each worker
+    sends exactly one discriminator and receives exactly one, from another worker.
+    """
+    if len(worker_ids) < 2:
+        return {}
+    rng = random.Random(derive_seed(seed, "swap", swap_round))
+    targets = list(worker_ids)
+    while True:  # rejection sampling: uniform over derangements, about e tries on average
+        rng.shuffle(targets)
+        if all(s != t for s, t in zip(worker_ids, targets)):
+            return dict(zip(worker_ids, targets))

@@ -1,0 +1,99 @@
+"""Command-line flags with MDGAN_* environment fallbacks, shared by every entry point.
+
+Precedence: a flag given on the command line, then MDGAN_<FLAG> (e.g. MDGAN_BATCH_SIZE for
+--batch-size), then the default. Only entry points build these parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from mdgan.config import (DATASETS, GAN_KINDS, LOSSES, ConfigError, DataConfig, ModelSpec, OptimizerSpec,
+                          TrainingConfig)
+
+ENV_PREFIX = "MDGAN_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(dest: str) -> str:
+    return ENV_PREFIX + dest.upper()
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """argparse, where every option's default may come from its MDGAN_* variable."""
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if not action.option_strings or action.dest == "help":
+            return action
+        name = env_name(action.dest)
+        action.help = f"{action.help or ''} [env {name}]".strip()
+        if name in os.environ:
+            raw = os.environ[name]
+            if action.nargs == 0:  # store_true / store_false
+                lowered = raw.strip().lower()
+                if lowered not in _TRUE | _FALSE:
+                    raise ConfigError(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
+                action.default = (lowered in _TRUE) == isinstance(action, argparse._StoreTrueAction)
+            else:
+                action.default = raw  # argparse applies `type` to string defaults
+        return action
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training (the paper's N, I, b, kappa, L, E)")
+    g.add_argument("--workers", type=int, default=4, help="N: number of workers (one shard each)")
+    g.add_argument("--iterations", type=int, default=1000, help="I: global iterations")
+    g.add_argument("--batch-size", type=int, default=10, help="b: samples per batch")
+    g.add_argument("--kappa", type=int, default=1, help="k: generated batches per iteration (<= N)")
+    g.add_argument("--disc-steps", type=int, default=1, help="L: discriminator steps per iteration")
+    g.add_argument("--swap-epochs", type=float, default=1.0, help="E: local epochs between swaps")
+    g.add_argument("--swap-every", type=int, default=None,
+                   help="swap every this many iterations instead of ceil(E*m/b)")
+    g.add_argument("--swap-optimizer-state", action="store_true",
+                   help="send Adam moments along with a swapped discriminator (default: weights only)")
+    g.add_argument("--seed", type=int, default=0, help="run seed (every role's randomness derives from it)")
+    g.add_argument("--architecture", default="mlp", help="network architecture (see `mdgan models`)")
+    g.add_argument("--gan", choices=GAN_KINDS, default="acgan", help="ACGAN (class conditional) or plain GAN")
+    g.add_argument("--loss", choices=LOSSES, default="non-saturating",
+                   help="generator loss: -log D(G(z)) (default) or log(1 - D(G(z))) as written in the paper")
+    g.add_argument("--gen-lr", type=float, default=2e-4, help="generator Adam learning rate")
+    g.add_argument("--disc-lr", type=float, default=2e-4, help="discriminator Adam learning rate")
+    g.add_argument("--beta1", type=float, default=0.5, help="Adam beta1 (both networks)")
+    g.add_argument("--beta2", type=float, default=0.999, help="Adam beta2 (both networks)")
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", choices=DATASETS, default="mnist", help="mnist, or a small synthetic set")
+    g.add_argument("--data-root", default="data", help="folder holding MNIST/raw (torchvision's layout)")
+    g.add_argument("--split-seed", type=int, default=0, help="seed of the i.i.d. split (the same on every worker)")
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
+    parser.add_argument("--threads", type=int, default=default,
+                        help="torch intra-op threads per process (0: torch's default)")
+
+
+def training_config(args: argparse.Namespace) -> TrainingConfig:
+    return TrainingConfig(
+        workers=args.workers, iterations=args.iterations, batch_size=args.batch_size, kappa=args.kappa,
+        disc_steps=args.disc_steps, swap_epochs=args.swap_epochs, swap_every=args.swap_every,
+        swap_optimizer_state=args.swap_optimizer_state, seed=args.seed,
+        model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss),
+        generator_optimizer=OptimizerSpec(args.gen_lr, args.beta1, args.beta2),
+        discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),
+    ).validate()
+
+
+def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
+    return DataConfig(args.dataset, args.data_root, num_shards, args.split_seed).validate()
+
+
+def apply_threads(threads: int) -> None:
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)

@@ -1,0 +1,211 @@
+"""Every conversion between torch tensors and the wire lives here.
+
+Tensors travel as {shape, dtype, raw little-endian bytes}. Decoding never unpickles and checks
+everything a peer could get wrong: dtype, shape, byte count, size bound, finiteness.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import Iterable, Iterator
+
+import torch
+
+from services.common.proto import peer_pb2, tensor_pb2
+
+if sys.byteorder != "little":  # raw bytes are little-endian on the wire
+    raise ImportError("mdgan's wire codec supports little-endian hosts only")
+
+CHUNK_BYTES = 1 << 20  # discriminator states stream in chunks of at most 1 MiB
+
+_TO_WIRE = {
+    torch.float32: tensor_pb2.DTYPE_FLOAT32,
+    torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+    torch.float64: tensor_pb2.DTYPE_FLOAT64,
+    torch.int64: tensor_pb2.DTYPE_INT64,
+    torch.int32: tensor_pb2.DTYPE_INT32,
+    torch.uint8: tensor_pb2.DTYPE_UINT8,
+}
+_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+
+class InvalidTensor(ValueError):
+    """Input that fails validation. `reason` is short and stable (a metric label)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def encode_tensor(t: torch.Tensor) -> tensor_pb2.Tensor:
+    if t.dtype not in _TO_WIRE:
+        raise TypeError(f"dtype {t.dtype} cannot travel")
+    return tensor_pb2.Tensor(shape=list(t.shape), dtype=_TO_WIRE[t.dtype], data=_raw_bytes(t))
+
+
+def _frombuffer(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    if len(data) == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():  # read-only protobuf bytes: we never write into the view
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
+
+
+def decode_tensor(msg: tensor_pb2.Tensor, *, shape: tuple[int, ...] | None = None,
+                  dtype: torch.dtype | None = None, max_bytes: int | None = None,
+                  finite: bool = True, field: str = "tensor") -> torch.Tensor:
+    """Decode and validate. Raises InvalidTensor with reason dtype|shape|size|nonfinite."""
+    if msg.dtype not in _FROM_WIRE:
+        raise InvalidTensor("dtype", f"{field}: unknown dtype {msg.dtype}")
+    got_dtype = _FROM_WIRE[msg.dtype]
+    if dtype is not None and got_dtype != dtype:
+        raise InvalidTensor("dtype", f"{field}: expected {dtype}, got {got_dtype}")
+    got_shape = tuple(msg.shape)
+    if any(s < 0 for s in got_shape):
+        raise InvalidTensor("shape", f"{field}: negative dimension in {got_shape}")
+    if shape is not None and got_shape != tuple(shape):
+        raise InvalidTensor("shape", f"{field}: expected shape {tuple(shape)}, got {got_shape}")
+    element = torch.empty((), dtype=got_dtype).element_size()
+    expected_bytes = math.prod(got_shape) * element
+    if max_bytes is not None and max(expected_bytes, len(msg.data)) > max_bytes:
+        raise InvalidTensor("size", f"{field}: {max(expected_bytes, len(msg.data))} bytes exceed the bound {max_bytes}")
+    if len(msg.data) != expected_bytes:
+        raise InvalidTensor("size", f"{field}: shape {got_shape} needs {expected_bytes} bytes, got {len(msg.data)}")
+    t = _frombuffer(msg.data, got_dtype).view(got_shape)
+    if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise InvalidTensor("nonfinite", f"{field}: contains NaN or Inf")
+    return t
+
+
+def decode_labels(msg: tensor_pb2.Tensor, count: int, num_classes: int, field: str) -> torch.Tensor:
+    labels = decode_tensor(msg, shape=(count,), dtype=torch.int64, field=field)
+    if count and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise InvalidTensor("range", f"{field}: labels outside [0, {num_classes})")
+    return labels
+
+
+# ---------------------------------------------------------------------------------------------
+# discriminator states: a header of tensor specs, then the concatenated raw bytes in chunks
+
+
+def state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: str,
+                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[peer_pb2.DiscriminatorChunk]:
+    specs, blobs = [], []
+    for name, t in state.items():
+        specs.append(tensor_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=_TO_WIRE[t.dtype]))
+        blobs.append(_raw_bytes(t))
+    total = sum(len(b) for b in blobs)
+    yield peer_pb2.DiscriminatorChunk(header=peer_pb2.DiscriminatorHeader(
+        round=swap_round, sender_worker=sender, tensors=specs, total_bytes=total))
+    payload = memoryview(b"".join(blobs))
+    for start in range(0, total, chunk_bytes):
+        yield peer_pb2.DiscriminatorChunk(data=bytes(payload[start:start + chunk_bytes]))
+
+
+class StateAssembler:
+    """Receives a streamed discriminator state, checked against the layout the receiver expects.
+
+    The header is validated before any byte is buffered, so a peer cannot make us allocate more
+    than our own discriminator's size.
+    """
+
+    def __init__(self, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.layout = layout
+        self.header: peer_pb2.DiscriminatorHeader | None = None
+        self._buffer: bytearray | None = None
+        self._filled = 0
+
+    def expected_bytes(self) -> int:
+        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.layout.values())
+
+    def accept_header(self, header: peer_pb2.DiscriminatorHeader) -> None:
+        if self.header is not None:
+            raise InvalidTensor("protocol", "second header in one stream")
+        names = [s.name for s in header.tensors]
+        if sorted(names) != sorted(self.layout) or len(set(names)) != len(names):
+            raise InvalidTensor("layout", f"state tensors {sorted(names)} do not match {sorted(self.layout)}")
+        for spec in header.tensors:
+            shape, dtype = self.layout[spec.name]
+            if tuple(spec.shape) != shape or _FROM_WIRE.get(spec.dtype) != dtype:
+                raise InvalidTensor("shape", f"{spec.name}: expected {shape} {dtype}, got {tuple(spec.shape)} "
+                                             f"{_FROM_WIRE.get(spec.dtype)}")
+        if header.total_bytes != self.expected_bytes():
+            raise InvalidTensor("size", f"state announces {header.total_bytes} bytes, expected {self.expected_bytes()}")
+        self.header = header
+        self._buffer = bytearray(header.total_bytes)
+
+    def accept_data(self, data: bytes) -> None:
+        if self.header is None or self._buffer is None:
+            raise InvalidTensor("protocol", "data before header")
+        if len(data) > CHUNK_BYTES:
+            raise InvalidTensor("size", f"chunk of {len(data)} bytes exceeds {CHUNK_BYTES}")
+        end = self._filled + len(data)
+        if end > len(self._buffer):
+            raise InvalidTensor("size", "more bytes than the header announced")
+        self._buffer[self._filled:end] = data
+        self._filled = end
+
+    def accept(self, chunk: peer_pb2.DiscriminatorChunk) -> None:
+        kind = chunk.WhichOneof("body")
+        if kind == "header":
+            self.accept_header(chunk.header)
+        elif kind == "data":
+            self.accept_data(chunk.data)
+        else:
+            raise InvalidTensor("protocol", "empty chunk")
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if self.header is None or self._buffer is None:
+            raise InvalidTensor("protocol", "stream ended before a header")
+        if self._filled != len(self._buffer):
+            raise InvalidTensor("size", f"stream ended after {self._filled} of {len(self._buffer)} bytes")
+        state, offset = {}, 0
+        for spec in self.header.tensors:
+            shape, dtype = self.layout[spec.name]
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            t = torch.frombuffer(self._buffer, dtype=dtype, count=math.prod(shape), offset=offset).view(shape) \
+                if size else torch.empty(shape, dtype=dtype)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise InvalidTensor("nonfinite", f"{spec.name}: contains NaN or Inf")
+            state[spec.name] = t
+            offset += size
+        return state
+
+
+def payload_bytes(tensors: Iterable[tensor_pb2.Tensor]) -> int:
+    return sum(len(t.data) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# run configuration <-> TrainingSpec (what a worker learns when it joins)
+
+
+def spec_from_config(config) -> "coordinator_pb2.TrainingSpec":
+    from services.common.proto import coordinator_pb2
+
+    m, opt = config.model, config.discriminator_optimizer
+    return coordinator_pb2.TrainingSpec(
+        architecture=m.architecture, gan=m.gan, loss=m.loss, latent_dim=m.latent_dim, num_classes=m.num_classes,
+        sample_shape=list(m.sample_shape), batch_size=config.batch_size, disc_steps=config.disc_steps,
+        disc_lr=opt.lr, disc_beta1=opt.beta1, disc_beta2=opt.beta2, seed=config.seed,
+        swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers)
+
+
+def config_from_spec(spec) -> "TrainingConfig":
+    """The worker's view of the run; raises mdgan.config.ConfigError on nonsense."""
+    from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
+
+    model = ModelSpec(architecture=spec.architecture, gan=spec.gan, loss=spec.loss, latent_dim=spec.latent_dim,
+                      num_classes=spec.num_classes, sample_shape=tuple(spec.sample_shape))
+    return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa,
+                          disc_steps=spec.disc_steps, seed=spec.seed, swap_optimizer_state=spec.swap_optimizer_state,
+                          model=model,
+                          discriminator_optimizer=OptimizerSpec(spec.disc_lr, spec.disc_beta1, spec.disc_beta2)).validate()

@@ -1,0 +1,113 @@
+"""mdgan-server: holds the generator, waits for the workers, trains, writes the run directory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import grpc
+
+from mdgan.config import ConfigError
+from mdgan.cluster import Trainer
+from mdgan.mdgan import GeneratorSide
+from mdgan.run import RunRecorder, write_outputs
+from mdgan.settings import EnvArgumentParser, add_threads_argument, add_training_arguments, apply_threads, training_config
+from services.common import rpc
+from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
+from services.server.servicer import Coordinator
+
+log = logging.getLogger("mdgan.server")
+SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(prog="mdgan-server", description=__doc__)
+    parser.add_argument("--listen", default="0.0.0.0:50051", help="host:port to serve the Coordinator on (port 0: any)")
+    parser.add_argument("--out", default="runs/server", help="run directory (summary, history, samples, checkpoint)")
+    parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    parser.add_argument("--join-timeout", type=float, default=600.0, help="seconds to wait for all workers to join")
+    parser.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
+    parser.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
+    parser.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
+    parser.add_argument("--liveness-timeout", type=float, default=None,
+                        help="drop a worker silent this long (s; default: step timeout + 3 heartbeats)")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_threads_argument(parser, default=0)
+    add_training_arguments(parser)
+    return parser
+
+
+async def serve(args) -> dict:
+    config = training_config(args)
+    liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
+    coordinator = Coordinator(config, heartbeat_interval=args.heartbeat_interval, swap_timeout=args.swap_timeout,
+                              liveness_timeout=liveness)
+    server = grpc.aio.server(options=rpc.options())
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    health = rpc.add_health_and_reflection(server, [SERVICE])
+    port = server.add_insecure_port(args.listen)
+    await server.start()
+    await rpc.set_serving(health, [SERVICE], True)
+    log.info("serving %s on port %d; waiting for %d workers", SERVICE, port, config.workers)
+    if args.port_file:
+        with open(args.port_file + ".tmp", "w") as fh:
+            fh.write(str(port))
+        os.replace(args.port_file + ".tmp", args.port_file)
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        generator = GeneratorSide(config)
+        workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
+        recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server")
+        trainer = Trainer(config, generator, workers, step_timeout=args.step_timeout,
+                          swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=recorder)
+        try:
+            result = await _until(trainer.run(), stopping)
+        finally:
+            wall = recorder.close()
+        summary = write_outputs(args.out, config, generator, result, wall, "grpc", {
+            "message_bytes": dict(coordinator.wire.message_bytes),
+            "messages": dict(coordinator.wire.messages),
+        })
+        log.info("done: %d iterations, %d/%d workers alive, generator %s", result.iterations, result.workers_alive,
+                 result.workers, summary["generator_sha256"][:16])
+        return summary
+    finally:
+        await rpc.set_serving(health, [SERVICE], False)
+        await server.stop(grace=5)
+
+
+async def _until(work, stopping: asyncio.Event):
+    """Run `work`, or give up when a termination signal arrives."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(stopping.wait())
+    done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        stop.cancel()
+        return task.result()
+    task.cancel()
+    raise SystemExit("terminated by signal")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    apply_threads(args.threads)
+    try:
+        rpc.run(serve(args))
+    except (ConfigError, TimeoutError) as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The Coordinator service: admits workers and exposes each one to the Trainer as a WorkerHandle.
+
+A GrpcWorker is the server's proxy of one worker's stream (Flower's ClientProxy idea): the
+training loop calls step()/swap()/stop() on it exactly as on an in-process worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from mdgan.cluster import InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
+from mdgan.config import TrainingConfig
+from mdgan.mdgan import StepResult, WorkerBatch
+from services.common import codec
+from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import coordinator_pb2_grpc
+
+log = logging.getLogger("mdgan.server")
+
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]  # 3, the google.rpc.Code value
+DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
+
+
+class WireCounter:
+    """Serialized message bytes by direction: measured at the server, and as workers report their swaps."""
+
+    def __init__(self) -> None:
+        self.message_bytes = dict.fromkeys(DIRECTIONS, 0)
+        self.messages = dict.fromkeys(DIRECTIONS, 0)
+
+    def count(self, direction: str, message) -> None:
+        self.message_bytes[direction] += message.ByteSize()
+        self.messages[direction] += 1
+
+
+class GrpcWorker(WorkerHandle):
+    def __init__(self, worker_id: str, join: pb.Join, context: grpc.aio.ServicerContext,
+                 config: TrainingConfig, wire: WireCounter, liveness_timeout: float):
+        self.worker_id = worker_id
+        self.shard_index = join.shard_index
+        self.shard_size = join.shard_size
+        self.peer_address = join.peer_address
+        self.context = context
+        self.config = config
+        self.wire = wire
+        self.liveness_timeout = liveness_timeout
+        self.closed = asyncio.Event()
+        self.lost_reason: str | None = None
+        self._write_lock = asyncio.Lock()
+        self._steps: dict[int, asyncio.Future] = {}
+        self._swaps: dict[int, asyncio.Future] = {}
+        self.address_book: dict[str, str] = {}  # worker id -> peer address, filled by the Coordinator
+        self.last_write = time.monotonic()
+
+    # -- sending -----------------------------------------------------------------------------
+    async def send(self, message: pb.ServerMessage) -> None:
+        if self.closed.is_set():
+            raise WorkerLost(f"{self.worker_id}: stream closed ({self.lost_reason or 'stopped'})")
+        try:
+            async with self._write_lock:
+                await self.context.write(message)
+                self.last_write = time.monotonic()
+        except Exception as exc:  # the stream broke under us: the worker is gone
+            self.lose(f"write failed: {exc!r}")
+            raise WorkerLost(f"{self.worker_id}: {exc!r}") from exc
+        self.wire.count("server_to_worker", message)
+
+    async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        message = pb.ServerMessage(batches=pb.Batches(
+            iteration=iteration,
+            generated=codec.encode_tensor(batch.generated),
+            discriminated=codec.encode_tensor(batch.discriminated),
+            generated_labels=None if batch.generated_labels is None else codec.encode_tensor(batch.generated_labels),
+            discriminated_labels=None if batch.discriminated_labels is None
+            else codec.encode_tensor(batch.discriminated_labels)))
+        future = asyncio.get_running_loop().create_future()
+        self._steps[iteration] = future
+        try:
+            await self.send(message)
+            return await future
+        finally:
+            self._steps.pop(iteration, None)
+
+    async def swap(self, order: SwapOrder) -> SwapReport:
+        future = asyncio.get_running_loop().create_future()
+        self._swaps[order.swap_round] = future
+        try:
+            await self.send(pb.ServerMessage(swap_order=pb.SwapOrder(
+                round=order.swap_round, send_to_worker=order.send_to,
+                send_to_address=self.address_book.get(order.send_to, ""), receive_from_worker=order.receive_from)))
+            return await future
+        finally:
+            self._swaps.pop(order.swap_round, None)
+
+    async def stop(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            await self.send(pb.ServerMessage(stop=pb.Stop(reason=reason)))
+        finally:
+            self.closed.set()
+
+    def lose(self, reason: str) -> None:
+        """The stream is gone: every pending answer fails with WorkerLost."""
+        if self.lost_reason is None and not self.closed.is_set():
+            self.lost_reason = reason
+            log.warning("%s lost: %s", self.worker_id, reason)
+        for future in [*self._steps.values(), *self._swaps.values()]:
+            if not future.done():
+                future.set_exception(WorkerLost(f"{self.worker_id}: {reason}"))
+        self.closed.set()
+
+    # -- receiving ---------------------------------------------------------------------------
+    async def read_loop(self) -> None:
+        while not self.closed.is_set():
+            try:
+                message = await asyncio.wait_for(self.context.read(), self.liveness_timeout)
+            except asyncio.TimeoutError:
+                self.lose(f"silent for {self.liveness_timeout:.0f} s")
+                return
+            except Exception as exc:
+                self.lose(f"read failed: {exc!r}")
+                return
+            if message is grpc.aio.EOF:
+                self.lose("stream closed by the worker")
+                return
+            self.wire.count("worker_to_server", message)
+            kind = message.WhichOneof("body")
+            if kind == "feedback":
+                await self._on_feedback(message.feedback)
+            elif kind == "swap_report":
+                self._on_swap_report(message.swap_report)
+            elif kind == "heartbeat":
+                continue
+            else:
+                await self._reject(0, "protocol", f"unexpected {kind!r} message after join")
+
+    async def _reject(self, iteration: int, reason: str, detail: str) -> None:
+        log.warning("%s: rejected input at iteration %d: %s", self.worker_id, iteration, detail)
+        try:
+            await self.send(pb.ServerMessage(rejection=pb.Rejection(
+                iteration=iteration, code=INVALID_ARGUMENT, reason=reason, message=detail)))
+        except WorkerLost:
+            pass
+
+    async def _on_feedback(self, feedback: pb.Feedback) -> None:
+        future = self._steps.get(feedback.iteration)
+        if future is None or future.done():
+            await self._reject(feedback.iteration, "iteration", f"no batch pending for iteration {feedback.iteration}")
+            return
+        shape = (self.config.batch_size, *self.config.model.sample_shape)
+        try:
+            if not feedback.HasField("gradient"):
+                raise codec.InvalidTensor("missing", "feedback without gradient")
+            gradient = codec.decode_tensor(feedback.gradient, shape=shape, dtype=torch.float32,
+                                           max_bytes=4 * torch.Size(shape).numel(), field="gradient")
+        except codec.InvalidTensor as exc:
+            await self._reject(feedback.iteration, exc.reason, str(exc))
+            future.set_exception(InputRejected(exc.reason, str(exc)))
+            return
+        s = feedback.stats
+        future.set_result(StepResult(gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy))
+
+    def _on_swap_report(self, report: pb.SwapReport) -> None:
+        future = self._swaps.get(report.round)
+        if future is not None and not future.done():
+            self.wire.message_bytes["worker_to_worker"] += report.sent_message_bytes
+            future.set_result(SwapReport(report.round, report.sent, report.received, report.sent_payload_bytes,
+                                         report.error))
+
+
+class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    """Admits up to `config.workers` workers, one per shard, until the run starts."""
+
+    def __init__(self, config: TrainingConfig, *, heartbeat_interval: float = 5.0, swap_timeout: float = 60.0,
+                 liveness_timeout: float = 60.0, join_read_timeout: float = 30.0):
+        self.config = config
+        self.heartbeat_interval = heartbeat_interval
+        self.swap_timeout = swap_timeout
+        self.liveness_timeout = liveness_timeout
+        self.join_read_timeout = join_read_timeout
+        self.wire = WireCounter()
+        self.workers: dict[int, GrpcWorker] = {}  # shard index -> handle
+        self.started = False
+        self._changed = asyncio.Event()
+
+    async def wait_for_workers(self, timeout: float) -> list[GrpcWorker]:
+        """Block until every shard has a live worker; then no one else is admitted."""
+        deadline = time.monotonic() + timeout
+        while len(self._live()) < self.config.workers:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        self.started = True
+        handles = sorted(self._live(), key=lambda w: w.shard_index)
+        book = {w.worker_id: w.peer_address for w in handles}
+        for w in handles:
+            w.address_book = book
+        return handles
+
+    def _live(self) -> list[GrpcWorker]:
+        return [w for w in self.workers.values() if not w.closed.is_set()]
+
+    def _check_join(self, join: pb.Join) -> tuple[grpc.StatusCode, str] | None:
+        cfg = self.config
+        if self.started:
+            return grpc.StatusCode.FAILED_PRECONDITION, "the run has started; it takes no new workers"
+        if join.shard_index >= cfg.workers:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"shard index {join.shard_index} >= workers {cfg.workers}"
+        existing = self.workers.get(join.shard_index)
+        if existing is not None and not existing.closed.is_set():
+            return grpc.StatusCode.ALREADY_EXISTS, f"shard {join.shard_index} already has a worker"
+        if tuple(join.sample_shape) != tuple(cfg.model.sample_shape) or join.num_classes != cfg.model.num_classes:
+            return grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data of shape {tuple(join.sample_shape)} with {join.num_classes} classes does not fit the model "
+                f"({tuple(cfg.model.sample_shape)}, {cfg.model.num_classes} classes)")
+        if join.shard_size < cfg.batch_size:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"shard of {join.shard_size} samples < batch size {cfg.batch_size}"
+        if cfg.workers > 1 and not join.peer_address:
+            return grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap"
+        return None
+
+    async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        try:
+            first = await asyncio.wait_for(context.read(), self.join_read_timeout)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no join message in time")
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "join":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a join")
+        self.wire.count("worker_to_server", first)
+        join = first.join
+        problem = self._check_join(join)
+        if problem is not None:
+            log.warning("join refused (shard %d, %s): %s", join.shard_index, context.peer(), problem[1])
+            await context.abort(*problem)
+        worker = GrpcWorker(f"worker-{join.shard_index}", join, context, self.config, self.wire, self.liveness_timeout)
+        self.workers[join.shard_index] = worker
+        self._changed.set()
+        log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), join.shard_size,
+                 join.peer_address)
+        await worker.send(pb.ServerMessage(welcome=pb.Welcome(
+            worker_id=worker.worker_id, spec=codec.spec_from_config(self.config),
+            heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000))))
+        reader = asyncio.create_task(worker.read_loop())
+        beats = asyncio.create_task(self._heartbeats(worker))
+        try:
+            await worker.closed.wait()
+        finally:  # also on cancellation, when the worker's connection drops
+            worker.lose("stream ended")
+            self._changed.set()
+            reader.cancel()
+            beats.cancel()
+
+    async def _heartbeats(self, worker: GrpcWorker) -> None:
+        # Only when idle: a busy stream already tells the worker the server is alive.
+        while not worker.closed.is_set():
+            await asyncio.sleep(self.heartbeat_interval)
+            if time.monotonic() - worker.last_write >= self.heartbeat_interval:
+                try:
+                    await worker.send(pb.ServerMessage(heartbeat=pb.Heartbeat(unix_ms=int(time.time() * 1000))))
+                except WorkerLost:
+                    return

@@ -1,0 +1,107 @@
+"""mdgan-worker: loads its data shard, serves the Peer service, joins the server and trains."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import socket
+import sys
+
+import grpc
+
+from mdgan.config import ConfigError
+from mdgan.data import load_shard
+from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
+from services.common import rpc
+from services.common.proto import peer_pb2_grpc
+from services.worker.node import PEER_SERVICE, PeerServicer, ServerGone, WorkerNode
+
+log = logging.getLogger("mdgan.worker")
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(prog="mdgan-worker", description=__doc__)
+    parser.add_argument("--server", default="localhost:50051", help="host:port of the mdgan server")
+    parser.add_argument("--listen", default="0.0.0.0:50052", help="host:port to serve the Peer service on (port 0: any)")
+    parser.add_argument("--advertise-address", default=None,
+                        help="HOST or HOST:PORT peers use to reach this worker (default: this host's name; the port "
+                             "defaults to the bound one)")
+    parser.add_argument("--shard-index", default="auto",
+                        help="which shard of the data this worker holds; 'auto' takes the trailing number of the "
+                             "host name (a StatefulSet pod's ordinal)")
+    parser.add_argument("--num-shards", type=int, default=1, help="number of shards the data is split into (N)")
+    parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
+    parser.add_argument("--server-timeout", type=float, default=120.0,
+                        help="leave when the server is silent this long (s)")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_threads_argument(parser, default=0)
+    add_data_arguments(parser)
+    return parser
+
+
+def resolve_shard_index(value: str) -> int:
+    if value != "auto":
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"--shard-index must be a number or 'auto', got {value!r}") from None
+    match = re.search(r"-(\d+)$", socket.gethostname())
+    if not match:
+        raise ConfigError(f"--shard-index auto: host name {socket.gethostname()!r} does not end in -<number>")
+    return int(match.group(1))
+
+
+def advertise_address(value: str | None, bound_port: int) -> str:
+    host = value or socket.gethostname()
+    return host if re.search(r":\d+$", host) else f"{host}:{bound_port}"
+
+
+async def serve(args) -> str:
+    data = data_config(args, args.num_shards)
+    shard = load_shard(data, resolve_shard_index(args.shard_index))
+    log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
+
+    server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
+    node = WorkerNode(shard, args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout)
+    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
+    health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
+    port = server.add_insecure_port(args.listen)
+    await server.start()
+    await rpc.set_serving(health, [PEER_SERVICE], True)
+    node.advertise_address = advertise_address(args.advertise_address, port)
+    log.info("serving %s on port %d, advertised as %s", PEER_SERVICE, port, node.advertise_address)
+
+    loop = asyncio.get_running_loop()
+    run = asyncio.ensure_future(node.run())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, run.cancel)
+    try:
+        return await run
+    finally:
+        await rpc.set_serving(health, [PEER_SERVICE], False)
+        await server.stop(grace=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    apply_threads(args.threads)
+    try:
+        reason = rpc.run(serve(args))
+    except (ConfigError, ServerGone) as exc:
+        log.error("%s", exc)
+        return 2
+    except grpc.aio.AioRpcError as exc:
+        log.error("the server refused us: %s %s", exc.code().name, exc.details())
+        return 2
+    except asyncio.CancelledError:
+        log.info("terminated by signal")
+        return 0
+    log.info("finished: %s", reason)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""A worker: holds a data shard and a discriminator, talks to the server over one stream and to
+its peers over the Peer service for the discriminator swap."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from mdgan.data import Shard
+from mdgan.mdgan import DiscriminatorSide, WorkerBatch
+from services.common import codec, rpc
+from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("mdgan.worker")
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
+
+
+class ServerGone(Exception):
+    """The server stopped answering or closed the stream without a stop message."""
+
+
+class SwapMailbox:
+    """Discriminators pushed by peers, kept until this worker's own swap order asks for them.
+
+    A peer may push before our order arrives, so states are buffered by round; only rounds after
+    the last completed one are taken, one state per round, so a peer cannot pile up memory.
+    """
+
+    def __init__(self) -> None:
+        self.completed_round = 0
+        self._boxes: dict[int, asyncio.Future] = {}
+
+    def _box(self, swap_round: int) -> asyncio.Future:
+        return self._boxes.setdefault(swap_round, asyncio.get_running_loop().create_future())
+
+    def check(self, swap_round: int) -> tuple[grpc.StatusCode, str] | None:
+        if swap_round <= self.completed_round or swap_round > self.completed_round + 2:
+            return grpc.StatusCode.FAILED_PRECONDITION, f"round {swap_round} is not expected (last {self.completed_round})"
+        if self._box(swap_round).done():
+            return grpc.StatusCode.ALREADY_EXISTS, f"a discriminator for round {swap_round} already arrived"
+        return None
+
+    def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor]) -> None:
+        box = self._box(swap_round)
+        if not box.done():
+            box.set_result((sender, state))
+
+    async def collect(self, swap_round: int, timeout: float):
+        try:
+            return await asyncio.wait_for(self._box(swap_round), timeout)
+        finally:
+            self.completed_round = max(self.completed_round, swap_round)
+            for r in [r for r in self._boxes if r <= self.completed_round]:
+                del self._boxes[r]
+
+
+class PeerServicer(peer_pb2_grpc.PeerServicer):
+    def __init__(self, node: "WorkerNode"):
+        self.node = node
+
+    async def PushDiscriminator(self, request_iterator, context: grpc.aio.ServicerContext) -> peer_pb2.PushAck:
+        side = self.node.side
+        if side is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has not joined a run yet")
+        assembler = codec.StateAssembler(side.state_layout())
+        try:
+            async for chunk in request_iterator:
+                if assembler.header is None:
+                    if chunk.WhichOneof("body") != "header":
+                        raise codec.InvalidTensor("protocol", "the first chunk must be the header")
+                    problem = self.node.mailbox.check(chunk.header.round)
+                    if problem is not None:
+                        await context.abort(*problem)
+                assembler.accept(chunk)
+            state = assembler.finish()
+        except codec.InvalidTensor as exc:
+            log.warning("rejected a discriminator from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.node.mailbox.deliver(assembler.header.round, assembler.header.sender_worker, state)
+        return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)
+
+
+class WorkerNode:
+    def __init__(self, shard: Shard, server_address: str, advertise_address: str, *, connect_timeout: float = 300.0,
+                 server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0):
+        self.shard = shard
+        self.server_address = server_address
+        self.advertise_address = advertise_address
+        self.connect_timeout = connect_timeout
+        self.server_timeout = server_timeout
+        self.run_deadline = run_deadline
+        self.side: DiscriminatorSide | None = None
+        self.worker_id = ""
+        self.mailbox = SwapMailbox()
+        self._write_lock = asyncio.Lock()
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self.swap_timeout = 60.0
+        self.iterations = 0
+
+    async def _write(self, call, message: pb.WorkerMessage) -> None:
+        async with self._write_lock:
+            await call.write(message)
+
+    async def _read(self, call):
+        try:
+            message = await asyncio.wait_for(call.read(), self.server_timeout)
+        except asyncio.TimeoutError:
+            raise ServerGone(f"no word from the server for {self.server_timeout:.0f} s") from None
+        if message is grpc.aio.EOF:
+            code = await call.code()
+            raise ServerGone(f"the server closed the stream: {code.name} {await call.details()}")
+        return message
+
+    def _join_message(self) -> pb.WorkerMessage:
+        return pb.WorkerMessage(join=pb.Join(
+            shard_index=self.shard.index, shard_size=len(self.shard), peer_address=self.advertise_address,
+            sample_shape=list(self.shard.images.shape[1:]), num_classes=int(self.shard.labels.max()) + 1))
+
+    async def run(self) -> str:
+        """Join, train until told to stop; returns the stop reason."""
+        async with grpc.aio.insecure_channel(self.server_address, options=rpc.options()) as channel:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self.connect_timeout)
+            except asyncio.TimeoutError:
+                raise ServerGone(f"could not reach the server at {self.server_address} "
+                                 f"within {self.connect_timeout:.0f} s") from None
+            call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=self.run_deadline)
+            await self._write(call, self._join_message())
+            welcome = await self._read(call)
+            if welcome.WhichOneof("body") != "welcome":
+                raise ServerGone(f"expected a welcome, got {welcome.WhichOneof('body')}")
+            self._on_welcome(welcome.welcome)
+            beats = asyncio.create_task(self._heartbeats(call, welcome.welcome.heartbeat_interval_ms / 1000))
+            try:
+                return await self._serve(call)
+            finally:
+                beats.cancel()
+                await self._close_peers()
+
+    def _on_welcome(self, welcome: pb.Welcome) -> None:
+        config = codec.config_from_spec(welcome.spec)
+        self.worker_id = welcome.worker_id
+        self.swap_timeout = welcome.swap_timeout_ms / 1000 or self.swap_timeout
+        self.side = DiscriminatorSide(config, self.shard)
+        log.info("joined as %s: %s, b=%d, L=%d", self.worker_id, config.model.architecture, config.batch_size,
+                 config.disc_steps)
+
+    async def _serve(self, call) -> str:
+        while True:
+            message = await self._read(call)
+            kind = message.WhichOneof("body")
+            if kind == "batches":
+                await self._on_batches(call, message.batches)
+            elif kind == "swap_order":
+                report = await self._swap(message.swap_order)
+                await self._write(call, pb.WorkerMessage(swap_report=report))
+            elif kind == "rejection":
+                r = message.rejection
+                log.error("the server rejected our input at iteration %d: %s (%s)", r.iteration, r.message, r.reason)
+            elif kind == "stop":
+                log.info("stopped by the server: %s", message.stop.reason)
+                await call.done_writing()
+                return message.stop.reason
+
+    async def _on_batches(self, call, batches: pb.Batches) -> None:
+        config = self.side.config
+        shape = (config.batch_size, *config.model.sample_shape)
+        classes, conditional = config.model.num_classes, config.model.conditional
+        try:  # the server's input is checked like anyone's
+            batch = WorkerBatch(
+                generated=codec.decode_tensor(batches.generated, shape=shape, dtype=torch.float32, field="generated"),
+                generated_labels=codec.decode_labels(batches.generated_labels, shape[0], classes, "generated_labels")
+                if conditional else None,
+                discriminated=codec.decode_tensor(batches.discriminated, shape=shape, dtype=torch.float32,
+                                                  field="discriminated"),
+                discriminated_labels=codec.decode_labels(batches.discriminated_labels, shape[0], classes,
+                                                         "discriminated_labels") if conditional else None,
+                generated_index=0)
+        except codec.InvalidTensor as exc:
+            raise ServerGone(f"the server sent an invalid batch: {exc}") from exc
+        # Torch releases the GIL: the event loop keeps serving peers and heartbeats meanwhile.
+        result = await asyncio.to_thread(self.side.step, batch)
+        self.iterations += 1
+        await self._write(call, pb.WorkerMessage(feedback=pb.Feedback(
+            iteration=batches.iteration, gradient=codec.encode_tensor(result.feedback),
+            stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
+                               real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy))))
+
+    async def _swap(self, order: pb.SwapOrder) -> pb.SwapReport:
+        state = self.side.export_state()  # snapshot before anything arrives in our place
+        sent, sent_payload, sent_messages, errors = False, 0, 0, []
+        try:
+            sent_payload, sent_messages = await self._push(order, state)
+            sent = True
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
+            errors.append(f"push to {order.send_to_worker} failed: {detail}")
+        received = False
+        try:
+            sender, incoming = await self.mailbox.collect(order.round, self.swap_timeout)
+            if sender == order.receive_from_worker:
+                self.side.import_state(incoming)
+                received = True
+            else:
+                errors.append(f"expected a discriminator from {order.receive_from_worker}, got {sender}")
+        except asyncio.TimeoutError:
+            errors.append(f"no discriminator from {order.receive_from_worker} within {self.swap_timeout:.0f} s")
+        for e in errors:
+            log.warning("swap %d: %s", order.round, e)
+        return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=sent_payload,
+                             sent_message_bytes=sent_messages, error="; ".join(errors))
+
+    async def _push(self, order: pb.SwapOrder, state: dict[str, torch.Tensor]) -> tuple[int, int]:
+        address = order.send_to_address
+        channel = self._peer_channels.get(address)
+        if channel is None:
+            channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=rpc.options())
+        chunks = list(codec.state_chunks(state, order.round, self.worker_id))
+        payload = sum(len(c.data) for c in chunks)
+        await peer_pb2_grpc.PeerStub(channel).PushDiscriminator(iter(chunks), timeout=self.swap_timeout)
+        return payload, sum(c.ByteSize() for c in chunks)
+
+    async def _close_peers(self) -> None:
+        for channel in self._peer_channels.values():
+            await channel.close()
+
+    async def _heartbeats(self, call, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval or 5.0)
+            try:
+                await self._write(call, pb.WorkerMessage(heartbeat=pb.Heartbeat(unix_ms=int(time.time() * 1000))))
+            except Exception:  # the stream is closing; the main loop reports why
+                return
