@@ -186,7 +186,8 @@ class Trainer:
 
     def __init__(self, config: TrainingConfig, generator: GeneratorSide, workers: list[WorkerHandle], *,
                  step_timeout: float | None = None, swap_timeout: float | None = None,
-                 on_iteration: Callable[[IterationRecord], None] | None = None):
+                 on_iteration: Callable[[IterationRecord], None] | None = None,
+                 on_swap: Callable[[dict], None] | None = None):
         self.config = config
         self.generator = generator
         self.workers = sorted(workers, key=lambda w: w.shard_index)
@@ -194,6 +195,7 @@ class Trainer:
         self.step_timeout = step_timeout
         self.swap_timeout = swap_timeout
         self.on_iteration = on_iteration
+        self.on_swap = on_swap
         self.traffic = Traffic()
         self.swaps = 0
         self.rejections = 0
@@ -249,6 +251,7 @@ class Trainer:
             swap_round=swap_round, seconds=time.perf_counter() - started)
 
     async def swap(self, t: int) -> int:
+        """One swap round over the active workers, along a random derangement."""
         swap_round = self.swaps + 1
         participants = list(self.active)
         plan = derangement([w.worker_id for w in participants], self.config.seed, swap_round)
@@ -256,17 +259,24 @@ class Trainer:
         orders = [SwapOrder(swap_round, plan[w.worker_id], receive_from[w.worker_id]) for w in participants]
         reports = await asyncio.gather(*(self._guard(w.swap(o), self.swap_timeout) for w, o in zip(participants, orders)),
                                        return_exceptions=True)
+        outcome = {}
         for worker, report in zip(participants, reports):
             if isinstance(report, SwapReport):
                 self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
+                outcome[worker.worker_id] = {"sent": report.sent, "received": report.received,
+                                             "sent_bytes": report.sent_bytes, "error": report.error}
                 if not (report.sent and report.received):
                     log.warning("swap %d: %s sent=%s received=%s %s", swap_round, worker.worker_id,
                                 report.sent, report.received, report.error)
             elif isinstance(report, (WorkerLost, asyncio.TimeoutError)):
+                outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0,
+                                             "error": str(report) or "missed its swap deadline"}
                 await self._drop(worker, str(report) or "missed its swap deadline")
             else:
                 raise report
         self.swaps = swap_round
+        if self.on_swap is not None:
+            self.on_swap({"round": swap_round, "iteration": t, "plan": plan, "workers": outcome})
         return swap_round
 
     async def run(self) -> RunResult:

@@ -66,22 +66,33 @@ def iid_shard_indices(size: int, num_shards: int, seed: int) -> list[torch.Tenso
     return list(torch.tensor_split(order, num_shards))
 
 
-def load_shard(config: DataConfig, index: int, sample_shape: tuple[int, ...] = (784,)) -> Shard:
-    config.validate()
+def shard_sizes(size: int, num_shards: int) -> list[int]:
+    """The sizes of the i.i.d. shards (the first size % num_shards shards hold one sample more)."""
+    return [size // num_shards + (1 if i < size % num_shards else 0) for i in range(num_shards)]
+
+
+def take_shard(images: torch.Tensor, labels: torch.Tensor, index: int, config: DataConfig,
+               sample_shape: tuple[int, ...] = (784,)) -> Shard:
+    """Shard `index` of `config.num_shards` of an already loaded dataset."""
     if not 0 <= index < config.num_shards:
         raise ConfigError(f"shard index {index} out of range for {config.num_shards} shards")
-    images, labels = load_dataset(config)
     picked = iid_shard_indices(images.shape[0], config.num_shards, config.split_seed)[index]
     return Shard(images[picked].reshape(-1, *sample_shape).contiguous(), labels[picked].contiguous(),
                  index, config.num_shards)
 
 
+def load_shard(config: DataConfig, index: int, sample_shape: tuple[int, ...] = (784,)) -> Shard:
+    config.validate()
+    if not 0 <= index < config.num_shards:
+        raise ConfigError(f"shard index {index} out of range for {config.num_shards} shards")
+    images, labels = load_dataset(config)
+    return take_shard(images, labels, index, config, sample_shape)
+
+
 def load_all_shards(config: DataConfig, sample_shape: tuple[int, ...] = (784,)) -> list[Shard]:
     """Every shard at once (the in-process cluster), loading the dataset a single time."""
-    images, labels = load_dataset(config)
-    pieces = iid_shard_indices(images.shape[0], config.num_shards, config.split_seed)
-    return [Shard(images[p].reshape(-1, *sample_shape).contiguous(), labels[p].contiguous(), i, config.num_shards)
-            for i, p in enumerate(pieces)]
+    images, labels = load_dataset(config.validate())
+    return [take_shard(images, labels, i, config, sample_shape) for i in range(config.num_shards)]
 
 
 class ShardSampler:

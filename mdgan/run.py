@@ -28,7 +28,7 @@ def generator_sha256(generator: torch.nn.Module) -> str:
     for name, tensor in generator.state_dict().items():
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
@@ -37,12 +37,13 @@ def _finite_or_none(value: float) -> float | None:
 
 
 class RunRecorder:
-    """Writes history.jsonl line by line (so `tail -f` works) and drives the progress bar."""
+    """Writes history.jsonl and swaps.jsonl line by line (so `tail -f` works); drives the progress bar."""
 
     def __init__(self, out_dir: str, total: int, progress: bool = True, description: str = "mdgan"):
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self._history = open(os.path.join(out_dir, "history.jsonl"), "w", encoding="utf-8")
+        self._swaps = open(os.path.join(out_dir, "swaps.jsonl"), "w", encoding="utf-8")
         self._bar = tqdm(total=total, desc=description, unit="it", disable=not progress, dynamic_ncols=True)
         self.started = time.perf_counter()
 
@@ -54,9 +55,15 @@ class RunRecorder:
         self._bar.set_postfix(workers=record.active_workers, g=f"{record.gen_loss:.3f}", d=f"{record.disc_loss:.3f}",
                               refresh=False)
 
+    def swap(self, record: dict) -> None:
+        """One line per swap round: the plan (sender -> receiver) and what each worker reported."""
+        self._swaps.write(json.dumps(record) + "\n")
+        self._swaps.flush()
+
     def close(self) -> float:
         self._bar.close()
         self._history.close()
+        self._swaps.close()
         return time.perf_counter() - self.started
 
 
@@ -129,7 +136,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     generator_side = GeneratorSide(config)
     workers = build_in_process_workers(config, shards)
     recorder = RunRecorder(out_dir, config.iterations, progress, "simulate")
-    trainer = Trainer(config, generator_side, workers, on_iteration=recorder)
+    trainer = Trainer(config, generator_side, workers, on_iteration=recorder, on_swap=recorder.swap)
     try:
         result = asyncio.run(trainer.run())
     finally:

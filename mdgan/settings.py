@@ -22,24 +22,37 @@ def env_name(dest: str) -> str:
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
-    """argparse, where every option's default may come from its MDGAN_* variable."""
+    """argparse, where every option's default may come from its MDGAN_* variable.
 
-    def add_argument(self, *args, **kwargs):
-        action = super().add_argument(*args, **kwargs)
-        if not action.option_strings or action.dest == "help":
-            return action
-        name = env_name(action.dest)
-        action.help = f"{action.help or ''} [env {name}]".strip()
-        if name in os.environ:
+    Applied when parsing (and when printing help), so options added through argument groups and
+    subcommands get it too.
+    """
+
+    def _apply_environment(self) -> None:
+        for action in self._actions:
+            if not action.option_strings or action.dest == "help" or getattr(action, "_env_applied", False):
+                continue
+            action._env_applied = True
+            name = env_name(action.dest)
+            action.help = f"{action.help or ''} [env {name}]".strip()
+            if name not in os.environ:
+                continue
             raw = os.environ[name]
             if action.nargs == 0:  # store_true / store_false
                 lowered = raw.strip().lower()
                 if lowered not in _TRUE | _FALSE:
-                    raise ConfigError(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
+                    self.error(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
                 action.default = (lowered in _TRUE) == isinstance(action, argparse._StoreTrueAction)
             else:
-                action.default = raw  # argparse applies `type` to string defaults
-        return action
+                action.default = raw  # argparse applies `type` (and checks `choices`) on string defaults
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._apply_environment()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._apply_environment()
+        return super().format_help()
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:

@@ -42,7 +42,7 @@ class InvalidTensor(ValueError):
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().cpu().contiguous()
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def encode_tensor(t: torch.Tensor) -> tensor_pb2.Tensor:

@@ -67,7 +67,8 @@ async def serve(args) -> dict:
         workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
         recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server")
         trainer = Trainer(config, generator, workers, step_timeout=args.step_timeout,
-                          swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=recorder)
+                          swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=recorder,
+                          on_swap=recorder.swap)
         try:
             result = await _until(trainer.run(), stopping)
         finally:

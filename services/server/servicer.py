@@ -15,6 +15,7 @@ import torch
 
 from mdgan.cluster import InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
+from mdgan.data import shard_sizes
 from mdgan.mdgan import StepResult, WorkerBatch
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
@@ -39,11 +40,11 @@ class WireCounter:
 
 
 class GrpcWorker(WorkerHandle):
-    def __init__(self, worker_id: str, join: pb.Join, context: grpc.aio.ServicerContext,
+    def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
                  config: TrainingConfig, wire: WireCounter, liveness_timeout: float):
-        self.worker_id = worker_id
-        self.shard_index = join.shard_index
-        self.shard_size = join.shard_size
+        self.worker_id = f"worker-{shard_index}"
+        self.shard_index = shard_index
+        self.shard_size = shard_size
         self.peer_address = join.peer_address
         self.context = context
         self.config = config
@@ -174,6 +175,13 @@ class GrpcWorker(WorkerHandle):
                                          report.error))
 
 
+class JoinRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, detail: str):
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """Admits up to `config.workers` workers, one per shard, until the run starts."""
 
@@ -211,24 +219,36 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def _live(self) -> list[GrpcWorker]:
         return [w for w in self.workers.values() if not w.closed.is_set()]
 
-    def _check_join(self, join: pb.Join) -> tuple[grpc.StatusCode, str] | None:
+    def _admit(self, join: pb.Join) -> tuple[int, int]:
+        """(shard index, shard size) for a joining worker; raises JoinRefused."""
         cfg = self.config
         if self.started:
-            return grpc.StatusCode.FAILED_PRECONDITION, "the run has started; it takes no new workers"
-        if join.shard_index >= cfg.workers:
-            return grpc.StatusCode.INVALID_ARGUMENT, f"shard index {join.shard_index} >= workers {cfg.workers}"
-        existing = self.workers.get(join.shard_index)
-        if existing is not None and not existing.closed.is_set():
-            return grpc.StatusCode.ALREADY_EXISTS, f"shard {join.shard_index} already has a worker"
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "the run has started; it takes no new workers")
         if tuple(join.sample_shape) != tuple(cfg.model.sample_shape) or join.num_classes != cfg.model.num_classes:
-            return grpc.StatusCode.INVALID_ARGUMENT, (
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"data of shape {tuple(join.sample_shape)} with {join.num_classes} classes does not fit the model "
-                f"({tuple(cfg.model.sample_shape)}, {cfg.model.num_classes} classes)")
-        if join.shard_size < cfg.batch_size:
-            return grpc.StatusCode.INVALID_ARGUMENT, f"shard of {join.shard_size} samples < batch size {cfg.batch_size}"
+                f"({tuple(cfg.model.sample_shape)}, {cfg.model.num_classes} classes)"))
         if cfg.workers > 1 and not join.peer_address:
-            return grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap"
-        return None
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap")
+        taken = {i for i, w in self.workers.items() if not w.closed.is_set()}
+        if join.HasField("shard_index"):
+            index, size = join.shard_index, join.shard_size
+            if index >= cfg.workers:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard index {index} >= workers {cfg.workers}")
+            if index in taken:
+                raise JoinRefused(grpc.StatusCode.ALREADY_EXISTS, f"shard {index} already has a worker")
+        else:
+            free = [i for i in range(cfg.workers) if i not in taken]
+            if not free:
+                raise JoinRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {cfg.workers} shards have a worker")
+            if join.dataset_size < cfg.workers:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"a dataset of {join.dataset_size} samples cannot "
+                                                                    f"be cut into {cfg.workers} shards")
+            index = free[0]
+            size = shard_sizes(join.dataset_size, cfg.workers)[index]
+        if size < cfg.batch_size:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard of {size} samples < batch size {cfg.batch_size}")
+        return index, size
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -239,17 +259,18 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a join")
         self.wire.count("worker_to_server", first)
         join = first.join
-        problem = self._check_join(join)
-        if problem is not None:
-            log.warning("join refused (shard %d, %s): %s", join.shard_index, context.peer(), problem[1])
-            await context.abort(*problem)
-        worker = GrpcWorker(f"worker-{join.shard_index}", join, context, self.config, self.wire, self.liveness_timeout)
-        self.workers[join.shard_index] = worker
+        try:
+            index, size = self._admit(join)
+        except JoinRefused as refused:
+            log.warning("join refused (%s): %s", context.peer(), refused.detail)
+            await context.abort(refused.code, refused.detail)
+        worker = GrpcWorker(index, size, join, context, self.config, self.wire, self.liveness_timeout)
+        self.workers[index] = worker
         self._changed.set()
-        log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), join.shard_size,
+        log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), size,
                  join.peer_address)
         await worker.send(pb.ServerMessage(welcome=pb.Welcome(
-            worker_id=worker.worker_id, spec=codec.spec_from_config(self.config),
+            worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config),
             heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000))))
         reader = asyncio.create_task(worker.read_loop())
         beats = asyncio.create_task(self._heartbeats(worker))

@@ -12,7 +12,7 @@ import sys
 import grpc
 
 from mdgan.config import ConfigError
-from mdgan.data import load_shard
+from mdgan.data import load_dataset, load_shard
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
 from services.common import rpc
 from services.common.proto import peer_pb2_grpc
@@ -29,8 +29,9 @@ def build_parser() -> EnvArgumentParser:
                         help="HOST or HOST:PORT peers use to reach this worker (default: this host's name; the port "
                              "defaults to the bound one)")
     parser.add_argument("--shard-index", default="auto",
-                        help="which shard of the data this worker holds; 'auto' takes the trailing number of the "
-                             "host name (a StatefulSet pod's ordinal)")
+                        help="which shard of the data this worker holds: a number; 'auto', the trailing number of "
+                             "the host name (a StatefulSet pod's ordinal); or 'assign', the lowest free shard, "
+                             "chosen by the server")
     parser.add_argument("--num-shards", type=int, default=1, help="number of shards the data is split into (N)")
     parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
     parser.add_argument("--server-timeout", type=float, default=120.0,
@@ -41,7 +42,10 @@ def build_parser() -> EnvArgumentParser:
     return parser
 
 
-def resolve_shard_index(value: str) -> int:
+def resolve_shard_index(value: str) -> int | None:
+    """The shard index, or None when the server is to assign one."""
+    if value == "assign":
+        return None
     if value != "auto":
         try:
             return int(value)
@@ -60,11 +64,19 @@ def advertise_address(value: str | None, bound_port: int) -> str:
 
 async def serve(args) -> str:
     data = data_config(args, args.num_shards)
-    shard = load_shard(data, resolve_shard_index(args.shard_index))
-    log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
+    index = resolve_shard_index(args.shard_index)
+    if index is None:
+        images, labels = load_dataset(data)
+        source = {"dataset": (images, labels, data)}
+        log.info("loaded %d samples; the server will assign a shard", images.shape[0])
+    else:
+        shard = load_shard(data, index)
+        source = {"shard": shard}
+        log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
 
     server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
-    node = WorkerNode(shard, args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout)
+    node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
+                      **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = server.add_insecure_port(args.listen)

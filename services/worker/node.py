@@ -10,7 +10,8 @@ import time
 import grpc
 import torch
 
-from mdgan.data import Shard
+from mdgan.config import DataConfig
+from mdgan.data import Shard, take_shard
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
@@ -86,9 +87,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
 
 class WorkerNode:
-    def __init__(self, shard: Shard, server_address: str, advertise_address: str, *, connect_timeout: float = 300.0,
-                 server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0):
+    """Holds either its shard (index chosen by the operator) or the whole dataset it will cut its
+    shard from once the server assigns an index."""
+
+    def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
+                 dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
+                 connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0):
+        if (shard is None) == (dataset is None):
+            raise ValueError("give a shard, or a dataset to take the assigned shard from")
         self.shard = shard
+        self.dataset = dataset
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout
@@ -117,9 +125,16 @@ class WorkerNode:
         return message
 
     def _join_message(self) -> pb.WorkerMessage:
-        return pb.WorkerMessage(join=pb.Join(
-            shard_index=self.shard.index, shard_size=len(self.shard), peer_address=self.advertise_address,
-            sample_shape=list(self.shard.images.shape[1:]), num_classes=int(self.shard.labels.max()) + 1))
+        if self.shard is not None:
+            images, labels = self.shard.images, self.shard.labels
+            join = pb.Join(shard_index=self.shard.index, shard_size=len(self.shard))
+        else:
+            images, labels, _ = self.dataset
+            join = pb.Join(dataset_size=images.shape[0])
+        join.peer_address = self.advertise_address
+        join.sample_shape.extend(images.shape[1:])
+        join.num_classes = int(labels.max()) + 1
+        return pb.WorkerMessage(join=join)
 
     async def run(self) -> str:
         """Join, train until told to stop; returns the stop reason."""
@@ -144,6 +159,16 @@ class WorkerNode:
 
     def _on_welcome(self, welcome: pb.Welcome) -> None:
         config = codec.config_from_spec(welcome.spec)
+        if self.shard is None:
+            images, labels, data = self.dataset
+            data = DataConfig(data.dataset, data.data_root, config.workers, data.split_seed)
+            self.shard = take_shard(images, labels, welcome.shard_index, data, config.model.sample_shape)
+            self.dataset = None  # keep only our shard
+            log.info("the server assigned shard %d of %d (%d samples)", self.shard.index, config.workers,
+                     len(self.shard))
+        elif self.shard.num_shards != config.workers:
+            raise ServerGone(f"this worker cut the data into {self.shard.num_shards} shards but the run has "
+                             f"{config.workers} workers: set --num-shards {config.workers}")
         self.worker_id = welcome.worker_id
         self.swap_timeout = welcome.swap_timeout_ms / 1000 or self.swap_timeout
         self.side = DiscriminatorSide(config, self.shard)

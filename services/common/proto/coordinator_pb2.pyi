@@ -37,18 +37,20 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes")
+    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_size: int
     peer_address: str
     sample_shape: _containers.RepeatedScalarFieldContainer[int]
     num_classes: int
-    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ...) -> None: ...
+    dataset_size: int
+    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
     __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers")
@@ -85,16 +87,18 @@ class TrainingSpec(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms")
+    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     SWAP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     spec: TrainingSpec
     heartbeat_interval_ms: int
     swap_timeout_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ...) -> None: ...
+    shard_index: int
+    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
 
 class Batches(_message.Message):
     __slots__ = ("iteration", "generated", "generated_labels", "discriminated", "discriminated_labels")

@@ -1,0 +1,25 @@
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_ROOT = os.environ.get("MDGAN_DATA_ROOT", os.path.join(os.path.dirname(REPO), "shared", "data"))
+HAVE_MNIST = os.path.isdir(os.path.join(DATA_ROOT, "MNIST", "raw"))
+
+# The same arithmetic in every test process as in the services (one intra-op thread).
+torch.set_num_threads(1)
+
+
+def python() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def mnist_root() -> str:
+    if not HAVE_MNIST:
+        if os.environ.get("CI"):
+            pytest.fail(f"MNIST is missing under {DATA_ROOT} (CI needs ../shared/data)")
+        pytest.skip(f"MNIST not found under {DATA_ROOT}")
+    return DATA_ROOT

@@ -1,0 +1,71 @@
+"""Start the real services as processes on loopback, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], log_dir: str, env: dict | None = None):
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self._log = open(self.log_path, "w")
+        self.popen = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=self._log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env={**os.environ, **(env or {})})
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} still running after {timeout} s; log:\n{self.log()}") from None
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path) as fh:
+            return fh.read()[-4000:]
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+        self._log.close()
+
+
+def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int]:
+    port_file = os.path.join(out, "server.port")
+    os.makedirs(out, exist_ok=True)
+    server = Proc(name, ["services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", out,
+                         "--threads", "1", *flags], out)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(port_file):
+        if server.popen.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"server did not start:\n{server.log()}")
+        time.sleep(0.05)
+    with open(port_file) as fh:
+        return server, int(fh.read())
+
+
+def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags: str) -> Proc:
+    return Proc(f"worker-{index}", ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
+                                    "--advertise-address", "127.0.0.1", "--shard-index", str(index),
+                                    "--num-shards", str(num_shards), "--threads", "1", *flags], out)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def read_json(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)

@@ -1,0 +1,145 @@
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mdgan.config import ModelSpec, TrainingConfig
+from services.common import codec
+from services.common.proto import peer_pb2, tensor_pb2
+
+from conftest import REPO
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                                   torch.int32, torch.uint8])
+def test_tensor_roundtrip_is_exact(dtype):
+    t = (torch.randn(3, 5, 7) * 50).to(dtype)
+    back = codec.decode_tensor(codec.encode_tensor(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_payload_is_raw_bytes():
+    msg = codec.encode_tensor(torch.zeros(10, 784))
+    assert len(msg.data) == 10 * 784 * 4
+    assert msg.ByteSize() - len(msg.data) < 20  # a few bytes of framing, not a pickle
+
+
+def test_empty_and_scalar_tensors():
+    for t in (torch.zeros(0, 3), torch.tensor(2.5)):
+        back = codec.decode_tensor(codec.encode_tensor(t))
+        assert back.shape == t.shape and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda m: m.ClearField("shape") or m.shape.extend([10, 783]), "shape"),
+    (lambda m: setattr(m, "dtype", tensor_pb2.DTYPE_FLOAT64), "dtype"),
+    (lambda m: setattr(m, "dtype", 99), "dtype"),
+    (lambda m: setattr(m, "data", m.data + b"\0\0\0\0"), "size"),
+    (lambda m: setattr(m, "data", m.data[:-4]), "size"),
+    (lambda m: setattr(m, "data", b"\0\0\xc0\x7f" + m.data[4:]), "nonfinite"),  # NaN
+    (lambda m: setattr(m, "data", b"\0\0\x80\x7f" + m.data[4:]), "nonfinite"),  # +Inf
+])
+def test_invalid_tensors_are_refused_with_a_reason(mutate, reason):
+    msg = codec.encode_tensor(torch.zeros(10, 784))
+    mutate(msg)
+    with pytest.raises(codec.InvalidTensor) as info:
+        codec.decode_tensor(msg, shape=(10, 784), dtype=torch.float32)
+    assert info.value.reason == reason
+
+
+def test_size_bound_is_checked_before_anything_else():
+    msg = codec.encode_tensor(torch.zeros(100, 784))
+    with pytest.raises(codec.InvalidTensor) as info:
+        codec.decode_tensor(msg, max_bytes=10 * 784 * 4)
+    assert info.value.reason == "size"
+
+
+def test_labels_out_of_range_are_refused():
+    with pytest.raises(codec.InvalidTensor):
+        codec.decode_labels(codec.encode_tensor(torch.tensor([0, 10])), 2, 10, "labels")
+
+
+def _state():
+    from mdgan.models import build_discriminator
+    return {k: v.clone() for k, v in build_discriminator(ModelSpec(), 0).state_dict().items()}
+
+
+def _layout(state):
+    return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+
+def test_state_streams_in_chunks_of_at_most_one_mib_and_reassembles_exactly():
+    state = _state()
+    chunks = list(codec.state_chunks(state, 3, "worker-1"))
+    assert chunks[0].WhichOneof("body") == "header" and chunks[0].header.total_bytes == 670_219 * 4
+    assert all(len(c.data) <= codec.CHUNK_BYTES for c in chunks[1:])
+    assert len(chunks) - 1 == math.ceil(670_219 * 4 / codec.CHUNK_BYTES)
+    assembler = codec.StateAssembler(_layout(state))
+    for c in chunks:
+        assembler.accept(c)
+    back = assembler.finish()
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_state_with_wrong_layout_is_refused_before_buffering():
+    state = _state()
+    wrong = dict(state)
+    wrong["stack.0.weight"] = torch.zeros(512, 783)
+    assembler = codec.StateAssembler(_layout(state))
+    with pytest.raises(codec.InvalidTensor):
+        assembler.accept(next(codec.state_chunks(wrong, 1, "x")))
+    extra = dict(state, evil=torch.zeros(10))
+    with pytest.raises(codec.InvalidTensor):
+        codec.StateAssembler(_layout(state)).accept(next(codec.state_chunks(extra, 1, "x")))
+
+
+def test_state_stream_errors():
+    state = _state()
+    layout = _layout(state)
+    chunks = list(codec.state_chunks(state, 1, "x"))
+    a = codec.StateAssembler(layout)
+    with pytest.raises(codec.InvalidTensor):  # data before header
+        a.accept(chunks[1])
+    a = codec.StateAssembler(layout)
+    for c in chunks[:-1]:
+        a.accept(c)
+    with pytest.raises(codec.InvalidTensor):  # truncated
+        a.finish()
+    a = codec.StateAssembler(layout)
+    for c in chunks:
+        a.accept(c)
+    with pytest.raises(codec.InvalidTensor):  # more than announced
+        a.accept(peer_pb2.DiscriminatorChunk(data=b"\0" * 4))
+    nan_state = dict(state)
+    nan_state["stack.4.bias"] = torch.full((11,), float("nan"))
+    a = codec.StateAssembler(layout)
+    for c in codec.state_chunks(nan_state, 1, "x"):
+        a.accept(c)
+    with pytest.raises(codec.InvalidTensor) as info:
+        a.finish()
+    assert info.value.reason == "nonfinite"
+
+
+def test_training_spec_roundtrip():
+    config = TrainingConfig(workers=5, kappa=2, batch_size=12, disc_steps=3, seed=77, swap_optimizer_state=True,
+                            model=ModelSpec(gan="gan", loss="saturating")).validate()
+    back = codec.config_from_spec(codec.spec_from_config(config))
+    assert back.model == config.model and back.discriminator_optimizer == config.discriminator_optimizer
+    for field in ("workers", "kappa", "batch_size", "disc_steps", "seed", "swap_optimizer_state"):
+        assert getattr(back, field) == getattr(config, field)
+
+
+def test_generated_code_is_not_stale():
+    result = subprocess.run([sys.executable, "scripts/generate_protos.py", "--check"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_library_never_imports_grpc_or_prometheus():
+    code = ("import sys, mdgan.cluster, mdgan.run, mdgan.cli, mdgan.settings, mdgan.models, mdgan.data; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'prometheus_client', 'services')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

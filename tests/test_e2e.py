@@ -1,0 +1,118 @@
+"""Real processes talking real gRPC on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from procs import read_json, read_jsonl, start_server, start_worker
+
+pytestmark = pytest.mark.slow
+
+D = 784  # MNIST sample size
+THETA = 670_219  # |theta| of the paper's MLP discriminator
+
+
+def mdgan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "mdgan.cli", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def table_iii(iterations: int, workers: int, b: int, swaps: int) -> dict:
+    """The paper's Table III, in bytes at fp32, for a run without failures."""
+    return {"server_to_worker": iterations * workers * 2 * b * D * 4,
+            "worker_to_server": iterations * workers * b * D * 4,
+            "worker_to_worker": swaps * workers * THETA * 4}
+
+
+def test_local_cluster_and_simulation_end_with_the_same_generator(tmp_path, mnist_root):
+    flags = ["--workers", "3", "--kappa", "2", "--iterations", "12", "--batch-size", "10", "--disc-steps", "2",
+             "--swap-every", "5", "--seed", "4", "--data-root", mnist_root, "--no-progress"]
+    mdgan("local", *flags, "--out", str(tmp_path / "local"))
+    mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
+    local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
+
+    assert local["mode"] == "local" and simulated["mode"] == "simulate"
+    assert local["swaps"] == simulated["swaps"] == 2
+    assert local["generator_sha256"] == simulated["generator_sha256"]
+    assert local["iterations"] == 12 and local["workers"] == local["workers_alive"] == 3
+
+    # The payload counted on the wire is the paper's Table III, exactly.
+    expected = table_iii(12, 3, 10, swaps=2)
+    assert local["payload_bytes"] == expected
+    assert simulated["payload_bytes"] == expected
+    assert local["label_bytes"] == 12 * 3 * 2 * 10 * 8  # ACGAN labels ride along, counted apart
+
+    # Every swap round over gRPC: each worker sent one D and received one, from another worker.
+    swaps = read_jsonl(tmp_path / "local" / "swaps.jsonl")
+    assert [s["iteration"] for s in swaps] == [5, 10]
+    for record in swaps:
+        plan = record["plan"]
+        assert sorted(plan) == sorted(plan.values()) == ["worker-0", "worker-1", "worker-2"]
+        assert all(src != dst for src, dst in plan.items())
+        assert all(w["sent"] and w["received"] and w["sent_bytes"] == THETA * 4 for w in record["workers"].values())
+
+    # Serialized messages carry the payload plus a little framing and control.
+    for direction in ("server_to_worker", "worker_to_server", "worker_to_worker"):
+        assert local["message_bytes"][direction] > local["payload_bytes"][direction]
+    for name in ("history.jsonl", "samples.png", "checkpoint.pt"):
+        assert (tmp_path / "local" / name).stat().st_size > 0
+    assert len(read_jsonl(tmp_path / "local" / "history.jsonl")) == 12
+
+
+def test_a_worker_killed_mid_run_costs_at_most_one_deadline(tmp_path):
+    out = str(tmp_path)
+    step_timeout = 20.0
+    server, port = start_server(out, "--workers", "3", "--iterations", "150", "--swap-every", "20",
+                                "--step-timeout", str(step_timeout), "--gan", "gan")
+    workers = [start_worker(out, port, i, 3, "--dataset", "synthetic") for i in range(3)]
+    try:
+        history = os.path.join(out, "history.jsonl")
+        deadline = time.monotonic() + 120
+        while len(read_jsonl(history)) < 30:
+            assert time.monotonic() < deadline, server.log()
+            assert server.popen.poll() is None, server.log()
+            time.sleep(0.05)
+        workers[1].popen.send_signal(signal.SIGKILL)
+        assert server.wait(180) == 0, server.log()
+        summary = read_json(os.path.join(out, "summary.json"))
+        records = read_jsonl(history)
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    assert summary["iterations"] == 150 and len(records) == 150
+    assert summary["workers"] == 3 and summary["workers_alive"] == 2
+    assert records[0]["active_workers"] == 3 and records[-1]["active_workers"] == 2
+    lost_at = [r for r in records if r["lost"]]
+    assert len(lost_at) == 1
+    assert lost_at[0]["seconds"] < step_timeout + 5  # one deadline at most, never a hang
+    assert all(r["answered"] == 2 for r in records[records.index(lost_at[0]):])
+    for p in (workers[0], workers[2]):
+        assert p.popen.returncode == 0, p.log()
+
+
+def test_workers_can_take_shards_the_server_assigns(tmp_path):
+    out = str(tmp_path / "grpc")
+    flags = ["--workers", "2", "--iterations", "6", "--swap-every", "3", "--seed", "8", "--gan", "gan"]
+    server, port = start_server(out, *flags)
+    from services.common.healthcheck import main as healthcheck
+    assert healthcheck([f"127.0.0.1:{port}", "--service", "mdgan.v1.Coordinator"]) == 0
+    workers = [start_worker(out, port, "assign", 1, "--dataset", "synthetic") for _ in range(2)]
+    try:
+        assert server.wait(120) == 0, server.log()
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    mdgan("simulate", *flags, "--dataset", "synthetic", "--no-progress", "--out", str(tmp_path / "sim"))
+    grpc_summary, sim_summary = read_json(os.path.join(out, "summary.json")), read_json(tmp_path / "sim" / "summary.json")
+    assert grpc_summary["workers_alive"] == 2
+    assert grpc_summary["generator_sha256"] == sim_summary["generator_sha256"]
+    assert "assigned shard" in workers[0].log() + workers[1].log()
