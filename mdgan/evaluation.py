@@ -211,7 +211,10 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _on_device(classifier: MnistClassifier, device) -> MnistClassifier:
     """The classifier on ``device`` (None: where it already is); never moves the caller's copy."""
-    if device is None or torch.device(device) == _device_of(classifier):
+    if device is None:
+        return classifier
+    want, have = torch.device(device), _device_of(classifier)
+    if want.type == have.type and (want.index is None or want.index == have.index):
         return classifier
     return copy.deepcopy(classifier).to(device)
 
@@ -288,7 +291,9 @@ class ScoreEvaluator:
 
     The reference features (their running sums, kept by torchmetrics' FID with
     ``reset_real_features=False``) are computed once here; each ``evaluate``
-    runs the classifier once over the images to score.
+    runs the classifier once over the images to score.  ``device`` (default
+    cpu) is where scoring runs; a classifier elsewhere is copied there, the
+    caller's model is never moved.
 
         ev = ScoreEvaluator.from_mnist_test(data_root, n=2000)
         ev.evaluate(generator(z).detach())  # {"mnist_score": ..., "fid": ...}

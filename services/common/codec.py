@@ -71,12 +71,12 @@ def decode_tensor(msg: tensor_pb2.Tensor, *, shape: tuple[int, ...] | None = Non
     got_shape = tuple(msg.shape)
     if any(s < 0 for s in got_shape):
         raise InvalidTensor("shape", f"{field}: negative dimension in {got_shape}")
-    if shape is not None and got_shape != tuple(shape):
-        raise InvalidTensor("shape", f"{field}: expected shape {tuple(shape)}, got {got_shape}")
     element = torch.empty((), dtype=got_dtype).element_size()
     expected_bytes = math.prod(got_shape) * element
     if max_bytes is not None and max(expected_bytes, len(msg.data)) > max_bytes:
         raise InvalidTensor("size", f"{field}: {max(expected_bytes, len(msg.data))} bytes exceed the bound {max_bytes}")
+    if shape is not None and got_shape != tuple(shape):
+        raise InvalidTensor("shape", f"{field}: expected shape {tuple(shape)}, got {got_shape}")
     if len(msg.data) != expected_bytes:
         raise InvalidTensor("size", f"{field}: shape {got_shape} needs {expected_bytes} bytes, got {len(msg.data)}")
     t = _frombuffer(msg.data, got_dtype).view(got_shape)

@@ -60,6 +60,22 @@ class SwapMailbox:
                 del self._boxes[r]
 
 
+async def push_discriminator(stub: peer_pb2_grpc.PeerStub, chunks: list[peer_pb2.DiscriminatorChunk],
+                             timeout: float) -> peer_pb2.PushAck:
+    """Stream a state to a peer. A peer that refuses it mid-stream ends the call with its own
+    status (INVALID_ARGUMENT, ...), raised here as AioRpcError, not as a broken write."""
+    call = stub.PushDiscriminator(timeout=timeout)
+    try:
+        for chunk in chunks:
+            await call.write(chunk)
+        await call.done_writing()
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+        # The peer ended the call while we were writing; the failed write only says "INTERNAL",
+        # the call's own status (awaited below) says why.
+        pass
+    return await call
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     def __init__(self, node: "WorkerNode"):
         self.node = node
@@ -246,9 +262,8 @@ class WorkerNode:
         if channel is None:
             channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=rpc.options())
         chunks = list(codec.state_chunks(state, order.round, self.worker_id))
-        payload = sum(len(c.data) for c in chunks)
-        await peer_pb2_grpc.PeerStub(channel).PushDiscriminator(iter(chunks), timeout=self.swap_timeout)
-        return payload, sum(c.ByteSize() for c in chunks)
+        await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, self.swap_timeout)
+        return sum(len(c.data) for c in chunks), sum(c.ByteSize() for c in chunks)
 
     async def _close_peers(self) -> None:
         for channel in self._peer_channels.values():

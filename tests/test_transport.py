@@ -1,0 +1,218 @@
+"""The wire under bad input: real grpc.aio servers on loopback, raw clients sending garbage."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+import torch
+
+from mdgan.config import DataConfig, TrainingConfig
+from mdgan.data import load_shard
+from mdgan.mdgan import DiscriminatorSide
+from services.common import codec, rpc
+from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+from services.server.servicer import Coordinator
+from services.worker.node import PeerServicer, WorkerNode, push_discriminator
+
+from procs import read_json, read_jsonl, start_server, start_worker
+
+B = 10
+INVALID_ARGUMENT = 3
+
+
+def _join(**fields) -> pb.WorkerMessage:
+    base = dict(shard_size=1000, peer_address="127.0.0.1:9", sample_shape=[784], num_classes=10)
+    base.update(fields)
+    return pb.WorkerMessage(join=pb.Join(**base))
+
+
+def _bad_feedback(iteration: int) -> list[pb.Tensor]:
+    good = torch.zeros(B, 784)
+    if iteration == 1:
+        return [codec.encode_tensor(torch.zeros(B, 783))]  # wrong shape
+    if iteration == 2:
+        return [codec.encode_tensor(torch.full((B, 784), float("nan")))]  # NaN
+    if iteration == 3:
+        return [codec.encode_tensor(torch.zeros(50 * B, 784))]  # oversized
+    if iteration == 4:
+        t = codec.encode_tensor(good)
+        t.data += b"\0" * 4096  # more bytes than the shape says
+        return [t]
+    if iteration == 5:
+        return [codec.encode_tensor(good.double())]  # wrong dtype
+    if iteration == 7:
+        return [codec.encode_tensor(good), codec.encode_tensor(good)]  # a duplicate answer
+    return [codec.encode_tensor(good)]
+
+
+async def _fake_worker(port: int):
+    """Joins as shard 1, answers with malformed feedback for a few iterations, then behaves."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=120)
+        await call.write(_join(shard_index=1))
+        welcome = await asyncio.wait_for(call.read(), 60)
+        iterations, rejections, stop = [], [], None
+        while stop is None:
+            message = await asyncio.wait_for(call.read(), 60)
+            assert message is not grpc.aio.EOF
+            kind = message.WhichOneof("body")
+            if kind == "batches":
+                t = message.batches.iteration
+                iterations.append(t)
+                for gradient in _bad_feedback(t):
+                    await call.write(pb.WorkerMessage(feedback=pb.Feedback(iteration=t, gradient=gradient)))
+            elif kind == "rejection":
+                rejections.append(message.rejection)
+            elif kind == "stop":
+                stop = message.stop.reason
+        await call.done_writing()
+        return welcome, iterations, rejections, stop
+
+
+@pytest.mark.slow
+def test_malformed_feedback_is_answered_with_invalid_argument_and_training_goes_on(tmp_path):
+    out = str(tmp_path)
+    server, port = start_server(out, "--workers", "2", "--iterations", "10", "--swap-every", "1000",
+                                "--batch-size", str(B))
+    worker = start_worker(out, port, 0, 2, "--dataset", "synthetic")
+    try:
+        welcome, iterations, rejections, stop = asyncio.run(_fake_worker(port))
+        assert server.wait(60) == 0, server.log()
+        assert worker.wait(30) == 0, worker.log()
+    finally:
+        server.kill()
+        worker.kill()
+    assert welcome.welcome.worker_id == "worker-1"
+    assert iterations == list(range(1, 11)) and stop == "run finished"
+    assert [r.code for r in rejections] == [INVALID_ARGUMENT] * 6
+    assert [(r.iteration, r.reason) for r in rejections] == [
+        (1, "shape"), (2, "nonfinite"), (3, "size"), (4, "size"), (5, "dtype"), (7, "iteration")]
+    summary = read_json(os.path.join(out, "summary.json"))
+    assert summary["iterations"] == 10 and summary["workers_alive"] == 2 and summary["rejections"] == 5
+    history = read_jsonl(os.path.join(out, "history.jsonl"))
+    assert [r["answered"] for r in history] == [1] * 5 + [2] * 5
+    assert [r["rejected"] for r in history] == [1] * 5 + [0] * 5
+
+
+async def _serve(servicer_adder) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=rpc.options())
+    servicer_adder(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def _join_status(port: int, first: pb.WorkerMessage) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
+        await call.write(first)
+        try:
+            reply = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        if reply is grpc.aio.EOF:
+            return await call.code()
+        call.cancel()
+        return grpc.StatusCode.OK
+
+
+def test_bad_joins_get_the_right_status():
+    async def scenario():
+        config = TrainingConfig(workers=2, batch_size=B).validate()
+        coordinator = Coordinator(config)
+        server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, s))
+        try:
+            codes = {
+                "not a join": await _join_status(port, pb.WorkerMessage(heartbeat=pb.Heartbeat())),
+                "shard out of range": await _join_status(port, _join(shard_index=7)),
+                "wrong sample shape": await _join_status(port, _join(shard_index=0, sample_shape=[100])),
+                "shard smaller than a batch": await _join_status(port, _join(shard_index=0, shard_size=3)),
+                "no peer address": await _join_status(port, _join(shard_index=0, peer_address="")),
+            }
+            # a worker that holds shard 0; a second one for shard 0 is refused
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                holder = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
+                await holder.write(_join(shard_index=0))
+                assert (await holder.read()).WhichOneof("body") == "welcome"
+                codes["duplicate shard"] = await _join_status(port, _join(shard_index=0))
+                # a worker without a shard index gets the free shard 1; then none is left
+                assigned = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
+                await assigned.write(_join(dataset_size=2000, shard_size=0))
+                assign = (await assigned.read()).welcome
+                codes["all shards taken"] = await _join_status(port, _join(dataset_size=2000, shard_size=0))
+                holder.cancel()
+                assigned.cancel()
+            return codes, assign
+        finally:
+            await server.stop(None)
+
+    codes, assign = asyncio.run(scenario())
+    assert assign.shard_index == 1 and assign.worker_id == "worker-1"
+    assert codes == {
+        "not a join": grpc.StatusCode.INVALID_ARGUMENT,
+        "shard out of range": grpc.StatusCode.INVALID_ARGUMENT,
+        "wrong sample shape": grpc.StatusCode.INVALID_ARGUMENT,
+        "shard smaller than a batch": grpc.StatusCode.INVALID_ARGUMENT,
+        "no peer address": grpc.StatusCode.INVALID_ARGUMENT,
+        "duplicate shard": grpc.StatusCode.ALREADY_EXISTS,
+        "all shards taken": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+
+
+def test_peer_service_checks_every_pushed_discriminator():
+    config = TrainingConfig(workers=2, batch_size=B).validate()
+    shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
+    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    donor = DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=2), 1))
+    state = donor.export_state()
+
+    async def push(chunks) -> tuple[grpc.StatusCode, object]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                return grpc.StatusCode.OK, await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, 10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details()
+
+    async def scenario():
+        nonlocal port
+        server, port = await _serve(lambda s: peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), s))
+        try:
+            results = {"before joining": await push(list(codec.state_chunks(state, 1, "worker-1")))}
+            node.side = DiscriminatorSide(config, shard)
+            good = list(codec.state_chunks(state, 1, "worker-1"))
+            wrong = dict(state)
+            wrong["stack.4.weight"] = torch.zeros(11, 511)
+            poisoned = dict(state)
+            poisoned["stack.0.bias"] = torch.full((512,), float("inf"))
+            results["wrong layout"] = await push(list(codec.state_chunks(wrong, 1, "worker-1")))
+            results["data first"] = await push(good[1:])
+            results["truncated"] = await push(good[:-1])
+            results["infinite weights"] = await push(list(codec.state_chunks(poisoned, 1, "worker-1")))
+            results["unexpected round"] = await push(list(codec.state_chunks(state, 9, "worker-1")))
+            results["good"] = await push(good)
+            results["same round again"] = await push(good)
+            sender, received = await node.mailbox.collect(1, timeout=1)
+            return results, sender, received
+        finally:
+            await server.stop(None)
+
+    port = 0
+    results, sender, received = asyncio.run(scenario())
+    codes = {k: v[0] for k, v in results.items()}
+    assert codes == {
+        "before joining": grpc.StatusCode.FAILED_PRECONDITION,
+        "wrong layout": grpc.StatusCode.INVALID_ARGUMENT,
+        "data first": grpc.StatusCode.INVALID_ARGUMENT,
+        "truncated": grpc.StatusCode.INVALID_ARGUMENT,
+        "infinite weights": grpc.StatusCode.INVALID_ARGUMENT,
+        "unexpected round": grpc.StatusCode.FAILED_PRECONDITION,
+        "good": grpc.StatusCode.OK,
+        "same round again": grpc.StatusCode.ALREADY_EXISTS,
+    }
+    assert results["good"][1].received_bytes == 670_219 * 4
+    assert sender == "worker-1"
+    assert all(torch.equal(received[k], v) for k, v in state.items())
