@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,12 @@ def _forwarded_training_flags(args) -> list[str]:
     return flags
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _wait_for_file(path: str, process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,23 +84,36 @@ class LocalCluster:
         self.processes.append((name, process))
         return process
 
+    def _metrics_flags(self, name: str, port: int) -> list[str]:
+        return ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
+                "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
+
     def start(self) -> subprocess.Popen:
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
         if os.path.exists(port_file):
             os.remove(port_file)
+        metrics_ports = {name: _free_port() for name in ["server", *(f"worker-{i}" for i in range(a.workers))]}
+        # Prometheus file_sd targets, so a Prometheus can scrape this cluster while it runs.
+        with open(os.path.join(self.out, "metrics_targets.json"), "w") as fh:
+            json.dump([{"targets": [f"127.0.0.1:{port}"],
+                        "labels": {"job": "mdgan-server" if name == "server" else "mdgan-worker", "process": name}}
+                       for name, port in metrics_ports.items()], fh, indent=2)
         server = self._spawn("server", [
             "services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", self.out,
             "--threads", str(a.threads), "--step-timeout", str(a.step_timeout), "--swap-timeout", str(a.swap_timeout),
-            "--heartbeat-interval", str(a.heartbeat_interval), *_forwarded_training_flags(a)])
+            "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
+            *_forwarded_training_flags(a)])
         port = _wait_for_file(port_file, server, 120)
         for index in range(a.workers):
-            self._spawn(f"worker-{index}", [
+            name = f"worker-{index}"
+            self._spawn(name, [
                 "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
                 "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
-                "--threads", str(a.threads), "--server-timeout", str(a.step_timeout + 60)])
+                "--threads", str(a.threads), "--server-timeout", str(a.step_timeout + 60),
+                *self._metrics_flags(name, metrics_ports[name])])
         return server
 
     def follow(self, server: subprocess.Popen) -> int:
@@ -173,6 +193,15 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_traffic(args) -> int:
+    # The report reads Prometheus expositions: a service-side module, imported only here.
+    from services.common.traffic import format_table, traffic_report
+
+    report = traffic_report(args.run)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0 if all(r["payload_matches_formula"] for r in report["rows"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, add_training_arguments
 
@@ -197,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
     local.set_defaults(func=cmd_local)
     sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
+    traffic = sub.add_parser("traffic", help="A run's measured traffic against the paper's Table III.")
+    traffic.add_argument("run", help="run directory of `mdgan local`")
+    traffic.add_argument("--json", action="store_true", help="print the report as JSON")
+    traffic.set_defaults(func=cmd_traffic)
     return parser
 
 

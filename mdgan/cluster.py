@@ -135,6 +135,7 @@ class InProcessWorker(WorkerHandle):
 # ---------------------------------------------------------------------------------------------
 
 DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
+RUN_FINISHED = "run finished"  # the stop reason of a run that completed
 
 
 @dataclass
@@ -158,6 +159,11 @@ class IterationRecord:
     fake_accuracy: float
     swap_round: int | None
     seconds: float
+    # phases of `seconds`: generating the k batches, waiting for the workers, updating G, swapping
+    generate_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    update_seconds: float = 0.0
+    swap_seconds: float = 0.0
 
 
 @dataclass
@@ -219,8 +225,10 @@ class Trainer:
         active = list(self.active)
         batches = self.generator.generate(min(self.config.kappa, len(active)))
         sent = [batches.for_worker(rank) for rank in range(len(active))]
+        generated = time.perf_counter()
         replies = await asyncio.gather(*(self._guard(w.step(t, b), self.step_timeout) for w, b in zip(active, sent)),
                                        return_exceptions=True)
+        answered = time.perf_counter()
         feedback, stats, rejected, lost = [], [], 0, 0
         for worker, batch, reply in zip(active, sent, replies):
             self.traffic.payload_bytes["server_to_worker"] += _nbytes(batch.generated) + _nbytes(batch.discriminated)
@@ -240,15 +248,18 @@ class Trainer:
         self.rejections += rejected
         if feedback:  # rank order: the order of `active`
             self.generator.update(batches, feedback)
+        updated = time.perf_counter()
 
         swap_round = None
         if t % self.swap_period == 0 and len(self.active) >= 2:
             swap_round = await self.swap(t)
+        finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
             gen_loss=_mean([s.gen_loss for s in stats]), disc_loss=_mean([s.disc_loss for s in stats]),
             real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
-            swap_round=swap_round, seconds=time.perf_counter() - started)
+            swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
+            wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated)
 
     async def swap(self, t: int) -> int:
         """One swap round over the active workers, along a random derangement."""
@@ -291,7 +302,7 @@ class Trainer:
                 self.on_iteration(last)
         for worker in list(self.active):
             try:
-                await asyncio.wait_for(worker.stop("run finished"), 10.0)
+                await asyncio.wait_for(worker.stop(RUN_FINISHED), 10.0)
             except Exception as exc:
                 log.warning("could not stop %s cleanly: %s", worker.worker_id, exc)
         return RunResult(iterations=self.generator.updates if last is None else last.iteration,

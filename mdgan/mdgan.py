@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,8 @@ class StepResult:
     gen_loss: float  # J_gen(X_g) under this worker's D
     real_accuracy: float  # share of real samples D calls real (last D step)
     fake_accuracy: float  # share of X_d samples D calls generated (last D step)
+    disc_seconds: float = 0.0  # wall time of the L discriminator steps
+    feedback_seconds: float = 0.0  # wall time of computing F_n
 
 
 class DiscriminatorSide:
@@ -172,6 +175,7 @@ class DiscriminatorSide:
 
     def step(self, batch: WorkerBatch) -> StepResult:
         spec, disc = self.spec, self.discriminator
+        started = time.perf_counter()
         real, real_labels = self.sampler.next_batch()  # X_r: (b, *shape), (b,)
         disc_loss = torch.tensor(float("nan"))
         real_acc = fake_acc = float("nan")
@@ -185,10 +189,12 @@ class DiscriminatorSide:
             real_acc = (real_logits[:, 0] > 0).float().mean().item()
             fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
 
+        trained = time.perf_counter()
         generated = batch.generated.detach().clone().requires_grad_(True)
         gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
         (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
-        return StepResult(feedback, disc_loss.item(), gen_loss.item(), real_acc, fake_acc)
+        return StepResult(feedback, disc_loss.item(), gen_loss.item(), real_acc, fake_acc,
+                          trained - started, time.perf_counter() - trained)
 
     # -- swap ------------------------------------------------------------------------------------
     def export_state(self) -> dict[str, torch.Tensor]:

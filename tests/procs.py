@@ -43,7 +43,7 @@ def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int
     port_file = os.path.join(out, "server.port")
     os.makedirs(out, exist_ok=True)
     server = Proc(name, ["services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", out,
-                         "--threads", "1", *flags], out)
+                         "--threads", "1", "--metrics-port", "0", *flags], out)
     deadline = time.monotonic() + 60
     while not os.path.exists(port_file):
         if server.popen.poll() is not None or time.monotonic() > deadline:
@@ -56,7 +56,8 @@ def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int
 def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags: str) -> Proc:
     return Proc(f"worker-{index}", ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                                     "--advertise-address", "127.0.0.1", "--shard-index", str(index),
-                                    "--num-shards", str(num_shards), "--threads", "1", *flags], out)
+                                    "--num-shards", str(num_shards), "--threads", "1", "--metrics-port", "0",
+                                    *flags], out)
 
 
 def read_jsonl(path: str) -> list[dict]:

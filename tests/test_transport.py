@@ -95,6 +95,10 @@ def test_malformed_feedback_is_answered_with_invalid_argument_and_training_goes_
     assert summary["iterations"] == 10 and summary["workers_alive"] == 2 and summary["rejections"] == 5
     history = read_jsonl(os.path.join(out, "history.jsonl"))
     assert [r["answered"] for r in history] == [1] * 5 + [2] * 5
+    with open(os.path.join(out, "metrics", "server.prom")) as fh:
+        exposition = fh.read()
+    for reason, count in (("shape", 1), ("nonfinite", 1), ("size", 2), ("dtype", 1), ("iteration", 1)):
+        assert f'mdgan_rejected_inputs_total{{reason="{reason}"}} {count}.0' in exposition
     assert [r["rejected"] for r in history] == [1] * 5 + [0] * 5
 
 

@@ -11,12 +11,13 @@ import sys
 import grpc
 
 from mdgan.config import ConfigError
-from mdgan.cluster import Trainer
+from mdgan.cluster import IterationRecord, Trainer
 from mdgan.mdgan import GeneratorSide
 from mdgan.run import RunRecorder, write_outputs
 from mdgan.settings import EnvArgumentParser, add_threads_argument, add_training_arguments, apply_threads, training_config
 from services.common import rpc
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
+from services.common.telemetry import Telemetry, counter_total
 from services.server.servicer import Coordinator
 
 log = logging.getLogger("mdgan.server")
@@ -34,6 +35,10 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
     parser.add_argument("--liveness-timeout", type=float, default=None,
                         help="drop a worker silent this long (s; default: step timeout + 3 heartbeats)")
+    parser.add_argument("--metrics-port", type=int, default=9100, help="HTTP port of /metrics (0: none)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
+    parser.add_argument("--metrics-dump", default=None,
+                        help="write the final metrics exposition to this file (default: OUT/metrics/server.prom)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     add_threads_argument(parser, default=0)
@@ -44,8 +49,10 @@ def build_parser() -> EnvArgumentParser:
 async def serve(args) -> dict:
     config = training_config(args)
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
-    coordinator = Coordinator(config, heartbeat_interval=args.heartbeat_interval, swap_timeout=args.swap_timeout,
-                              liveness_timeout=liveness)
+    telemetry = Telemetry("server")
+    telemetry.serve(args.metrics_port, args.metrics_address)
+    coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
+                              swap_timeout=args.swap_timeout, liveness_timeout=liveness)
     server = grpc.aio.server(options=rpc.options())
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
@@ -66,23 +73,56 @@ async def serve(args) -> dict:
         generator = GeneratorSide(config)
         workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
         recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server")
+
+        def on_iteration(record: IterationRecord) -> None:
+            recorder(record)
+            observe_iteration(telemetry, record, len(trainer.active))
+
+        def on_swap(record: dict) -> None:
+            recorder.swap(record)
+            complete = all(w["sent"] and w["received"] for w in record["workers"].values())
+            telemetry.swaps.labels("complete" if complete else "incomplete").inc()
+
         trainer = Trainer(config, generator, workers, step_timeout=args.step_timeout,
-                          swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=recorder,
-                          on_swap=recorder.swap)
+                          swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=on_iteration,
+                          on_swap=on_swap)
         try:
             result = await _until(trainer.run(), stopping)
         finally:
             wall = recorder.close()
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", {
-            "message_bytes": dict(coordinator.wire.message_bytes),
-            "messages": dict(coordinator.wire.messages),
+            "message_bytes": {
+                "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
+                "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",
+                                                  side="receiver"),
+                "worker_to_worker": sum(w.swap_message_bytes for w in coordinator.workers.values()),
+            },
         })
         log.info("done: %d iterations, %d/%d workers alive, generator %s", result.iterations, result.workers_alive,
                  result.workers, summary["generator_sha256"][:16])
         return summary
     finally:
+        telemetry.dump(args.metrics_dump or os.path.join(args.out, "metrics", "server.prom"))
         await rpc.set_serving(health, [SERVICE], False)
         await server.stop(grace=5)
+
+
+def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int) -> None:
+    telemetry.iterations.inc()
+    telemetry.iteration_seconds.observe(record.seconds)
+    for phase, seconds in (("generate", record.generate_seconds), ("wait_feedback", record.wait_seconds),
+                           ("update", record.update_seconds)):
+        telemetry.phase_seconds.labels(phase).observe(seconds)
+    if record.swap_round is not None:
+        telemetry.phase_seconds.labels("swap").observe(record.swap_seconds)
+    if record.answered:
+        telemetry.generator_loss.set(record.gen_loss)
+        telemetry.discriminator_loss.set(record.disc_loss)
+        telemetry.discriminator_accuracy.labels("real").set(record.real_accuracy)
+        telemetry.discriminator_accuracy.labels("generated").set(record.fake_accuracy)
+    telemetry.workers_alive.set(alive)
+    telemetry.last_iteration.set_to_current_time()
+
 
 
 async def _until(work, stopping: asyncio.Event):

@@ -13,43 +13,46 @@ import time
 import grpc
 import torch
 
-from mdgan.cluster import InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
+from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
 from mdgan.mdgan import StepResult, WorkerBatch
 from services.common import codec
+from services.common.telemetry import Telemetry
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
 
 log = logging.getLogger("mdgan.server")
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]  # 3, the google.rpc.Code value
-DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
+def _kind(message) -> str:
+    """The traffic kind of a stream message (a telemetry label)."""
+    body = message.WhichOneof("body")
+    return {"batches": "batches", "feedback": "feedback"}.get(body, "control")
 
 
-class WireCounter:
-    """Serialized message bytes by direction: measured at the server, and as workers report their swaps."""
-
-    def __init__(self) -> None:
-        self.message_bytes = dict.fromkeys(DIRECTIONS, 0)
-        self.messages = dict.fromkeys(DIRECTIONS, 0)
-
-    def count(self, direction: str, message) -> None:
-        self.message_bytes[direction] += message.ByteSize()
-        self.messages[direction] += 1
+def _payload(message) -> int:
+    """Bytes of the tensors Table III counts: X_g and X_d down, F_n up (labels are not in it)."""
+    body = message.WhichOneof("body")
+    if body == "batches":
+        return len(message.batches.generated.data) + len(message.batches.discriminated.data)
+    if body == "feedback":
+        return len(message.feedback.gradient.data)
+    return 0
 
 
 class GrpcWorker(WorkerHandle):
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
-                 config: TrainingConfig, wire: WireCounter, liveness_timeout: float):
+                 config: TrainingConfig, telemetry: Telemetry, liveness_timeout: float):
         self.worker_id = f"worker-{shard_index}"
         self.shard_index = shard_index
         self.shard_size = shard_size
         self.peer_address = join.peer_address
         self.context = context
         self.config = config
-        self.wire = wire
+        self.telemetry = telemetry
         self.liveness_timeout = liveness_timeout
+        self.swap_message_bytes = 0  # serialized bytes this worker reports pushing to peers
         self.closed = asyncio.Event()
         self.lost_reason: str | None = None
         self._write_lock = asyncio.Lock()
@@ -69,7 +72,7 @@ class GrpcWorker(WorkerHandle):
         except Exception as exc:  # the stream broke under us: the worker is gone
             self.lose(f"write failed: {exc!r}")
             raise WorkerLost(f"{self.worker_id}: {exc!r}") from exc
-        self.wire.count("server_to_worker", message)
+        self.telemetry.count("server_to_worker", _kind(message), "sender", message, _payload(message))
 
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
         message = pb.ServerMessage(batches=pb.Batches(
@@ -101,6 +104,8 @@ class GrpcWorker(WorkerHandle):
     async def stop(self, reason: str) -> None:
         if self.closed.is_set():
             return
+        if reason != RUN_FINISHED:
+            self.telemetry.departures.labels("dropped").inc()
         try:
             await self.send(pb.ServerMessage(stop=pb.Stop(reason=reason)))
         finally:
@@ -110,6 +115,7 @@ class GrpcWorker(WorkerHandle):
         """The stream is gone: every pending answer fails with WorkerLost."""
         if self.lost_reason is None and not self.closed.is_set():
             self.lost_reason = reason
+            self.telemetry.departures.labels("disconnected").inc()
             log.warning("%s lost: %s", self.worker_id, reason)
         for future in [*self._steps.values(), *self._swaps.values()]:
             if not future.done():
@@ -130,7 +136,7 @@ class GrpcWorker(WorkerHandle):
             if message is grpc.aio.EOF:
                 self.lose("stream closed by the worker")
                 return
-            self.wire.count("worker_to_server", message)
+            self.telemetry.count("worker_to_server", _kind(message), "receiver", message, _payload(message))
             kind = message.WhichOneof("body")
             if kind == "feedback":
                 await self._on_feedback(message.feedback)
@@ -143,6 +149,7 @@ class GrpcWorker(WorkerHandle):
 
     async def _reject(self, iteration: int, reason: str, detail: str) -> None:
         log.warning("%s: rejected input at iteration %d: %s", self.worker_id, iteration, detail)
+        self.telemetry.rejected.labels(reason).inc()
         try:
             await self.send(pb.ServerMessage(rejection=pb.Rejection(
                 iteration=iteration, code=INVALID_ARGUMENT, reason=reason, message=detail)))
@@ -170,7 +177,7 @@ class GrpcWorker(WorkerHandle):
     def _on_swap_report(self, report: pb.SwapReport) -> None:
         future = self._swaps.get(report.round)
         if future is not None and not future.done():
-            self.wire.message_bytes["worker_to_worker"] += report.sent_message_bytes
+            self.swap_message_bytes += report.sent_message_bytes
             future.set_result(SwapReport(report.round, report.sent, report.received, report.sent_payload_bytes,
                                          report.error))
 
@@ -185,14 +192,16 @@ class JoinRefused(Exception):
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """Admits up to `config.workers` workers, one per shard, until the run starts."""
 
-    def __init__(self, config: TrainingConfig, *, heartbeat_interval: float = 5.0, swap_timeout: float = 60.0,
-                 liveness_timeout: float = 60.0, join_read_timeout: float = 30.0):
+    def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
+                 swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0):
         self.config = config
+        self.telemetry = telemetry or Telemetry("server")
+        self.telemetry.workers_expected.set(config.workers)
+        self.telemetry.run_iterations.set(config.iterations)
         self.heartbeat_interval = heartbeat_interval
         self.swap_timeout = swap_timeout
         self.liveness_timeout = liveness_timeout
         self.join_read_timeout = join_read_timeout
-        self.wire = WireCounter()
         self.workers: dict[int, GrpcWorker] = {}  # shard index -> handle
         self.started = False
         self._changed = asyncio.Event()
@@ -257,15 +266,17 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no join message in time")
         if first is grpc.aio.EOF or first.WhichOneof("body") != "join":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a join")
-        self.wire.count("worker_to_server", first)
+        self.telemetry.count("worker_to_server", "control", "receiver", first)
         join = first.join
         try:
             index, size = self._admit(join)
         except JoinRefused as refused:
             log.warning("join refused (%s): %s", context.peer(), refused.detail)
             await context.abort(refused.code, refused.detail)
-        worker = GrpcWorker(index, size, join, context, self.config, self.wire, self.liveness_timeout)
+        worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout)
         self.workers[index] = worker
+        self.telemetry.joins.inc()
+        self.telemetry.workers_alive.set(len(self._live()))
         self._changed.set()
         log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), size,
                  join.peer_address)
@@ -279,6 +290,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         finally:  # also on cancellation, when the worker's connection drops
             worker.lose("stream ended")
             self._changed.set()
+            self.telemetry.workers_alive.set(len(self._live()))
             reader.cancel()
             beats.cancel()
 

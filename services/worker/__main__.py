@@ -16,6 +16,7 @@ from mdgan.data import load_dataset, load_shard
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
 from services.common import rpc
 from services.common.proto import peer_pb2_grpc
+from services.common.telemetry import Telemetry
 from services.worker.node import PEER_SERVICE, PeerServicer, ServerGone, WorkerNode
 
 log = logging.getLogger("mdgan.worker")
@@ -36,6 +37,9 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
     parser.add_argument("--server-timeout", type=float, default=120.0,
                         help="leave when the server is silent this long (s)")
+    parser.add_argument("--metrics-port", type=int, default=9101, help="HTTP port of /metrics (0: none)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
+    parser.add_argument("--metrics-dump", default=None, help="write the final metrics exposition to this file")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     add_threads_argument(parser, default=0)
     add_data_arguments(parser)
@@ -74,9 +78,11 @@ async def serve(args) -> str:
         source = {"shard": shard}
         log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
 
+    telemetry = Telemetry("worker")
+    telemetry.serve(args.metrics_port, args.metrics_address)
     server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
-                      **source)
+                      telemetry=telemetry, **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = server.add_insecure_port(args.listen)
@@ -92,6 +98,7 @@ async def serve(args) -> str:
     try:
         return await run
     finally:
+        telemetry.dump(args.metrics_dump)
         await rpc.set_serving(health, [PEER_SERVICE], False)
         await server.stop(grace=2)
 

@@ -16,6 +16,7 @@ from mdgan.mdgan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+from services.common.telemetry import Telemetry
 
 log = logging.getLogger("mdgan.worker")
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
@@ -85,8 +86,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if side is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has not joined a run yet")
         assembler = codec.StateAssembler(side.state_layout())
+        telemetry = self.node.telemetry
         try:
             async for chunk in request_iterator:
+                telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, len(chunk.data))
                 if assembler.header is None:
                     if chunk.WhichOneof("body") != "header":
                         raise codec.InvalidTensor("protocol", "the first chunk must be the header")
@@ -97,6 +100,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             state = assembler.finish()
         except codec.InvalidTensor as exc:
             log.warning("rejected a discriminator from %s: %s", context.peer(), exc)
+            telemetry.rejected.labels(exc.reason).inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.node.mailbox.deliver(assembler.header.round, assembler.header.sender_worker, state)
         return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)
@@ -108,11 +112,13 @@ class WorkerNode:
 
     def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
                  dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
-                 connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0):
+                 connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
+                 telemetry: Telemetry | None = None):
         if (shard is None) == (dataset is None):
             raise ValueError("give a shard, or a dataset to take the assigned shard from")
         self.shard = shard
         self.dataset = dataset
+        self.telemetry = telemetry or Telemetry("worker")
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout
@@ -129,6 +135,10 @@ class WorkerNode:
     async def _write(self, call, message: pb.WorkerMessage) -> None:
         async with self._write_lock:
             await call.write(message)
+        body = message.WhichOneof("body")
+        payload = len(message.feedback.gradient.data) if body == "feedback" else 0
+        self.telemetry.count("worker_to_server", "feedback" if body == "feedback" else "control", "sender", message,
+                             payload)
 
     async def _read(self, call):
         try:
@@ -138,6 +148,12 @@ class WorkerNode:
         if message is grpc.aio.EOF:
             code = await call.code()
             raise ServerGone(f"the server closed the stream: {code.name} {await call.details()}")
+        if message.WhichOneof("body") == "batches":
+            b = message.batches
+            self.telemetry.count("server_to_worker", "batches", "receiver", message,
+                                 len(b.generated.data) + len(b.discriminated.data))
+        else:
+            self.telemetry.count("server_to_worker", "control", "receiver", message)
         return message
 
     def _join_message(self) -> pb.WorkerMessage:
@@ -224,6 +240,7 @@ class WorkerNode:
                 generated_index=0)
         except codec.InvalidTensor as exc:
             raise ServerGone(f"the server sent an invalid batch: {exc}") from exc
+        started = time.perf_counter()
         # Torch releases the GIL: the event loop keeps serving peers and heartbeats meanwhile.
         result = await asyncio.to_thread(self.side.step, batch)
         self.iterations += 1
@@ -231,8 +248,19 @@ class WorkerNode:
             iteration=batches.iteration, gradient=codec.encode_tensor(result.feedback),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
                                real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy))))
+        t = self.telemetry
+        t.iterations.inc()
+        t.iteration_seconds.observe(time.perf_counter() - started)
+        t.phase_seconds.labels("disc_steps").observe(result.disc_seconds)
+        t.phase_seconds.labels("feedback").observe(result.feedback_seconds)
+        t.generator_loss.set(result.gen_loss)
+        t.discriminator_loss.set(result.disc_loss)
+        t.discriminator_accuracy.labels("real").set(result.real_accuracy)
+        t.discriminator_accuracy.labels("generated").set(result.fake_accuracy)
+        t.last_iteration.set_to_current_time()
 
     async def _swap(self, order: pb.SwapOrder) -> pb.SwapReport:
+        started = time.perf_counter()
         state = self.side.export_state()  # snapshot before anything arrives in our place
         sent, sent_payload, sent_messages, errors = False, 0, 0, []
         try:
@@ -253,6 +281,8 @@ class WorkerNode:
             errors.append(f"no discriminator from {order.receive_from_worker} within {self.swap_timeout:.0f} s")
         for e in errors:
             log.warning("swap %d: %s", order.round, e)
+        self.telemetry.swaps.labels("complete" if sent and received else "incomplete").inc()
+        self.telemetry.phase_seconds.labels("swap").observe(time.perf_counter() - started)
         return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=sent_payload,
                              sent_message_bytes=sent_messages, error="; ".join(errors))
 
@@ -263,6 +293,8 @@ class WorkerNode:
             channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=rpc.options())
         chunks = list(codec.state_chunks(state, order.round, self.worker_id))
         await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, self.swap_timeout)
+        for chunk in chunks:
+            self.telemetry.count("worker_to_worker", "discriminator", "sender", chunk, len(chunk.data))
         return sum(len(c.data) for c in chunks), sum(c.ByteSize() for c in chunks)
 
     async def _close_peers(self) -> None:
