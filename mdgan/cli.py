@@ -29,14 +29,20 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_simulate(args) -> int:
     from mdgan.run import simulate
-    from mdgan.settings import apply_threads, data_config, training_config
+    from mdgan.settings import apply_threads, data_config, evaluation_options, training_config
 
     apply_threads(args.threads)
     config = training_config(args)
-    summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress)
+    summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
+                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm)
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
+
+
+def _eval_root(args) -> str | None:
+    """Scores need the MNIST test set: only for MNIST runs."""
+    return args.data_root if args.dataset == "mnist" and args.eval_every >= 0 else None
 
 
 def _forwarded_training_flags(args) -> list[str]:
@@ -84,6 +90,13 @@ class LocalCluster:
         self.processes.append((name, process))
         return process
 
+    def write_targets(self, groups: list[dict]) -> None:
+        """metrics_targets.json, replaced atomically (Prometheus may read it at any moment)."""
+        path = os.path.join(self.out, "metrics_targets.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(groups, fh, indent=2)
+        os.replace(path + ".tmp", path)
+
     def _metrics_flags(self, name: str, port: int) -> list[str]:
         return ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
                 "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
@@ -92,19 +105,22 @@ class LocalCluster:
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
-        if os.path.exists(port_file):
-            os.remove(port_file)
+        for stale in ("server.port", "history.jsonl", "swaps.jsonl", "summary.json"):  # from an earlier run here
+            if os.path.exists(os.path.join(self.out, stale)):
+                os.remove(os.path.join(self.out, stale))
         metrics_ports = {name: _free_port() for name in ["server", *(f"worker-{i}" for i in range(a.workers))]}
         # Prometheus file_sd targets, so a Prometheus can scrape this cluster while it runs.
-        with open(os.path.join(self.out, "metrics_targets.json"), "w") as fh:
-            json.dump([{"targets": [f"127.0.0.1:{port}"],
-                        "labels": {"job": "mdgan-server" if name == "server" else "mdgan-worker", "process": name}}
-                       for name, port in metrics_ports.items()], fh, indent=2)
+        self.write_targets([{"targets": [f"127.0.0.1:{port}"],
+                             "labels": {"job": "mdgan-server" if name == "server" else "mdgan-worker",
+                                        "process": name}}
+                            for name, port in metrics_ports.items()])
         server = self._spawn("server", [
             "services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", self.out,
             "--threads", str(a.threads), "--step-timeout", str(a.step_timeout), "--swap-timeout", str(a.swap_timeout),
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
-            *_forwarded_training_flags(a)])
+            "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
+            "--eval-reference", str(a.eval_reference), "--dataset", a.dataset,
+            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
         port = _wait_for_file(port_file, server, 120)
         for index in range(a.workers):
             name = f"worker-{index}"
@@ -117,28 +133,34 @@ class LocalCluster:
         return server
 
     def follow(self, server: subprocess.Popen) -> int:
-        """Show progress from history.jsonl until the server exits."""
+        """Show progress from history.jsonl (read incrementally) until the server exits."""
         from tqdm import tqdm
 
         history = os.path.join(self.out, "history.jsonl")
-        seen = 0
+        pending, handle = "", None
         with tqdm(total=self.args.iterations, desc="mdgan local", unit="it", disable=self.args.no_progress) as bar:
-            while True:
-                done = server.poll() is not None
-                if os.path.exists(history):
-                    with open(history) as fh:
-                        lines = fh.read().splitlines()
-                    if len(lines) > seen:
-                        last = json.loads(lines[-1]) if lines[-1].strip() else {}
-                        bar.update(len(lines) - seen)
-                        bar.set_postfix(workers=last.get("active_workers"), refresh=False)
-                        seen = len(lines)
-                if done:
-                    return server.returncode
-                time.sleep(0.2)
+            try:
+                while True:
+                    done = server.poll() is not None
+                    if handle is None and os.path.exists(history):
+                        handle = open(history, encoding="utf-8")
+                    if handle is not None:
+                        pending += handle.read()
+                        *lines, pending = pending.split("\n")
+                        if lines:
+                            bar.update(len(lines))
+                            bar.set_postfix(workers=json.loads(lines[-1]).get("active_workers"), refresh=False)
+                    if done:
+                        return server.returncode
+                    time.sleep(0.2)
+            finally:
+                if handle is not None:
+                    handle.close()
 
     def stop(self, grace: float = 30.0) -> dict[str, int | None]:
         deadline = time.monotonic() + grace
+        if os.path.exists(os.path.join(self.out, "metrics_targets.json")):
+            self.write_targets([])  # the processes are gone: nothing left to scrape
         codes = {}
         for name, process in self.processes:
             try:
@@ -157,6 +179,9 @@ def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
     training_config(args)  # fail here, with a clear message, rather than in a child process
+    if args.algorithm != "mdgan":
+        raise ConfigError(f"`mdgan local` runs MD-GAN only for now; run --algorithm {args.algorithm} "
+                          "with `mdgan simulate`")
     cluster = LocalCluster(args)
     try:
         server = cluster.start()
@@ -203,15 +228,21 @@ def cmd_traffic(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, add_training_arguments
+    from mdgan.run import ALGORITHMS
+    from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
+                                add_training_arguments)
 
     parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def run_parser(name: str, help_text: str):
         p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--algorithm", choices=ALGORITHMS, default="mdgan",
+                       help="MD-GAN, or a baseline: FL-GAN (federated averaging of G and D every ceil(E*m/b) "
+                            "iterations) or a standalone GAN on the whole dataset")
         add_training_arguments(p)
         add_data_arguments(p)
+        add_evaluation_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
         # in-process run and the gRPC cluster agree bit for bit.
         add_threads_argument(p, default=1)

@@ -305,7 +305,7 @@ class Trainer:
                 await asyncio.wait_for(worker.stop(RUN_FINISHED), 10.0)
             except Exception as exc:
                 log.warning("could not stop %s cleanly: %s", worker.worker_id, exc)
-        return RunResult(iterations=self.generator.updates if last is None else last.iteration,
+        return RunResult(iterations=last.iteration if last else 0,
                          workers=len(self.workers), workers_alive=len(self.active), swaps=self.swaps,
                          rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last, stopped_early=stopped)
 

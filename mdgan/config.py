@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 GAN_KINDS = ("acgan", "gan")
 LOSSES = ("non-saturating", "saturating")
-DATASETS = ("mnist", "synthetic")
+DATASETS = ("mnist", "cifar10", "synthetic")
+SPLITS = ("iid", "dirichlet")  # how a dataset is cut into shards (DataConfig.split)
 
 
 class ConfigError(ValueError):
@@ -119,16 +120,27 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where a worker's shard comes from."""
+    """Where a worker's shard comes from.
+
+    split "iid": a seeded random permutation cut into equal pieces (the paper's setting);
+    "dirichlet": non-i.i.d. shards, for each class the proportions over shards ~ Dir(alpha)
+    (smaller alpha, more skewed). Both are seeded by split_seed, the same on every worker.
+    """
 
     dataset: str = "mnist"
     data_root: str = "data"
     num_shards: int = 1
     split_seed: int = 0
+    split: str = "iid"
+    dirichlet_alpha: float = 0.5
 
     def validate(self) -> "DataConfig":
         if self.dataset not in DATASETS:
             raise ConfigError(f"unknown dataset {self.dataset!r}; choose from {DATASETS}")
         if self.num_shards < 1:
             raise ConfigError("number of shards must be at least 1")
+        if self.split not in SPLITS:
+            raise ConfigError(f"unknown split {self.split!r}; choose from {SPLITS}")
+        if not (math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0):
+            raise ConfigError(f"--dirichlet-alpha must be a positive number, got {self.dirichlet_alpha}")
         return self

@@ -1,19 +1,39 @@
 """Datasets and shards. A worker loads the dataset, keeps its own shard and never sends a sample.
 
-Images are float32 in [-1, 1] (the range of G's tanh), shaped like the model's samples.
+Images are float32 in [-1, 1] (the range of G's tanh), stored flat: (N, d) with d = 784 for MNIST
+and d = 3072 for CIFAR-10 (channel-first, (C, H, W) flattened); labels are (N,) int64.
+
+Shards: "iid" (the paper's setting) cuts a seeded permutation into equal pieces; "dirichlet"
+gives non-i.i.d. shards (see dirichlet_shard_indices). Both are seeded by the split seed, so every
+worker computes the same split from the same dataset.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import pickle
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mdgan.config import ConfigError, DataConfig
 
 SYNTHETIC_SIZE = 2000
 SYNTHETIC_SEED = 1234  # fixed: every worker must build the same synthetic dataset
+
+# The flat sample shape of each dataset (ModelSpec.sample_shape).
+DATASET_SAMPLE_SHAPES: dict[str, tuple[int, ...]] = {"mnist": (784,), "cifar10": (3072,), "synthetic": (784,)}
+
+CIFAR10_FOLDER = "cifar-10-batches-py"  # torchvision's layout, as extracted from cifar-10-python.tar.gz
+CIFAR10_TRAIN_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5")
+CIFAR10_TEST_FILES = ("test_batch",)
+
+# Dirichlet shards hold at least min(DIRICHLET_MIN_SHARD, N // num_shards) samples: a batch of the
+# paper's largest b (100), or the i.i.d. share when the dataset is too small for that.
+DIRICHLET_MIN_SHARD = 100
+DIRICHLET_TRIES = 100  # draws before the last one is rebalanced
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,51 @@ def load_mnist(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.
     return images, dataset.targets.to(torch.int64)
 
 
+def load_cifar10(data_root: str, train: bool = True, verify_md5: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 from torchvision's layout (DATA_ROOT/cifar-10-batches-py/); never downloads.
+
+    -> images (n, 3072) float32 in [-1, 1], channel-first ((3, 32, 32) flattened: the red plane,
+    then green, then blue), labels (n,) int64. The batches are read exactly as
+    torchvision.datasets.CIFAR10 reads them (pickled dicts of "data" uint8 (n, 3072) and "labels")
+    but without its md5 check of every file against the official archive, which only the official
+    files pass; verify_md5=True runs that check (torchvision's checksums) and refuses other files.
+    These are local files the user put there: nothing here unpickles bytes from the network.
+    """
+    folder = os.path.join(data_root, CIFAR10_FOLDER)
+    names = CIFAR10_TRAIN_FILES if train else CIFAR10_TEST_FILES
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise ConfigError(
+            f"CIFAR-10 not found under {folder!r} (missing {', '.join(missing)}): point --data-root at a folder "
+            f"holding {CIFAR10_FOLDER} (torchvision.datasets.CIFAR10(root, download=True) creates one)"
+        )
+    if verify_md5:
+        from torchvision.datasets import CIFAR10
+        from torchvision.datasets.utils import check_integrity
+
+        expected = dict(CIFAR10.train_list + CIFAR10.test_list)
+        bad = [n for n in names if not check_integrity(os.path.join(folder, n), expected[n])]
+        if bad:
+            raise ConfigError(f"CIFAR-10 files under {folder!r} fail torchvision's md5 check: {', '.join(bad)}")
+    chunks, targets = [], []
+    for name in names:
+        path = os.path.join(folder, name)
+        with open(path, "rb") as fh:
+            entry = pickle.load(fh, encoding="latin1")
+        data = np.asarray(entry.get("data")) if isinstance(entry, dict) else None
+        labels = entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None
+        if data is None or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 \
+                or labels is None or len(labels) != data.shape[0]:
+            raise ConfigError(f"{path} is not a CIFAR-10 batch (a dict of 'data' uint8 (n, 3072) and n 'labels')")
+        chunks.append(data)
+        targets.extend(labels)
+    images = torch.from_numpy(np.concatenate(chunks)).to(torch.float32).div_(127.5).sub_(1.0)  # (n, 3072)
+    labels = torch.tensor(targets, dtype=torch.int64)  # (n,)
+    if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < 10):
+        raise ConfigError(f"CIFAR-10 labels under {folder!r} are not in 0..9")
+    return images, labels
+
+
 def make_synthetic(size: int = SYNTHETIC_SIZE, dim: int = 784, num_classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """A small labelled dataset for smoke runs: one random prototype per class plus noise."""
     rng = torch.Generator().manual_seed(SYNTHETIC_SEED)
@@ -55,6 +120,8 @@ def load_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
     config.validate()
     if config.dataset == "mnist":
         return load_mnist(config.data_root)
+    if config.dataset == "cifar10":
+        return load_cifar10(config.data_root)
     return make_synthetic()
 
 
@@ -67,21 +134,96 @@ def iid_shard_indices(size: int, num_shards: int, seed: int) -> list[torch.Tenso
 
 
 def shard_sizes(size: int, num_shards: int) -> list[int]:
-    """The sizes of the i.i.d. shards (the first size % num_shards shards hold one sample more)."""
+    """The sizes of the i.i.d. shards (the first size % num_shards shards hold one sample more).
+
+    i.i.d. split only: Dirichlet shard sizes depend on the labels, so a server that assigns shards
+    from this cannot assign Dirichlet shards; give every worker an explicit --shard-index then.
+    """
     return [size // num_shards + (1 if i < size % num_shards else 0) for i in range(num_shards)]
 
 
-def take_shard(images: torch.Tensor, labels: torch.Tensor, index: int, config: DataConfig,
-               sample_shape: tuple[int, ...] = (784,)) -> Shard:
-    """Shard `index` of `config.num_shards` of an already loaded dataset."""
-    if not 0 <= index < config.num_shards:
-        raise ConfigError(f"shard index {index} out of range for {config.num_shards} shards")
-    picked = iid_shard_indices(images.shape[0], config.num_shards, config.split_seed)[index]
-    return Shard(images[picked].reshape(-1, *sample_shape).contiguous(), labels[picked].contiguous(),
+def dirichlet_shard_indices(labels: torch.Tensor, num_shards: int, alpha: float, seed: int,
+                            min_size: int | None = None) -> list[torch.Tensor]:
+    """Non-i.i.d. shards: for each class, its samples are dealt to the shards in proportions ~ Dir(alpha).
+
+    Small alpha (0.1) gives shards dominated by a few classes; large alpha (100) approaches i.i.d.
+    Every shard gets at least min_size samples (default min(DIRICHLET_MIN_SHARD, N // num_shards),
+    i.e. at least a batch of the paper's b <= 100 whenever the data allow it): the whole split is
+    re-drawn up to DIRICHLET_TRIES times until it holds; if none does, the last draw is rebalanced:
+    each short shard, in index order, takes random samples from the currently largest shard (lowest
+    index on ties) without pushing that one below min_size. Seeded (numpy's PCG64 from seed); the
+    indices of a shard come back sorted. -> num_shards disjoint int64 index tensors covering 0..N-1.
+    """
+    size = labels.shape[0]
+    if num_shards > size:
+        raise ConfigError(f"cannot split {size} samples into {num_shards} shards")
+    if min_size is None:
+        min_size = min(DIRICHLET_MIN_SHARD, size // num_shards)
+    if min_size * num_shards > size:
+        raise ConfigError(f"cannot give {num_shards} shards {min_size} samples each from {size} samples")
+    rng = np.random.default_rng(seed)
+    y = labels.detach().cpu().numpy()
+    by_class = [np.flatnonzero(y == c) for c in np.unique(y)]
+    for _ in range(DIRICHLET_TRIES):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+        for members in by_class:
+            members = rng.permutation(members)
+            proportions = rng.dirichlet(np.full(num_shards, alpha))  # (num_shards,), sums to 1
+            cuts = np.clip((np.cumsum(proportions)[:-1] * len(members)).astype(np.int64), 0, len(members))
+            for shard, piece in zip(parts, np.split(members, cuts)):
+                shard.append(piece)
+        shards = [np.concatenate(p) for p in parts]
+        if min(len(s) for s in shards) >= min_size:
+            break
+    else:
+        shards = _rebalance(shards, min_size, rng)
+    return [torch.from_numpy(np.sort(s)).to(torch.int64) for s in shards]
+
+
+def _rebalance(shards: list[np.ndarray], min_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Top every shard up to min_size with random samples of the largest shard (see above)."""
+    shards = list(shards)
+    for i in range(len(shards)):
+        while len(shards[i]) < min_size:
+            donor = max(range(len(shards)), key=lambda j: (len(shards[j]), -j))
+            take = min(min_size - len(shards[i]), len(shards[donor]) - min_size)  # >= 1: sum >= n*min_size
+            moved = np.zeros(len(shards[donor]), dtype=bool)
+            moved[rng.choice(len(shards[donor]), size=take, replace=False)] = True
+            shards[i] = np.concatenate([shards[i], shards[donor][moved]])
+            shards[donor] = shards[donor][~moved]
+    return shards
+
+
+def shard_indices(labels: torch.Tensor, config: DataConfig) -> list[torch.Tensor]:
+    """The indices of every shard of the dataset, by config.split (seeded by config.split_seed)."""
+    if config.split == "dirichlet":
+        return dirichlet_shard_indices(labels, config.num_shards, config.dirichlet_alpha, config.split_seed)
+    return iid_shard_indices(labels.shape[0], config.num_shards, config.split_seed)
+
+
+def _cut(images: torch.Tensor, labels: torch.Tensor, picked: torch.Tensor, index: int, config: DataConfig,
+         sample_shape: tuple[int, ...] | None) -> Shard:
+    shape = tuple(images.shape[1:]) if sample_shape is None else tuple(sample_shape)
+    if math.prod(shape) != math.prod(images.shape[1:]):
+        raise ConfigError(f"{config.dataset} samples have shape {tuple(images.shape[1:])}, which does not fit "
+                          f"the model's sample shape {shape}")
+    return Shard(images[picked].reshape(-1, *shape).contiguous(), labels[picked].contiguous(),
                  index, config.num_shards)
 
 
-def load_shard(config: DataConfig, index: int, sample_shape: tuple[int, ...] = (784,)) -> Shard:
+def take_shard(images: torch.Tensor, labels: torch.Tensor, index: int, config: DataConfig,
+               sample_shape: tuple[int, ...] | None = None) -> Shard:
+    """Shard `index` of `config.num_shards` of an already loaded dataset (split by config.split).
+
+    sample_shape None keeps the dataset's own flat shape (N, d).
+    """
+    if not 0 <= index < config.num_shards:
+        raise ConfigError(f"shard index {index} out of range for {config.num_shards} shards")
+    picked = shard_indices(labels, config.validate())[index]
+    return _cut(images, labels, picked, index, config, sample_shape)
+
+
+def load_shard(config: DataConfig, index: int, sample_shape: tuple[int, ...] | None = None) -> Shard:
     config.validate()
     if not 0 <= index < config.num_shards:
         raise ConfigError(f"shard index {index} out of range for {config.num_shards} shards")
@@ -89,10 +231,11 @@ def load_shard(config: DataConfig, index: int, sample_shape: tuple[int, ...] = (
     return take_shard(images, labels, index, config, sample_shape)
 
 
-def load_all_shards(config: DataConfig, sample_shape: tuple[int, ...] = (784,)) -> list[Shard]:
-    """Every shard at once (the in-process cluster), loading the dataset a single time."""
+def load_all_shards(config: DataConfig, sample_shape: tuple[int, ...] | None = None) -> list[Shard]:
+    """Every shard at once (the in-process cluster), loading the dataset and splitting it a single time."""
     images, labels = load_dataset(config.validate())
-    return [take_shard(images, labels, i, config, sample_shape) for i in range(config.num_shards)]
+    pieces = shard_indices(labels, config)
+    return [_cut(images, labels, picked, i, config, sample_shape) for i, picked in enumerate(pieces)]
 
 
 class ShardSampler:

@@ -6,20 +6,24 @@ Used by the in-process simulation and by the gRPC server alike, so both write th
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import asdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm import tqdm
 
 from mdgan.cluster import IterationRecord, RunResult, Trainer, build_in_process_workers
-from mdgan.config import DataConfig, TrainingConfig
+from mdgan.baselines import run_flgan, run_standalone
+from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.mdgan import GeneratorSide, derive_seed
+from mdgan.models import image_shape
 
 
 def generator_sha256(generator: torch.nn.Module) -> str:
@@ -36,11 +40,80 @@ def _finite_or_none(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
+def evaluation_samples(generator_side: GeneratorSide, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fixed noise (and class-balanced labels for ACGAN) for scoring: the same at every evaluation."""
+    spec = generator_side.spec
+    rng = torch.Generator().manual_seed(derive_seed(generator_side.config.seed, "evaluation"))
+    z = torch.randn(count, spec.latent_dim, generator=rng)  # (count, l)
+    labels = torch.arange(count) % spec.num_classes if spec.conditional else None  # (count,)
+    return z, labels
+
+
+class PeriodicEvaluator:
+    """Scores G every `every` iterations on a snapshot, in a background thread, so training never
+    waits for it; results are picked up by the next history line. `finish` scores the final G."""
+
+    def __init__(self, scorer, generator_side: GeneratorSide, every: int, samples: int = 500):
+        self.scorer = scorer  # anything with evaluate(images) -> dict of scores (mdgan.evaluation.ScoreEvaluator)
+        self.generator_side = generator_side
+        self.every = every
+        self.noise = evaluation_samples(generator_side, samples)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdgan-eval")
+        self._pending: list[tuple[int, Future]] = []
+        self.latest: dict | None = None
+
+    def _score(self, generator: torch.nn.Module) -> dict:
+        z, labels = self.noise
+        with torch.no_grad():
+            images = generator.eval()(z, labels)
+        return self.scorer.evaluate(images)
+
+    def maybe_start(self, iteration: int) -> None:
+        if self.every > 0 and iteration % self.every == 0:
+            snapshot = copy.deepcopy(self.generator_side.generator)  # training goes on with the original
+            self._pending.append((iteration, self._pool.submit(self._score, snapshot)))
+
+    def collect(self) -> dict | None:
+        """The newest finished evaluation ({"eval_iteration", scores...}), if any finished since last asked."""
+        found = None
+        while self._pending and self._pending[0][1].done():
+            iteration, future = self._pending.pop(0)
+            found = {"eval_iteration": iteration, **future.result()}
+        if found is not None:
+            self.latest = found
+        return found
+
+    def finish(self, iteration: int) -> dict:
+        for _, future in self._pending:
+            future.result()
+        self.collect()
+        final = {"eval_iteration": iteration, **self._score(copy.deepcopy(self.generator_side.generator))}
+        self.latest = final
+        self._pool.shutdown()
+        return final
+
+
+def make_evaluator(generator_side: GeneratorSide, data_root: str | None, every: int, samples: int,
+                   reference: int) -> PeriodicEvaluator | None:
+    """MNIST score and FID (the paper's metrics) for runs whose samples are MNIST digits."""
+    if data_root is None or generator_side.spec.sample_size != 28 * 28 or every < 0:
+        return None
+    from mdgan.evaluation import ScoreEvaluator
+
+    scorer = ScoreEvaluator.from_mnist_test(data_root, n=reference, seed=0)
+    return PeriodicEvaluator(scorer, generator_side, every, samples)
+
+
 class RunRecorder:
     """Writes history.jsonl and swaps.jsonl line by line (so `tail -f` works); drives the progress bar."""
 
-    def __init__(self, out_dir: str, total: int, progress: bool = True, description: str = "mdgan"):
+    def __init__(self, out_dir: str, total: int, progress: bool = True, description: str = "mdgan",
+                 evaluator: PeriodicEvaluator | None = None):
         os.makedirs(out_dir, exist_ok=True)
+        self.evaluator = evaluator
+        self.total = total
+        self._final_done = False
+        self._eval_seconds = 0.0  # the final evaluation runs inline: kept out of the wall time
         self.out_dir = out_dir
         self._history = open(os.path.join(out_dir, "history.jsonl"), "w", encoding="utf-8")
         self._swaps = open(os.path.join(out_dir, "swaps.jsonl"), "w", encoding="utf-8")
@@ -49,6 +122,12 @@ class RunRecorder:
 
     def __call__(self, record: IterationRecord) -> None:
         row = {k: (_finite_or_none(v) if isinstance(v, float) else v) for k, v in asdict(record).items()}
+        if self.evaluator is not None:
+            if record.iteration == self.total:  # the last line carries the final generator's scores
+                row.update(self._finish(record.iteration))
+            else:
+                self.evaluator.maybe_start(record.iteration)
+                row.update(self.evaluator.collect() or {})
         self._history.write(json.dumps(row) + "\n")
         self._history.flush()
         self._bar.update(1)
@@ -60,11 +139,27 @@ class RunRecorder:
         self._swaps.write(json.dumps(record) + "\n")
         self._swaps.flush()
 
-    def close(self) -> float:
+    def _finish(self, iteration: int) -> dict:
+        started = time.perf_counter()
+        final = self.evaluator.finish(iteration)
+        self._final_done = True
+        self._eval_seconds += time.perf_counter() - started
+        return final
+
+    def close(self, iteration: int | None = None) -> float:
+        """Stop the clock; a run cut short still gets its final generator scored (into the summary)."""
+        wall = time.perf_counter() - self.started
+        if self.evaluator is not None and iteration and not self._final_done:
+            self._finish(iteration)
+        wall -= self._eval_seconds
         self._bar.close()
         self._history.close()
         self._swaps.close()
-        return time.perf_counter() - self.started
+        return wall
+
+    @property
+    def scores(self) -> dict | None:
+        return None if self.evaluator is None else self.evaluator.latest
 
 
 def save_sample_grid(generator_side: GeneratorSide, path: str, per_class: int = 10) -> None:
@@ -81,16 +176,15 @@ def save_sample_grid(generator_side: GeneratorSide, path: str, per_class: int = 
     count = spec.num_classes * per_class if spec.conditional else 100
     z = torch.randn(count, spec.latent_dim, generator=rng)
     images = generator_side.sample(z, labels)
-    side = math.isqrt(spec.sample_size)
-    if side * side == spec.sample_size:  # grey square images (MNIST-like)
-        images = images.reshape(count, 1, side, side)
-    elif images.dim() != 4:
+    try:
+        images = images.reshape(count, *image_shape(spec.sample_size))  # (count, C, H, W)
+    except ValueError:
         return  # samples are not images: no grid
     save_image(images, path, nrow=nrow, normalize=True, value_range=(-1, 1))
 
 
 def write_outputs(out_dir: str, config: TrainingConfig, generator_side: GeneratorSide, result: RunResult,
-                  wall_seconds: float, mode: str, extra: dict | None = None) -> dict:
+                  wall_seconds: float, mode: str, extra: dict | None = None, scores: dict | None = None) -> dict:
     """summary.json, samples.png and checkpoint.pt; returns the summary."""
     os.makedirs(out_dir, exist_ok=True)
     last = result.last
@@ -114,6 +208,7 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
             "real_accuracy": _finite_or_none(last.real_accuracy) if last else None,
             "fake_accuracy": _finite_or_none(last.fake_accuracy) if last else None,
         },
+        "scores": scores,
         "config": config.to_dict(),
     }
     summary.update(extra or {})
@@ -128,17 +223,45 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
     return summary
 
 
-def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True) -> dict:
-    """The whole run in this process: every worker is an object, the loop is the same."""
+@dataclass(frozen=True)
+class EvaluationOptions:
+    """Scores every `every` iterations (0: only at the end; -1: never) on `samples` generated images,
+    against `reference` MNIST test images found under `data_root`."""
+
+    data_root: str | None = None
+    every: int = 1000
+    samples: int = 500
+    reference: int = 2000
+
+
+ALGORITHMS = ("mdgan", "flgan", "standalone")
+
+
+def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
+             evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan") -> dict:
+    """The whole run in this process: MD-GAN with every worker an object (the same loop as over
+    gRPC), or one of the baselines on the same models, seeds and data."""
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
+    if algorithm == "standalone":  # one G, one D, the whole dataset
+        config = replace(config, workers=1, kappa=1)
     config.validate()
-    data = DataConfig(data.dataset, data.data_root, config.workers, data.split_seed).validate()
-    shards = load_all_shards(data, config.model.sample_shape)
+    shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
     generator_side = GeneratorSide(config)
-    workers = build_in_process_workers(config, shards)
-    recorder = RunRecorder(out_dir, config.iterations, progress, "simulate")
-    trainer = Trainer(config, generator_side, workers, on_iteration=recorder, on_swap=recorder.swap)
+    evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
+                               evaluation.reference)
+    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator)
+    result = None
     try:
-        result = asyncio.run(trainer.run())
+        if algorithm == "mdgan":
+            workers = build_in_process_workers(config, shards)
+            trainer = Trainer(config, generator_side, workers, on_iteration=recorder, on_swap=recorder.swap)
+            result = asyncio.run(trainer.run())
+        elif algorithm == "standalone":
+            result = run_standalone(config, generator_side, shards[0], on_iteration=recorder)
+        else:
+            result = run_flgan(config, generator_side, shards, on_iteration=recorder, on_round=recorder.swap)
     finally:
-        wall = recorder.close()
-    return write_outputs(out_dir, config, generator_side, result, wall, "simulate")
+        wall = recorder.close(result.iterations if result else None)
+    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", {"algorithm": algorithm},
+                         scores=recorder.scores)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mdgan.config import (DATASETS, GAN_KINDS, LOSSES, ConfigError, DataConfig, ModelSpec, OptimizerSpec,
+from mdgan.config import (DATASETS, GAN_KINDS, LOSSES, SPLITS, ConfigError, DataConfig, ModelSpec, OptimizerSpec,
                           TrainingConfig)
 
 ENV_PREFIX = "MDGAN_"
@@ -80,9 +80,31 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", choices=DATASETS, default="mnist", help="mnist, or a small synthetic set")
-    g.add_argument("--data-root", default="data", help="folder holding MNIST/raw (torchvision's layout)")
-    g.add_argument("--split-seed", type=int, default=0, help="seed of the i.i.d. split (the same on every worker)")
+    g.add_argument("--dataset", choices=DATASETS, default="mnist", help="mnist, cifar10, or a small synthetic set")
+    g.add_argument("--data-root", default="data",
+                   help="folder holding MNIST/raw or cifar-10-batches-py (torchvision's layout; never downloads)")
+    g.add_argument("--split-seed", type=int, default=0, help="seed of the split (the same on every worker)")
+    g.add_argument("--split", choices=SPLITS, default="iid",
+                   help="iid: equal random shards (the paper); dirichlet: non-i.i.d. shards, per class "
+                        "proportions ~ Dir(alpha) (workers then need an explicit --shard-index)")
+    g.add_argument("--dirichlet-alpha", type=float, default=0.5,
+                   help="concentration of the dirichlet split (smaller: more skewed shards)")
+
+
+def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evaluation (MNIST score and FID with the shipped MNIST classifier)")
+    g.add_argument("--eval-every", type=int, default=1000,
+                   help="score the generator every this many iterations, in the background (0: only at the end, "
+                        "-1: never); MNIST-shaped samples only")
+    g.add_argument("--eval-samples", type=int, default=500, help="generated images per evaluation")
+    g.add_argument("--eval-reference", type=int, default=2000, help="MNIST test images FID compares against")
+
+
+def evaluation_options(args: argparse.Namespace, data_root: str | None):
+    from mdgan.run import EvaluationOptions
+
+    return EvaluationOptions(data_root=data_root, every=args.eval_every, samples=args.eval_samples,
+                             reference=args.eval_reference)
 
 
 def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
@@ -91,18 +113,36 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
 
 
 def training_config(args: argparse.Namespace) -> TrainingConfig:
+    """The run's TrainingConfig; the samples' flat shape comes from the dataset and the architecture.
+
+    With a --dataset (simulate, local) the shape is the dataset's (mnist/synthetic (784,), cifar10
+    (3072,)) and an architecture built for another image size is refused; without one (the server)
+    it is the architecture's own (cnn-cifar10: (3072,)), (784,) for the MLP.
+    """
+    from mdgan.data import DATASET_SAMPLE_SHAPES
+    from mdgan.models import ARCHITECTURE_SAMPLE_SHAPES
+
+    native = ARCHITECTURE_SAMPLE_SHAPES.get(args.architecture)  # None: any shape (mlp) or unknown (refused below)
+    dataset = getattr(args, "dataset", None)
+    sample_shape = DATASET_SAMPLE_SHAPES.get(dataset) if dataset is not None else None
+    if sample_shape is None:
+        sample_shape = native or ModelSpec().sample_shape
+    elif native is not None and tuple(native) != tuple(sample_shape):
+        raise ConfigError(f"--architecture {args.architecture} works on samples of shape {tuple(native)}, but "
+                          f"--dataset {dataset} has samples of shape {tuple(sample_shape)}")
     return TrainingConfig(
         workers=args.workers, iterations=args.iterations, batch_size=args.batch_size, kappa=args.kappa,
         disc_steps=args.disc_steps, swap_epochs=args.swap_epochs, swap_every=args.swap_every,
         swap_optimizer_state=args.swap_optimizer_state, seed=args.seed,
-        model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss),
+        model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss, sample_shape=tuple(sample_shape)),
         generator_optimizer=OptimizerSpec(args.gen_lr, args.beta1, args.beta2),
         discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),
     ).validate()
 
 
 def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
-    return DataConfig(args.dataset, args.data_root, num_shards, args.split_seed).validate()
+    return DataConfig(args.dataset, args.data_root, num_shards, args.split_seed,
+                      split=args.split, dirichlet_alpha=args.dirichlet_alpha).validate()
 
 
 def apply_threads(threads: int) -> None:

@@ -10,11 +10,12 @@ import sys
 
 import grpc
 
-from mdgan.config import ConfigError
+from mdgan.config import DATASETS, ConfigError
 from mdgan.cluster import IterationRecord, Trainer
 from mdgan.mdgan import GeneratorSide
-from mdgan.run import RunRecorder, write_outputs
-from mdgan.settings import EnvArgumentParser, add_threads_argument, add_training_arguments, apply_threads, training_config
+from mdgan.run import RunRecorder, make_evaluator, write_outputs
+from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_threads_argument, add_training_arguments,
+                            apply_threads, training_config)
 from services.common import rpc
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -41,8 +42,13 @@ def build_parser() -> EnvArgumentParser:
                         help="write the final metrics exposition to this file (default: OUT/metrics/server.prom)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--dataset", choices=DATASETS, default=None,
+                        help="the kind of data the workers hold (sets the sample shape; default: the architecture's)")
+    parser.add_argument("--eval-data-root", default=None,
+                        help="folder holding MNIST/raw: score the generator (MNIST score, FID) against its test set")
     add_threads_argument(parser, default=0)
     add_training_arguments(parser)
+    add_evaluation_arguments(parser)
     return parser
 
 
@@ -72,11 +78,14 @@ async def serve(args) -> dict:
     try:
         generator = GeneratorSide(config)
         workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
-        recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server")
+        evaluator = make_evaluator(generator, args.eval_data_root, args.eval_every, args.eval_samples,
+                                   args.eval_reference)
+        recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server", evaluator)
 
         def on_iteration(record: IterationRecord) -> None:
             recorder(record)
             observe_iteration(telemetry, record, len(trainer.active))
+            observe_scores(telemetry, recorder.scores)
 
         def on_swap(record: dict) -> None:
             recorder.swap(record)
@@ -86,11 +95,13 @@ async def serve(args) -> dict:
         trainer = Trainer(config, generator, workers, step_timeout=args.step_timeout,
                           swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=on_iteration,
                           on_swap=on_swap)
+        result = None
         try:
             result = await _until(trainer.run(), stopping)
         finally:
-            wall = recorder.close()
-        summary = write_outputs(args.out, config, generator, result, wall, "grpc", {
+            wall = recorder.close(result.iterations if result else None)
+        observe_scores(telemetry, recorder.scores)
+        summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
             "message_bytes": {
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",
@@ -105,6 +116,12 @@ async def serve(args) -> dict:
         telemetry.dump(args.metrics_dump or os.path.join(args.out, "metrics", "server.prom"))
         await rpc.set_serving(health, [SERVICE], False)
         await server.stop(grace=5)
+
+
+def observe_scores(telemetry: Telemetry, scores: dict | None) -> None:
+    for metric, value in (scores or {}).items():
+        if metric != "eval_iteration":
+            telemetry.score.labels(metric).set(value)
 
 
 def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int) -> None:

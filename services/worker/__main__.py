@@ -69,6 +69,9 @@ def advertise_address(value: str | None, bound_port: int) -> str:
 async def serve(args) -> str:
     data = data_config(args, args.num_shards)
     index = resolve_shard_index(args.shard_index)
+    if index is None and data.split != "iid":
+        raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
+                          "assigns from the i.i.d. split); give each worker its --shard-index")
     if index is None:
         images, labels = load_dataset(data)
         source = {"dataset": (images, labels, data)}

@@ -10,6 +10,8 @@ import time
 import grpc
 import torch
 
+from dataclasses import replace
+
 from mdgan.config import DataConfig
 from mdgan.data import Shard, take_shard
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
@@ -82,26 +84,42 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.node = node
 
     async def PushDiscriminator(self, request_iterator, context: grpc.aio.ServicerContext) -> peer_pb2.PushAck:
-        side = self.node.side
+        side, telemetry = self.node.side, self.node.telemetry
+        assembler = codec.StateAssembler(side.state_layout()) if side is not None else None
+        # Refusing mid-stream while the peer still writes can surface as INTERNAL on its side, so a
+        # refused stream is drained (up to a bound, discarding) and refused once the peer is done.
+        refusal: tuple[grpc.StatusCode, str] | None = None
         if side is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has not joined a run yet")
-        assembler = codec.StateAssembler(side.state_layout())
-        telemetry = self.node.telemetry
-        try:
-            async for chunk in request_iterator:
-                telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, len(chunk.data))
+            refusal = grpc.StatusCode.FAILED_PRECONDITION, "this worker has not joined a run yet"
+        drain_limit = 2 * (assembler.expected_bytes() if assembler else codec.CHUNK_BYTES) + codec.CHUNK_BYTES
+        discarded = 0
+        async for chunk in request_iterator:
+            telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, len(chunk.data))
+            if refusal is not None:
+                discarded += len(chunk.data)
+                if discarded > drain_limit:
+                    break
+                continue
+            try:
                 if assembler.header is None:
                     if chunk.WhichOneof("body") != "header":
                         raise codec.InvalidTensor("protocol", "the first chunk must be the header")
-                    problem = self.node.mailbox.check(chunk.header.round)
-                    if problem is not None:
-                        await context.abort(*problem)
+                    refusal = self.node.mailbox.check(chunk.header.round)
+                    if refusal is not None:
+                        continue
                 assembler.accept(chunk)
-            state = assembler.finish()
-        except codec.InvalidTensor as exc:
-            log.warning("rejected a discriminator from %s: %s", context.peer(), exc)
-            telemetry.rejected.labels(exc.reason).inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except codec.InvalidTensor as exc:
+                telemetry.rejected.labels(exc.reason).inc()
+                refusal = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if refusal is None:
+            try:
+                state = assembler.finish()
+            except codec.InvalidTensor as exc:
+                telemetry.rejected.labels(exc.reason).inc()
+                refusal = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if refusal is not None:
+            log.warning("refused a discriminator from %s: %s", context.peer(), refusal[1])
+            await context.abort(*refusal)
         self.node.mailbox.deliver(assembler.header.round, assembler.header.sender_worker, state)
         return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)
 
@@ -193,7 +211,7 @@ class WorkerNode:
         config = codec.config_from_spec(welcome.spec)
         if self.shard is None:
             images, labels, data = self.dataset
-            data = DataConfig(data.dataset, data.data_root, config.workers, data.split_seed)
+            data = replace(data, num_shards=config.workers)
             self.shard = take_shard(images, labels, welcome.shard_index, data, config.model.sample_shape)
             self.dataset = None  # keep only our shard
             log.info("the server assigned shard %d of %d (%d samples)", self.shard.index, config.workers,

@@ -1,0 +1,65 @@
+import asyncio
+
+import pytest
+import torch
+
+from mdgan.baselines import LocalGAN, fedavg, run_flgan, run_standalone
+from mdgan.cluster import Trainer, build_in_process_workers
+from mdgan.config import DataConfig, ModelSpec, TrainingConfig
+from mdgan.data import load_all_shards
+from mdgan.mdgan import GeneratorSide
+from mdgan.models import build_discriminator
+
+
+def test_fedavg_of_identical_models_is_the_identity():
+    state = build_discriminator(ModelSpec(), 3).state_dict()
+    averaged = fedavg([state, {k: v.clone() for k, v in state.items()}, state], [1.0, 5.0, 2.0])
+    assert all(torch.equal(averaged[k], v) for k, v in state.items())
+
+
+def test_fedavg_weights_by_shard_size():
+    a, b = {"w": torch.tensor([0.0, 4.0])}, {"w": torch.tensor([4.0, 0.0])}
+    assert torch.equal(fedavg([a, b], [3.0, 1.0])["w"], torch.tensor([1.0, 3.0]))
+
+
+@pytest.mark.parametrize("gan,disc_steps", [("acgan", 1), ("gan", 2)])
+def test_standalone_gan_equals_mdgan_with_one_worker_holding_all_the_data(gan, disc_steps):
+    config = TrainingConfig(workers=1, iterations=15, batch_size=8, disc_steps=disc_steps, seed=3, swap_every=1000,
+                            model=ModelSpec(gan=gan)).validate()
+    (dataset,) = load_all_shards(DataConfig("synthetic", num_shards=1))
+
+    standalone = GeneratorSide(config)
+    run_standalone(config, standalone, dataset)
+
+    mdgan = GeneratorSide(config)
+    asyncio.run(Trainer(config, mdgan, build_in_process_workers(config, [dataset])).run())
+
+    moved = False
+    for (name, p), q, p0 in zip(standalone.generator.named_parameters(), mdgan.generator.parameters(),
+                                GeneratorSide(config).generator.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+        moved |= not torch.equal(p, p0)
+    assert moved  # both trained, the same way
+
+
+def test_flgan_averages_every_period_and_counts_table_iii_traffic():
+    config = TrainingConfig(workers=3, iterations=10, batch_size=5, swap_every=4, seed=1).validate()
+    shards = load_all_shards(DataConfig("synthetic", num_shards=3))
+    server = GeneratorSide(config)
+    rounds, records = [], []
+    result = run_flgan(config, server, shards, on_iteration=records.append, on_round=rounds.append)
+    assert [r["iteration"] for r in rounds] == [4, 8, 10]  # every period, and a last round at the end
+    theta_w = (670_219 + 716_560 + 1000) * 4
+    assert result.traffic.payload_bytes["server_to_worker"] == 3 * 3 * theta_w
+    assert result.traffic.payload_bytes["worker_to_server"] == 3 * 3 * theta_w
+    assert len(records) == 10 and records[3].swap_round == 1
+
+
+def test_flgan_workers_hold_the_average_after_a_round():
+    config = TrainingConfig(workers=2, iterations=3, batch_size=5, swap_every=3).validate()
+    shards = load_all_shards(DataConfig("synthetic", num_shards=2))
+    server = GeneratorSide(config)
+    run_flgan(config, server, shards)
+    # a fresh local GAN is different; the server holds the average of what the workers trained
+    fresh = LocalGAN(config, shards[0])
+    assert not all(torch.equal(p, q) for p, q in zip(server.generator.parameters(), fresh.g.generator.parameters()))
