@@ -227,6 +227,24 @@ def cmd_traffic(args) -> int:
     return 0 if all(r["payload_matches_formula"] for r in report["rows"]) else 1
 
 
+def cmd_experiment(args) -> int:
+    from mdgan.experiment import run_experiment
+    from mdgan.settings import apply_threads
+
+    apply_threads(args.threads)
+    result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from mdgan.sampling import sample_run
+
+    written = sample_run(args.run, args.n, args.out, seed=args.seed)
+    print(f"wrote {written} samples to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
@@ -261,6 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
     traffic.add_argument("run", help="run directory of `mdgan local`")
     traffic.add_argument("--json", action="store_true", help="print the report as JSON")
     traffic.set_defaults(func=cmd_traffic)
+    experiment = sub.add_parser("experiment", help="Run a grid of trainings and plot the paper's figures.")
+    experiment.add_argument("config", help="experiment YAML (see experiments/)")
+    experiment.add_argument("--plot-only", action="store_true", help="only collect the results and plot them")
+    experiment.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_threads_argument(experiment, default=1)
+    experiment.set_defaults(func=cmd_experiment)
+    sample = sub.add_parser("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")
+    sample.add_argument("run", help="run directory (holding checkpoint.pt and summary.json)")
+    sample.add_argument("--n", type=int, default=100, help="number of samples")
+    sample.add_argument("--out", required=True, help="FILE.npy (float32 in [-1, 1], with labels in FILE.labels.npy "
+                                                    "for ACGAN) or FILE.png (a grid)")
+    sample.add_argument("--seed", type=int, default=0, help="noise seed")
+    sample.set_defaults(func=cmd_sample)
     return parser
 
 

@@ -238,9 +238,14 @@ ALGORITHMS = ("mdgan", "flgan", "standalone")
 
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
-             evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan") -> dict:
+             evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
+             crash_every: int | None = None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
-    gRPC), or one of the baselines on the same models, seeds and data."""
+    gRPC), or one of the baselines on the same models, seeds and data.
+
+    crash_every: MD-GAN only, the paper's crash experiment: every this many iterations one more
+    worker fails (the last by rank), and its data leaves with it.
+    """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
     if algorithm == "standalone":  # one G, one D, the whole dataset
@@ -255,7 +260,14 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     try:
         if algorithm == "mdgan":
             workers = build_in_process_workers(config, shards)
-            trainer = Trainer(config, generator_side, workers, on_iteration=recorder, on_swap=recorder.swap)
+            on_iteration = recorder
+            if crash_every:
+                def on_iteration(record: IterationRecord) -> None:
+                    recorder(record)
+                    alive = [w for w in workers if not w.crashed]
+                    if record.iteration % crash_every == 0 and alive:
+                        alive[-1].crash()
+            trainer = Trainer(config, generator_side, workers, on_iteration=on_iteration, on_swap=recorder.swap)
             result = asyncio.run(trainer.run())
         elif algorithm == "standalone":
             result = run_standalone(config, generator_side, shards[0], on_iteration=recorder)
@@ -263,5 +275,5 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
             result = run_flgan(config, generator_side, shards, on_iteration=recorder, on_round=recorder.swap)
     finally:
         wall = recorder.close(result.iterations if result else None)
-    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", {"algorithm": algorithm},
-                         scores=recorder.scores)
+    return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
+                         {"algorithm": algorithm, "crash_every": crash_every}, scores=recorder.scores)

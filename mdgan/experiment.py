@@ -1,0 +1,229 @@
+"""`mdgan experiment CONFIG`: run a grid of trainings and plot the paper's figures.
+
+A config (YAML) names a base setting, a grid of values to vary and, optionally, explicit extra runs:
+
+    name: figure3-mnist-mlp
+    out: runs/figure3-mnist-mlp
+    base: {dataset: mnist, data_root: ../shared/data, iterations: 50000, eval_every: 1000, seed: 0}
+    grid:                      # every combination of these
+      algorithm: [mdgan]
+      workers: [10]
+      kappa: [1, log2]         # log2: floor(log2 N), the paper's second setting
+    runs:                      # plus these, one by one (base + grid keys they don't set)
+      - {algorithm: standalone, batch_size: 10}
+      - {algorithm: standalone, batch_size: 100}
+    plot: curves               # scores against iterations (Figures 3 and 5), or
+                               # final-vs-workers (Figure 4: final scores against N)
+
+Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
+swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
+split, dirichlet_alpha, eval_every, eval_samples, eval_reference, crash ("every I/N": one worker fails
+every I/N iterations, the paper's crash experiment; MD-GAN only), label (the curve's name), series
+(final-vs-workers: the line(s) a run belongs to, a name or a list; default: its name without N).
+
+Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
+again, so an interrupted experiment resumes where it stopped. Results: OUT/results.csv (one row per
+evaluation of every run) and OUT/*.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import re
+
+import yaml
+from tqdm import tqdm
+
+from mdgan.config import ConfigError, DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
+
+DEFAULTS = {
+    "algorithm": "mdgan", "workers": 10, "batch_size": 10, "kappa": 1, "disc_steps": 1, "swap_epochs": 1.0,
+    "swap_every": None, "iterations": 1000, "seed": 0, "architecture": "mlp", "gan": "acgan",
+    "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
+    "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
+    "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None,
+}
+# the keys that name a run (in this order) when they differ between runs
+NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
+             "architecture", "gan", "loss", "split", "iterations", "seed")
+SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
+         "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
+         "iterations": "I", "seed": "seed"}
+
+
+def load_config(path: str) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        config = yaml.safe_load(fh) or {}
+    unknown = set(config) - {"name", "out", "base", "grid", "runs", "plot"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
+    config.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    config.setdefault("out", os.path.join("runs", config["name"]))
+    config.setdefault("plot", "curves")
+    if config["plot"] not in ("curves", "final-vs-workers"):
+        raise ConfigError(f"{path}: plot must be curves or final-vs-workers")
+    return config
+
+
+def expand(config: dict) -> list[dict]:
+    """Every run of the experiment, as complete settings."""
+    base = {**DEFAULTS, **(config.get("base") or {})}
+    grid = config.get("grid") or {}
+    runs = []
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] if isinstance(grid[k], list) else [grid[k]] for k in keys)):
+        if keys:
+            runs.append({**base, **dict(zip(keys, values))})
+    for extra in config.get("runs") or []:
+        runs.append({**base, **extra})
+    for run in runs:
+        unknown = set(run) - set(DEFAULTS)
+        if unknown:
+            raise ConfigError(f"unknown run keys {sorted(unknown)}")
+        if run["kappa"] == "log2":
+            run["kappa"] = max(1, int(math.log2(run["workers"])))
+        if run["algorithm"] == "standalone":
+            run["workers"], run["kappa"] = 1, 1
+    varying = [k for k in NAME_KEYS if len({json.dumps(r[k]) for r in runs}) > 1]
+    for run in runs:
+        name = "-".join(f"{SHORT[k]}{run[k]}" for k in varying if run[k] is not None) or "run"
+        run["name"] = re.sub(r"[^A-Za-z0-9_.-]+", "", name.replace("every I/N", "IoverN"))  # a folder name
+        run["label"] = run["label"] or run["name"]
+        run["series"] = run["series"] or "-".join(
+            f"{SHORT[k]}{run[k]}" for k in varying if k != "workers" and run[k] is not None) or run["algorithm"]
+    names = [r["name"] for r in runs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two runs of the experiment are the same: {sorted(n for n in names if names.count(n) > 1)}")
+    return runs
+
+
+def training_config(run: dict) -> TrainingConfig:
+    from mdgan.data import DATASET_SAMPLE_SHAPES
+
+    swap_every = run["iterations"] + 1 if run["swap_every"] == "never" else run["swap_every"]
+    return TrainingConfig(
+        workers=run["workers"], iterations=run["iterations"], batch_size=run["batch_size"], kappa=run["kappa"],
+        disc_steps=run["disc_steps"], swap_epochs=run["swap_epochs"], swap_every=swap_every, seed=run["seed"],
+        model=ModelSpec(architecture=run["architecture"], gan=run["gan"], loss=run["loss"],
+                        sample_shape=tuple(DATASET_SAMPLE_SHAPES[run["dataset"]])),
+        generator_optimizer=OptimizerSpec(run["gen_lr"], run["beta1"], run["beta2"]),
+        discriminator_optimizer=OptimizerSpec(run["disc_lr"], run["beta1"], run["beta2"]),
+    ).validate()
+
+
+def crash_period(run: dict) -> int | None:
+    if run["crash"] is None:
+        return None
+    if run["crash"] != "every I/N":
+        raise ConfigError(f"crash: only 'every I/N' is known, got {run['crash']!r}")
+    if run["algorithm"] != "mdgan":
+        raise ConfigError("crash schedules apply to MD-GAN runs")
+    return max(1, run["iterations"] // run["workers"])
+
+
+def run_one(run: dict, out_dir: str, progress: bool) -> dict:
+    from mdgan.run import EvaluationOptions, simulate
+
+    config = training_config(run)
+    data = DataConfig(run["dataset"], run["data_root"], config.workers, 0, split=run["split"],
+                      dirichlet_alpha=run["dirichlet_alpha"])
+    evaluation = EvaluationOptions(data_root=run["data_root"] if run["dataset"] == "mnist" else None,
+                                   every=run["eval_every"], samples=run["eval_samples"],
+                                   reference=run["eval_reference"])
+    return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
+                    crash_every=crash_period(run))
+
+
+def collect(runs: list[dict], out: str) -> list[dict]:
+    """One row per evaluation of every finished run."""
+    rows = []
+    for run in runs:
+        history = os.path.join(out, "runs", run["name"], "history.jsonl")
+        if not os.path.exists(os.path.join(out, "runs", run["name"], "summary.json")):
+            continue
+        with open(history, encoding="utf-8") as fh:
+            for line in fh:
+                record = json.loads(line)
+                if "eval_iteration" in record:
+                    rows.append({"run": run["name"], "label": run["label"], "algorithm": run["algorithm"],
+                                 "workers": run["workers"], "batch_size": run["batch_size"], "kappa": run["kappa"],
+                                 "crash": run["crash"] or "", "swap_every": run["swap_every"] or "",
+                                 "iteration": record["eval_iteration"], "mnist_score": record.get("mnist_score"),
+                                 "fid": record.get("fid"), "active_workers": record.get("active_workers")})
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    if not rows:
+        return
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows: list[dict], runs: list[dict], kind: str, out: str, title: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric, better in (("mnist_score", "higher is better"), ("fid", "lower is better")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        if kind == "curves":
+            for run in runs:
+                points = sorted((r["iteration"], r[metric]) for r in rows if r["run"] == run["name"]
+                                and r[metric] is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", markersize=3, label=run["label"])
+            ax.set_xlabel("iteration")
+        else:  # final score against the number of workers, one line per setting apart from N
+            series: dict[str, list] = {}
+            for run in runs:
+                final = [r for r in rows if r["run"] == run["name"] and r[metric] is not None]
+                if final:
+                    last = max(final, key=lambda r: r["iteration"])[metric]
+                    for name in run["series"] if isinstance(run["series"], list) else [run["series"]]:
+                        series.setdefault(name, []).append((run["workers"], last))
+            for key, points in series.items():
+                ax.plot(*zip(*sorted(points)), marker="o", label=key)
+            ax.set_xlabel("workers N")
+        ax.set_ylabel(f"{'MNIST score' if metric == 'mnist_score' else 'FID'} ({better})")
+        if metric == "fid":
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out, f"{metric}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def run_experiment(path: str, progress: bool = True, only_plot: bool = False) -> dict:
+    config = load_config(path)
+    runs = expand(config)
+    out = config["out"]
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    with open(os.path.join(out, "experiment.json"), "w", encoding="utf-8") as fh:
+        json.dump({"config": config, "runs": runs}, fh, indent=2)
+    done = 0
+    if not only_plot:
+        for run in tqdm(runs, desc=config["name"], unit="run", disable=not progress):
+            run_dir = os.path.join(out, "runs", run["name"])
+            if os.path.exists(os.path.join(run_dir, "summary.json")):
+                continue  # resumed: this one finished before
+            run_one(run, run_dir, progress)
+            done += 1
+    rows = collect(runs, out)
+    write_csv(rows, os.path.join(out, "results.csv"))
+    plots = plot(rows, runs, config["plot"], out, config["name"]) if rows else []
+    return {"out": out, "runs": len(runs), "ran": done, "rows": len(rows), "plots": plots}
+

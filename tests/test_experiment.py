@@ -1,0 +1,93 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from mdgan.config import ConfigError
+from mdgan.experiment import expand, load_config, run_experiment
+
+from conftest import REPO
+
+
+def _write(tmp_path, config: dict) -> str:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_grid_and_runs_expand_with_readable_names(tmp_path):
+    config = load_config(_write(tmp_path, {
+        "out": str(tmp_path / "out"),
+        "base": {"workers": 10, "batch_size": 10},
+        "grid": {"algorithm": ["mdgan"], "kappa": [1, "log2"]},
+        "runs": [{"algorithm": "standalone", "batch_size": 100}],
+    }))
+    runs = expand(config)
+    assert [r["name"] for r in runs] == ["mdgan-N10-b10-k1", "mdgan-N10-b10-k3", "standalone-N1-b100-k1"]
+    assert runs[1]["kappa"] == 3  # floor(log2 10)
+    assert runs[2]["workers"] == 1  # a standalone GAN is one G and one D
+
+
+def test_bad_configs_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_config(_write(tmp_path, {"grd": {}}))
+    with pytest.raises(ConfigError, match="unknown run keys"):
+        expand(load_config(_write(tmp_path, {"runs": [{"workerz": 3}]})))
+    with pytest.raises(ConfigError, match="the same"):
+        expand(load_config(_write(tmp_path, {"runs": [{"workers": 3}, {"workers": 3}]})))
+
+
+def test_every_shipped_experiment_config_expands():
+    folder = os.path.join(REPO, "experiments")
+    names = sorted(f for f in os.listdir(folder) if f.endswith(".yaml"))
+    assert {"figure3-mnist-mlp.yaml", "figure4-scaling-mlp.yaml", "figure5-crash-mlp.yaml"} <= set(names)
+    for name in names:
+        runs = expand(load_config(os.path.join(folder, name)))
+        assert runs, name
+
+
+@pytest.mark.slow
+def test_a_small_experiment_runs_resumes_and_plots(tmp_path, mnist_root):
+    out = tmp_path / "out"
+    path = _write(tmp_path, {
+        "name": "tiny", "out": str(out),
+        "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 12, "eval_every": 6,
+                 "eval_samples": 100, "eval_reference": 200, "workers": 3, "batch_size": 5, "swap_every": 4},
+        "runs": [{"algorithm": "mdgan", "kappa": "log2"},
+                 {"algorithm": "mdgan", "kappa": "log2", "crash": "every I/N"},
+                 {"algorithm": "standalone"},
+                 {"algorithm": "flgan"}],
+    })
+    result = run_experiment(path, progress=False)
+    assert result["runs"] == result["ran"] == 4
+    with open(out / "results.csv") as fh:
+        lines = fh.read().splitlines()
+    assert lines[0].startswith("run,label,algorithm")
+    runs = {line.split(",")[0] for line in lines[1:]}
+    assert runs == {"mdgan-N3", "mdgan-N3-crashIoverN", "standalone-N1", "flgan-N3"}  # what varies
+    for name in ("mnist_score.png", "fid.png"):
+        assert (out / name).stat().st_size > 1000
+
+    # the crash schedule: one worker fails every I/N = 4 iterations
+    with open(out / "runs" / "mdgan-N3-crashIoverN" / "history.jsonl") as fh:
+        history = [json.loads(line) for line in fh]
+    assert [r["answered"] for r in history] == [3] * 4 + [2] * 4 + [1] * 4
+    summary = json.loads((out / "runs" / "mdgan-N3-crashIoverN" / "summary.json").read_text())
+    assert summary["workers_alive"] == 1 and summary["scores"]["eval_iteration"] == 12  # the 3rd falls at the end
+
+    again = run_experiment(path, progress=False)  # resumed: nothing left to run
+    assert again["ran"] == 0 and again["rows"] == result["rows"]
+
+    # samples from a finished run
+    run_dir = out / "runs" / "mdgan-N3"
+    for target in ("s.npy", "s.png"):
+        subprocess.run([sys.executable, "-m", "mdgan.cli", "sample", str(run_dir), "--n", "30", "--out",
+                        str(tmp_path / target)], cwd=REPO, check=True, capture_output=True)
+    samples, labels = np.load(tmp_path / "s.npy"), np.load(tmp_path / "s.labels.npy")
+    assert samples.shape == (30, 784) and samples.dtype == np.float32 and np.abs(samples).max() <= 1
+    assert np.bincount(labels).tolist() == [3] * 10  # class-balanced
+    assert (tmp_path / "s.png").stat().st_size > 500
