@@ -11,21 +11,20 @@ Both yield IterationRecords, so history, evaluation and summaries are the same a
 
 from __future__ import annotations
 
+import abc
+import asyncio
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from mdgan.cluster import IterationRecord, RunResult, Traffic
+from mdgan.cluster import RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.mdgan import (DiscriminatorSide, GeneratorSide, derive_seed, discriminator_loss, generator_loss,
                          make_adam)
-
-
-def _state_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
 class LocalGAN:
@@ -64,10 +63,11 @@ class LocalGAN:
                 "fake_accuracy": fake_acc}
 
 
-def _record(t: int, workers: int, stats: list[dict], started: float, averaged: int | None) -> IterationRecord:
+def _record(t: int, workers: int, answered: int, stats: list[dict], seconds: float,
+            averaged: int | None) -> IterationRecord:
     mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-    return IterationRecord(iteration=t, active_workers=workers, answered=workers, rejected=0, lost=0,
-                           swap_round=averaged, seconds=time.perf_counter() - started, **mean)
+    return IterationRecord(iteration=t, active_workers=workers, answered=answered, rejected=0, lost=workers - answered,
+                           swap_round=averaged, seconds=seconds, **mean)
 
 
 def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
@@ -76,7 +76,8 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
     last = None
     for t in range(1, config.iterations + 1):
         started = time.perf_counter()
-        last = _record(t, 1, [gan.step()], started, None)
+        stats = gan.step()
+        last = _record(t, 1, 1, [stats], time.perf_counter() - started, None)
         if on_iteration:
             on_iteration(last)
     return RunResult(iterations=config.iterations, workers=1, workers_alive=1, swaps=0, rejections=0,
@@ -102,45 +103,148 @@ def fedavg(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[
     return averaged
 
 
+@dataclass
+class LocalRoundResult:
+    """What an FL-GAN worker returns after its local iterations."""
+
+    generator: dict[str, torch.Tensor]
+    discriminator: dict[str, torch.Tensor]
+    stats: list[dict]  # one entry per local iteration: gen_loss, disc_loss, real_accuracy, fake_accuracy
+    sent_bytes: int  # payload: tensor bytes of both states
+
+
+class FederatedWorker(abc.ABC):
+    """What the FL-GAN loop sees of a worker, wherever it runs."""
+
+    worker_id: str
+    shard_index: int
+    shard_size: int
+
+    @abc.abstractmethod
+    async def local_round(self, round_: int, first_iteration: int, iterations: int,
+                          generator: dict[str, torch.Tensor], discriminator: dict[str, torch.Tensor]) -> LocalRoundResult:
+        """Load the global G and D, train them `iterations` times on the local shard, return them."""
+
+    @abc.abstractmethod
+    async def stop(self, reason: str) -> None:
+        """The run is over (or this worker is dropped from it)."""
+
+
+def make_flgan_worker_gan(config: TrainingConfig, shard: Shard) -> LocalGAN:
+    """An FL-GAN worker's G and D: both start from the run's initial weights; its noise is its own."""
+    gan = LocalGAN(config, shard, GeneratorSide(config))
+    gan.g._noise = torch.Generator().manual_seed(derive_seed(config.seed, "flgan-noise", shard.index))
+    return gan
+
+
+def train_local_round(gan: LocalGAN, generator: dict, discriminator: dict, iterations: int) -> LocalRoundResult:
+    """One FL-GAN round on a worker. Local Adam states stay with the worker across rounds."""
+    gan.g.generator.load_state_dict(generator)
+    gan.d.discriminator.load_state_dict(discriminator)
+    stats = [gan.step() for _ in range(iterations)]
+    g_state = {k: v.detach().clone() for k, v in gan.g.generator.state_dict().items()}
+    d_state = {k: v.detach().clone() for k, v in gan.d.discriminator.state_dict().items()}
+    sent = sum(t.numel() * t.element_size() for t in [*g_state.values(), *d_state.values()])
+    return LocalRoundResult(g_state, d_state, stats, sent)
+
+
+class InProcessFederatedWorker(FederatedWorker):
+    def __init__(self, config: TrainingConfig, shard: Shard):
+        self.gan = make_flgan_worker_gan(config, shard)
+        self.worker_id = f"worker-{shard.index}"
+        self.shard_index = shard.index
+        self.shard_size = len(shard)
+
+    async def local_round(self, round_, first_iteration, iterations, generator, discriminator) -> LocalRoundResult:
+        return train_local_round(self.gan, generator, discriminator, iterations)
+
+    async def stop(self, reason: str) -> None:
+        return None
+
+
+class FederatedTrainer:
+    """FL-GAN: rounds of ceil(E*m/b) local iterations on every worker, then FedAvg of G and D.
+
+    The last round may be shorter, so that the server's G after I iterations is an average.
+    """
+
+    def __init__(self, config: TrainingConfig, server: GeneratorSide, workers: list[FederatedWorker],
+                 initial_discriminator: dict[str, torch.Tensor], *, round_timeout: float | None = None,
+                 on_iteration: Callable[[IterationRecord], None] | None = None,
+                 on_round: Callable[[dict], None] | None = None):
+        self.config = config
+        self.server = server
+        self.workers = sorted(workers, key=lambda w: w.shard_index)
+        self.active = list(self.workers)
+        self.discriminator = {k: v.detach().clone() for k, v in initial_discriminator.items()}
+        self.round_timeout = round_timeout
+        self.on_iteration = on_iteration
+        self.on_round = on_round
+        self.period = config.swap_period(min(w.shard_size for w in self.workers))
+        self.traffic = Traffic()
+
+    async def _guard(self, awaitable):
+        return await asyncio.wait_for(awaitable, self.round_timeout) if self.round_timeout else await awaitable
+
+    async def run(self) -> RunResult:
+        done, rounds, last, stopped = 0, 0, None, None
+        while done < self.config.iterations:
+            if not self.active:
+                stopped = f"no workers left after iteration {done}"
+                break
+            rounds += 1
+            count = min(self.period, self.config.iterations - done)
+            started = time.perf_counter()
+            generator = self.server.generator.state_dict()
+            active = list(self.active)
+            replies = await asyncio.gather(*(self._guard(w.local_round(rounds, done + 1, count, generator,
+                                                                       self.discriminator)) for w in active),
+                                           return_exceptions=True)
+            results, weights = [], []
+            down = sum(t.numel() * t.element_size() for t in [*generator.values(), *self.discriminator.values()])
+            for worker, reply in zip(active, replies):
+                self.traffic.payload_bytes["server_to_worker"] += down
+                if isinstance(reply, LocalRoundResult):
+                    self.traffic.payload_bytes["worker_to_server"] += reply.sent_bytes
+                    results.append(reply)
+                    weights.append(float(worker.shard_size))
+                elif isinstance(reply, (WorkerLost, InputRejected, asyncio.TimeoutError)):
+                    self.active.remove(worker)
+                    try:
+                        await asyncio.wait_for(worker.stop(str(reply) or "missed its deadline"), 5.0)
+                    except Exception:  # already gone
+                        pass
+                else:
+                    raise reply
+            if results:  # worker-rank order, as everywhere: repeatable
+                self.server.generator.load_state_dict(fedavg([r.generator for r in results], weights))
+                self.discriminator = fedavg([r.discriminator for r in results], weights)
+            seconds = (time.perf_counter() - started) / count
+            for i in range(count):
+                stats = [r.stats[i] for r in results] or [dict.fromkeys(
+                    ("gen_loss", "disc_loss", "real_accuracy", "fake_accuracy"), float("nan"))]
+                last = _record(done + i + 1, len(active), len(results), stats, seconds,
+                               rounds if i == count - 1 else None)
+                if self.on_iteration:
+                    self.on_iteration(last)
+            done += count
+            self.server.updates = done
+            if self.on_round:
+                self.on_round({"round": rounds, "iteration": done, "workers": len(results)})
+        for worker in list(self.active):
+            try:
+                await asyncio.wait_for(worker.stop(RUN_FINISHED), 10.0)
+            except Exception:
+                pass
+        return RunResult(iterations=done, workers=len(self.workers), workers_alive=len(self.active), swaps=rounds,
+                         rejections=0, swap_period=self.period, traffic=self.traffic, last=last, stopped_early=stopped)
+
+
 def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard],
               on_iteration: Callable[[IterationRecord], None] | None = None,
               on_round: Callable[[dict], None] | None = None) -> RunResult:
-    """FL-GAN in one process; `server` holds the averaged G. Local Adam states stay on their
-    workers across rounds. The last iteration always ends with an averaging round, so the
-    server's G is the federation's final model."""
-    init_d = DiscriminatorSide(config, shards[0]).discriminator.state_dict()
-    workers = []
-    for shard in shards:
-        worker = LocalGAN(config, shard, GeneratorSide(config))
-        # Each worker draws its own noise: seeded per worker, not the server's stream.
-        worker.g._noise = torch.Generator().manual_seed(derive_seed(config.seed, "flgan-noise", shard.index))
-        worker.d.discriminator.load_state_dict(init_d)
-        workers.append(worker)
-    period = config.swap_period(min(len(s) for s in shards))
-    weights = [float(len(s)) for s in shards]
-    traffic, rounds, last = Traffic(), 0, None
-    model_bytes = _state_bytes(server.generator) + _state_bytes(workers[0].d.discriminator)
-    for t in range(1, config.iterations + 1):
-        started = time.perf_counter()
-        stats = [w.step() for w in workers]
-        averaged = None
-        if t % period == 0 or t == config.iterations:
-            rounds += 1
-            averaged = rounds
-            g_avg = fedavg([w.g.generator.state_dict() for w in workers], weights)
-            d_avg = fedavg([w.d.discriminator.state_dict() for w in workers], weights)
-            server.generator.load_state_dict(g_avg)
-            for w in workers:
-                w.g.generator.load_state_dict(g_avg)
-                w.d.discriminator.load_state_dict(d_avg)
-            # Table III: each worker sends theta + w up and receives theta + w down, per round.
-            traffic.payload_bytes["worker_to_server"] += len(workers) * model_bytes
-            traffic.payload_bytes["server_to_worker"] += len(workers) * model_bytes
-            if on_round:
-                on_round({"round": rounds, "iteration": t})
-        last = _record(t, len(workers), stats, started, averaged)
-        if on_iteration:
-            on_iteration(last)
-    server.updates = config.iterations
-    return RunResult(iterations=config.iterations, workers=len(workers), workers_alive=len(workers),
-                     swaps=rounds, rejections=0, swap_period=period, traffic=traffic, last=last)
+    """FL-GAN in one process; `server` ends with the federation's averaged G."""
+    workers = [InProcessFederatedWorker(config, shard) for shard in shards]
+    initial = workers[0].gan.d.discriminator.state_dict()
+    trainer = FederatedTrainer(config, server, workers, initial, on_iteration=on_iteration, on_round=on_round)
+    return asyncio.run(trainer.run())

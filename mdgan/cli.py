@@ -119,7 +119,7 @@ class LocalCluster:
             "--threads", str(a.threads), "--step-timeout", str(a.step_timeout), "--swap-timeout", str(a.swap_timeout),
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
-            "--eval-reference", str(a.eval_reference), "--dataset", a.dataset,
+            "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
         port = _wait_for_file(port_file, server, 120)
         for index in range(a.workers):
@@ -179,9 +179,8 @@ def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
     training_config(args)  # fail here, with a clear message, rather than in a child process
-    if args.algorithm != "mdgan":
-        raise ConfigError(f"`mdgan local` runs MD-GAN only for now; run --algorithm {args.algorithm} "
-                          "with `mdgan simulate`")
+    if args.algorithm == "standalone":
+        raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
     cluster = LocalCluster(args)
     try:
         server = cluster.start()

@@ -129,3 +129,19 @@ def test_workers_can_take_shards_the_server_assigns(tmp_path):
     assert grpc_summary["workers_alive"] == 2
     assert grpc_summary["generator_sha256"] == sim_summary["generator_sha256"]
     assert "assigned shard" in workers[0].log() + workers[1].log()
+
+
+def test_flgan_over_grpc_equals_flgan_in_process_and_table_iii(tmp_path):
+    flags = ["--algorithm", "flgan", "--workers", "3", "--iterations", "10", "--swap-every", "4", "--seed", "2",
+             "--dataset", "synthetic", "--no-progress"]
+    mdgan("local", *flags, "--out", str(tmp_path / "local"))
+    mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
+    local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
+    assert local["algorithm"] == simulated["algorithm"] == "flgan"
+    assert local["generator_sha256"] == simulated["generator_sha256"]
+    assert local["swaps"] == 3  # averaging rounds after iterations 4, 8 and 10
+    model = (716_560 + 1000 + THETA) * 4  # G (with its class embedding) and D, fp32
+    expected = {"server_to_worker": 3 * 3 * model, "worker_to_server": 3 * 3 * model, "worker_to_worker": 0}
+    assert local["payload_bytes"] == simulated["payload_bytes"] == expected
+    report = json.loads(mdgan("traffic", str(tmp_path / "local"), "--json").stdout)
+    assert all(row["payload_bytes"] == expected[row["direction"]] for row in report["rows"])

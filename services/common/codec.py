@@ -96,18 +96,38 @@ def decode_labels(msg: tensor_pb2.Tensor, count: int, num_classes: int, field: s
 # discriminator states: a header of tensor specs, then the concatenated raw bytes in chunks
 
 
-def state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: str,
-                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[peer_pb2.DiscriminatorChunk]:
+def _state_blob(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.TensorSpec], memoryview]:
     specs, blobs = [], []
     for name, t in state.items():
         specs.append(tensor_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=_TO_WIRE[t.dtype]))
         blobs.append(_raw_bytes(t))
-    total = sum(len(b) for b in blobs)
+    return specs, memoryview(b"".join(blobs))
+
+
+def state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: str,
+                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[peer_pb2.DiscriminatorChunk]:
+    """A discriminator for the Peer swap: its header, then its bytes in chunks."""
+    specs, payload = _state_blob(state)
     yield peer_pb2.DiscriminatorChunk(header=peer_pb2.DiscriminatorHeader(
-        round=swap_round, sender_worker=sender, tensors=specs, total_bytes=total))
-    payload = memoryview(b"".join(blobs))
-    for start in range(0, total, chunk_bytes):
+        round=swap_round, sender_worker=sender, tensors=specs, total_bytes=len(payload)))
+    for start in range(0, len(payload), chunk_bytes):
         yield peer_pb2.DiscriminatorChunk(data=bytes(payload[start:start + chunk_bytes]))
+
+
+def model_parts(state: dict[str, torch.Tensor], round_: int, model: str,
+                chunk_bytes: int = CHUNK_BYTES) -> Iterator["coordinator_pb2.ModelPart"]:
+    """An FL-GAN model state on the Train stream: its header, then its bytes in chunks."""
+    from services.common.proto import coordinator_pb2
+
+    specs, payload = _state_blob(state)
+    yield coordinator_pb2.ModelPart(round=round_, model=model,
+                                    header=tensor_pb2.StateHeader(tensors=specs, total_bytes=len(payload)))
+    for start in range(0, len(payload), chunk_bytes):
+        yield coordinator_pb2.ModelPart(round=round_, model=model, data=bytes(payload[start:start + chunk_bytes]))
+
+
+def layout_of(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
 
 
 class StateAssembler:
@@ -126,7 +146,7 @@ class StateAssembler:
     def expected_bytes(self) -> int:
         return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.layout.values())
 
-    def accept_header(self, header: peer_pb2.DiscriminatorHeader) -> None:
+    def accept_header(self, header) -> None:  # DiscriminatorHeader or StateHeader
         if self.header is not None:
             raise InvalidTensor("protocol", "second header in one stream")
         names = [s.name for s in header.tensors]
@@ -153,7 +173,8 @@ class StateAssembler:
         self._buffer[self._filled:end] = data
         self._filled = end
 
-    def accept(self, chunk: peer_pb2.DiscriminatorChunk) -> None:
+    def accept(self, chunk) -> None:
+        """A DiscriminatorChunk or a ModelPart: a header, or raw bytes."""
         kind = chunk.WhichOneof("body")
         if kind == "header":
             self.accept_header(chunk.header)
@@ -188,7 +209,7 @@ def payload_bytes(tensors: Iterable[tensor_pb2.Tensor]) -> int:
 # run configuration <-> TrainingSpec (what a worker learns when it joins)
 
 
-def spec_from_config(config) -> "coordinator_pb2.TrainingSpec":
+def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.TrainingSpec":
     from services.common.proto import coordinator_pb2
 
     m, opt = config.model, config.discriminator_optimizer
@@ -196,7 +217,9 @@ def spec_from_config(config) -> "coordinator_pb2.TrainingSpec":
         architecture=m.architecture, gan=m.gan, loss=m.loss, latent_dim=m.latent_dim, num_classes=m.num_classes,
         sample_shape=list(m.sample_shape), batch_size=config.batch_size, disc_steps=config.disc_steps,
         disc_lr=opt.lr, disc_beta1=opt.beta1, disc_beta2=opt.beta2, seed=config.seed,
-        swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers)
+        swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers,
+        algorithm=algorithm, gen_lr=config.generator_optimizer.lr, gen_beta1=config.generator_optimizer.beta1,
+        gen_beta2=config.generator_optimizer.beta2)
 
 
 def config_from_spec(spec) -> "TrainingConfig":
@@ -208,4 +231,5 @@ def config_from_spec(spec) -> "TrainingConfig":
     return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa,
                           disc_steps=spec.disc_steps, seed=spec.seed, swap_optimizer_state=spec.swap_optimizer_state,
                           model=model,
+                          generator_optimizer=OptimizerSpec(spec.gen_lr or 2e-4, spec.gen_beta1, spec.gen_beta2 or 0.999),
                           discriminator_optimizer=OptimizerSpec(spec.disc_lr, spec.disc_beta1, spec.disc_beta2)).validate()

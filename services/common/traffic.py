@@ -36,13 +36,23 @@ def read_exposition(path: str) -> dict[tuple[str, str, str, str], float]:
     return values
 
 
+def _model_spec(config: dict):
+    from mdgan.config import ModelSpec
+
+    return ModelSpec(**dict(config["model"], sample_shape=tuple(config["model"]["sample_shape"])))
+
+
+def generator_state_bytes(config: dict) -> int:
+    from mdgan.models import build_generator
+
+    return sum(t.numel() * t.element_size() for t in build_generator(_model_spec(config), seed=0).state_dict().values())
+
+
 def discriminator_state_bytes(config: dict) -> int:
     """Bytes of one swapped discriminator state: |theta| floats (and Adam moments when they travel)."""
-    from mdgan.config import ModelSpec
     from mdgan.models import build_discriminator
 
-    model = dict(config["model"], sample_shape=tuple(config["model"]["sample_shape"]))
-    disc = build_discriminator(ModelSpec(**model), seed=0)
+    disc = build_discriminator(_model_spec(config), seed=0)
     weights = sum(t.numel() * t.element_size() for t in disc.state_dict().values())
     if not config.get("swap_optimizer_state"):
         return weights
@@ -73,11 +83,18 @@ def traffic_report(run_dir: str) -> dict:
     config = summary["config"]
     b, d = config["batch_size"], math.prod(config["model"]["sample_shape"])
     theta_bytes = discriminator_state_bytes(config)
-    formula = {
-        "server_to_worker": sum(r["active_workers"] for r in history) * 2 * b * d * 4,
-        "worker_to_server": sum(r["answered"] + r["rejected"] for r in history) * b * d * 4,
-        "worker_to_worker": sum(1 for s in swaps for w in s["workers"].values() if w["sent"]) * theta_bytes,
-    }
+    if summary.get("algorithm") == "flgan":
+        # Table III, FL-GAN: theta + w down and up per worker per round; nothing between workers.
+        model = theta_bytes + generator_state_bytes(config)
+        per_round = sum(s["workers"] for s in swaps)
+        formula = {"server_to_worker": per_round * model, "worker_to_server": per_round * model,
+                   "worker_to_worker": 0}
+    else:
+        formula = {
+            "server_to_worker": sum(r["active_workers"] for r in history) * 2 * b * d * 4,
+            "worker_to_server": sum(r["answered"] + r["rejected"] for r in history) * b * d * 4,
+            "worker_to_worker": sum(1 for s in swaps for w in s["workers"].values() if w["sent"]) * theta_bytes,
+        }
 
     def measured(group: str, metric: str, direction: str, side: str) -> int:
         sources = [server] if group == "server" else workers
@@ -97,14 +114,16 @@ def traffic_report(run_dir: str) -> dict:
                 "overhead": message / payload - 1 if payload else None,
                 "per_worker_bytes": payload / max(1, summary["workers"]),
             })
-    return {"run": run_dir, "iterations": summary["iterations"], "workers": summary["workers"],
+    return {"run": run_dir, "algorithm": summary.get("algorithm", "mdgan"), "iterations": summary["iterations"],
+            "workers": summary["workers"],
             "batch_size": b, "sample_size": d, "discriminator_bytes": theta_bytes, "swaps": len(swaps),
             "rows": rows}
 
 
 def format_table(report: dict) -> str:
     mb = 1e6
-    lines = [f"{report['run']}: I={report['iterations']} N={report['workers']} b={report['batch_size']} "
+    lines = [f"{report['run']} ({report['algorithm']}): I={report['iterations']} N={report['workers']} "
+             f"b={report['batch_size']} "
              f"d={report['sample_size']} |theta|*4={report['discriminator_bytes']} B swaps={report['swaps']}",
              f"{'':5} {'counted at':20} {'payload MB':>12} {'Table III MB':>13} {'match':>6} {'per worker MB':>14} "
              f"{'serialized MB':>14} {'overhead':>9}"]

@@ -11,12 +11,14 @@ import sys
 import grpc
 
 from mdgan.config import DATASETS, ConfigError
+from mdgan.baselines import FederatedTrainer
 from mdgan.cluster import IterationRecord, Trainer
-from mdgan.mdgan import GeneratorSide
+from mdgan.mdgan import GeneratorSide, derive_seed
+from mdgan.models import build_discriminator
 from mdgan.run import RunRecorder, make_evaluator, write_outputs
 from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_threads_argument, add_training_arguments,
                             apply_threads, training_config)
-from services.common import rpc
+from services.common import codec, rpc
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
 from services.server.servicer import Coordinator
@@ -42,6 +44,10 @@ def build_parser() -> EnvArgumentParser:
                         help="write the final metrics exposition to this file (default: OUT/metrics/server.prom)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--algorithm", choices=("mdgan", "flgan"), default="mdgan",
+                        help="MD-GAN, or the FL-GAN baseline (FedAvg of whole GANs) over the same services")
+    parser.add_argument("--round-timeout", type=float, default=3600.0,
+                        help="FL-GAN: deadline for a worker's local round (s)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
                         help="the kind of data the workers hold (sets the sample shape; default: the architecture's)")
     parser.add_argument("--eval-data-root", default=None,
@@ -57,8 +63,15 @@ async def serve(args) -> dict:
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")
     telemetry.serve(args.metrics_port, args.metrics_address)
+    initial_discriminator = build_discriminator(config.model, derive_seed(config.seed, "discriminator-init"))
+    generator = GeneratorSide(config)
+    layouts = {"generator": codec.layout_of(generator.generator.state_dict()),
+               "discriminator": codec.layout_of(initial_discriminator.state_dict())}
+    if args.algorithm == "flgan":  # a worker is silent for a whole local round
+        liveness = max(liveness, args.round_timeout)
     coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
-                              swap_timeout=args.swap_timeout, liveness_timeout=liveness)
+                              swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
+                              model_layouts=layouts)
     server = grpc.aio.server(options=rpc.options())
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
@@ -76,7 +89,6 @@ async def serve(args) -> dict:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     try:
-        generator = GeneratorSide(config)
         workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
         evaluator = make_evaluator(generator, args.eval_data_root, args.eval_every, args.eval_samples,
                                    args.eval_reference)
@@ -92,9 +104,14 @@ async def serve(args) -> dict:
             complete = all(w["sent"] and w["received"] for w in record["workers"].values())
             telemetry.swaps.labels("complete" if complete else "incomplete").inc()
 
-        trainer = Trainer(config, generator, workers, step_timeout=args.step_timeout,
-                          swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=on_iteration,
-                          on_swap=on_swap)
+        if args.algorithm == "flgan":
+            trainer = FederatedTrainer(config, generator, workers, initial_discriminator.state_dict(),
+                                       round_timeout=args.round_timeout, on_iteration=on_iteration,
+                                       on_round=recorder.swap)
+        else:
+            trainer = Trainer(config, generator, workers, step_timeout=args.step_timeout,
+                              swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=on_iteration,
+                              on_swap=on_swap)
         result = None
         try:
             result = await _until(trainer.run(), stopping)
@@ -102,6 +119,7 @@ async def serve(args) -> dict:
             wall = recorder.close(result.iterations if result else None)
         observe_scores(telemetry, recorder.scores)
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
+            "algorithm": args.algorithm,
             "message_bytes": {
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",

@@ -13,6 +13,7 @@ import time
 import grpc
 import torch
 
+from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
@@ -28,22 +29,27 @@ INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]  # 3, the google.rp
 def _kind(message) -> str:
     """The traffic kind of a stream message (a telemetry label)."""
     body = message.WhichOneof("body")
+    if body == "model_part":
+        return message.model_part.model  # FL-GAN: generator or discriminator
     return {"batches": "batches", "feedback": "feedback"}.get(body, "control")
 
 
 def _payload(message) -> int:
-    """Bytes of the tensors Table III counts: X_g and X_d down, F_n up (labels are not in it)."""
+    """Bytes of the tensors Table III counts: X_g and X_d down, F_n up (labels are not in it); FL-GAN: models."""
     body = message.WhichOneof("body")
     if body == "batches":
         return len(message.batches.generated.data) + len(message.batches.discriminated.data)
     if body == "feedback":
         return len(message.feedback.gradient.data)
+    if body == "model_part":
+        return len(message.model_part.data)
     return 0
 
 
-class GrpcWorker(WorkerHandle):
+class GrpcWorker(WorkerHandle, FederatedWorker):
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
-                 config: TrainingConfig, telemetry: Telemetry, liveness_timeout: float):
+                 config: TrainingConfig, telemetry: Telemetry, liveness_timeout: float,
+                 model_layouts: dict[str, dict] | None = None):
         self.worker_id = f"worker-{shard_index}"
         self.shard_index = shard_index
         self.shard_size = shard_size
@@ -59,6 +65,10 @@ class GrpcWorker(WorkerHandle):
         self._steps: dict[int, asyncio.Future] = {}
         self._swaps: dict[int, asyncio.Future] = {}
         self.address_book: dict[str, str] = {}  # worker id -> peer address, filled by the Coordinator
+        # FL-GAN: the models coming back in the current round, checked against these layouts
+        self.model_layouts = model_layouts or {}
+        self._rounds: dict[int, asyncio.Future] = {}
+        self._returning: dict[tuple[int, str], codec.StateAssembler] = {}
         self.last_write = time.monotonic()
 
     # -- sending -----------------------------------------------------------------------------
@@ -101,6 +111,22 @@ class GrpcWorker(WorkerHandle):
         finally:
             self._swaps.pop(order.swap_round, None)
 
+    async def local_round(self, round_: int, first_iteration: int, iterations: int,
+                          generator: dict[str, torch.Tensor], discriminator: dict[str, torch.Tensor]) -> LocalRoundResult:
+        future = asyncio.get_running_loop().create_future()
+        self._rounds[round_] = future
+        self._returning = {(round_, model): codec.StateAssembler(layout) for model, layout in self.model_layouts.items()}
+        try:
+            for model, state in (("generator", generator), ("discriminator", discriminator)):
+                for part in codec.model_parts(state, round_, model):
+                    await self.send(pb.ServerMessage(model_part=part))
+            await self.send(pb.ServerMessage(local_round=pb.LocalRound(
+                round=round_, first_iteration=first_iteration, iterations=iterations)))
+            return await future
+        finally:
+            self._rounds.pop(round_, None)
+            self._returning = {}
+
     async def stop(self, reason: str) -> None:
         if self.closed.is_set():
             return
@@ -117,7 +143,7 @@ class GrpcWorker(WorkerHandle):
             self.lost_reason = reason
             self.telemetry.departures.labels("disconnected").inc()
             log.warning("%s lost: %s", self.worker_id, reason)
-        for future in [*self._steps.values(), *self._swaps.values()]:
+        for future in [*self._steps.values(), *self._swaps.values(), *self._rounds.values()]:
             if not future.done():
                 future.set_exception(WorkerLost(f"{self.worker_id}: {reason}"))
         self.closed.set()
@@ -142,6 +168,10 @@ class GrpcWorker(WorkerHandle):
                 await self._on_feedback(message.feedback)
             elif kind == "swap_report":
                 self._on_swap_report(message.swap_report)
+            elif kind == "model_part":
+                await self._on_model_part(message.model_part)
+            elif kind == "local_round_done":
+                await self._on_local_round_done(message.local_round_done)
             elif kind == "heartbeat":
                 continue
             else:
@@ -174,6 +204,38 @@ class GrpcWorker(WorkerHandle):
         s = feedback.stats
         future.set_result(StepResult(gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy))
 
+    async def _fail_round(self, round_: int, reason: str, detail: str) -> None:
+        await self._reject(round_, reason, detail)
+        future = self._rounds.get(round_)
+        if future is not None and not future.done():
+            future.set_exception(InputRejected(reason, detail))
+        self._returning = {}
+
+    async def _on_model_part(self, part: pb.ModelPart) -> None:
+        assembler = self._returning.get((part.round, part.model))
+        if assembler is None:
+            await self._reject(part.round, "round", f"no {part.model!r} expected for round {part.round}")
+            return
+        try:
+            assembler.accept(part)
+        except codec.InvalidTensor as exc:
+            await self._fail_round(part.round, exc.reason, f"{part.model}: {exc}")
+
+    async def _on_local_round_done(self, done: pb.LocalRoundDone) -> None:
+        future = self._rounds.get(done.round)
+        if future is None or future.done():
+            await self._reject(done.round, "round", f"no local round {done.round} pending")
+            return
+        try:
+            states = {model: self._returning[(done.round, model)].finish() for model in ("generator", "discriminator")}
+        except (codec.InvalidTensor, KeyError) as exc:
+            await self._fail_round(done.round, getattr(exc, "reason", "protocol"), f"models of round {done.round}: {exc}")
+            return
+        stats = [{"gen_loss": s.gen_loss, "disc_loss": s.disc_loss, "real_accuracy": s.real_accuracy,
+                  "fake_accuracy": s.fake_accuracy} for s in done.stats]
+        sent = sum(t.numel() * t.element_size() for state in states.values() for t in state.values())
+        future.set_result(LocalRoundResult(states["generator"], states["discriminator"], stats, sent))
+
     def _on_swap_report(self, report: pb.SwapReport) -> None:
         future = self._swaps.get(report.round)
         if future is not None and not future.done():
@@ -193,8 +255,11 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """Admits up to `config.workers` workers, one per shard, until the run starts."""
 
     def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
-                 swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0):
+                 swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
+                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None):
         self.config = config
+        self.algorithm = algorithm
+        self.model_layouts = model_layouts
         self.telemetry = telemetry or Telemetry("server")
         self.telemetry.workers_expected.set(config.workers)
         self.telemetry.run_iterations.set(config.iterations)
@@ -273,7 +338,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         except JoinRefused as refused:
             log.warning("join refused (%s): %s", context.peer(), refused.detail)
             await context.abort(refused.code, refused.detail)
-        worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout)
+        worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout,
+                            self.model_layouts)
         self.workers[index] = worker
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
@@ -281,7 +347,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), size,
                  join.peer_address)
         await worker.send(pb.ServerMessage(welcome=pb.Welcome(
-            worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config),
+            worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config, self.algorithm),
             heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000))))
         reader = asyncio.create_task(worker.read_loop())
         beats = asyncio.create_task(self._heartbeats(worker))

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from mdgan.config import DataConfig
 from mdgan.data import Shard, take_shard
+from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
@@ -142,7 +143,9 @@ class WorkerNode:
         self.connect_timeout = connect_timeout
         self.server_timeout = server_timeout
         self.run_deadline = run_deadline
-        self.side: DiscriminatorSide | None = None
+        self.side: DiscriminatorSide | None = None  # MD-GAN
+        self.gan: LocalGAN | None = None  # FL-GAN: this worker trains a whole GAN
+        self._incoming: dict[tuple[int, str], codec.StateAssembler] = {}
         self.worker_id = ""
         self.mailbox = SwapMailbox()
         self._write_lock = asyncio.Lock()
@@ -154,9 +157,13 @@ class WorkerNode:
         async with self._write_lock:
             await call.write(message)
         body = message.WhichOneof("body")
-        payload = len(message.feedback.gradient.data) if body == "feedback" else 0
-        self.telemetry.count("worker_to_server", "feedback" if body == "feedback" else "control", "sender", message,
-                             payload)
+        if body == "feedback":
+            kind, payload = "feedback", len(message.feedback.gradient.data)
+        elif body == "model_part":
+            kind, payload = message.model_part.model, len(message.model_part.data)
+        else:
+            kind, payload = "control", 0
+        self.telemetry.count("worker_to_server", kind, "sender", message, payload)
 
     async def _read(self, call):
         try:
@@ -170,6 +177,10 @@ class WorkerNode:
             b = message.batches
             self.telemetry.count("server_to_worker", "batches", "receiver", message,
                                  len(b.generated.data) + len(b.discriminated.data))
+        elif message.WhichOneof("body") == "model_part":
+            part = message.model_part
+            self.telemetry.count("server_to_worker", part.model if part.model in ("generator", "discriminator")
+                                 else "control", "receiver", message, len(part.data))
         else:
             self.telemetry.count("server_to_worker", "control", "receiver", message)
         return message
@@ -221,7 +232,12 @@ class WorkerNode:
                              f"{config.workers} workers: set --num-shards {config.workers}")
         self.worker_id = welcome.worker_id
         self.swap_timeout = welcome.swap_timeout_ms / 1000 or self.swap_timeout
-        self.side = DiscriminatorSide(config, self.shard)
+        if welcome.spec.algorithm == "flgan":
+            self.gan = make_flgan_worker_gan(config, self.shard)
+        elif welcome.spec.algorithm in ("", "mdgan"):
+            self.side = DiscriminatorSide(config, self.shard)
+        else:
+            raise ServerGone(f"the server runs {welcome.spec.algorithm!r}, which this worker does not know")
         log.info("joined as %s: %s, b=%d, L=%d", self.worker_id, config.model.architecture, config.batch_size,
                  config.disc_steps)
 
@@ -234,6 +250,10 @@ class WorkerNode:
             elif kind == "swap_order":
                 report = await self._swap(message.swap_order)
                 await self._write(call, pb.WorkerMessage(swap_report=report))
+            elif kind == "model_part":
+                self._on_model_part(message.model_part)
+            elif kind == "local_round":
+                await self._on_local_round(call, message.local_round)
             elif kind == "rejection":
                 r = message.rejection
                 log.error("the server rejected our input at iteration %d: %s (%s)", r.iteration, r.message, r.reason)
@@ -275,6 +295,43 @@ class WorkerNode:
         t.discriminator_loss.set(result.disc_loss)
         t.discriminator_accuracy.labels("real").set(result.real_accuracy)
         t.discriminator_accuracy.labels("generated").set(result.fake_accuracy)
+        t.last_iteration.set_to_current_time()
+
+    # -- FL-GAN ------------------------------------------------------------------------------------
+    def _on_model_part(self, part: pb.ModelPart) -> None:
+        if self.gan is None:
+            raise ServerGone("the server sent a model to an MD-GAN worker")
+        key = (part.round, part.model)
+        if key not in self._incoming:
+            modules = {"generator": self.gan.g.generator, "discriminator": self.gan.d.discriminator}
+            if part.model not in modules:
+                raise ServerGone(f"the server sent an unknown model {part.model!r}")
+            self._incoming[key] = codec.StateAssembler(codec.layout_of(modules[part.model].state_dict()))
+        try:
+            self._incoming[key].accept(part)
+        except codec.InvalidTensor as exc:
+            raise ServerGone(f"the server sent an invalid {part.model}: {exc}") from exc
+
+    async def _on_local_round(self, call, order: pb.LocalRound) -> None:
+        try:
+            states = {m: self._incoming.pop((order.round, m)).finish() for m in ("generator", "discriminator")}
+        except (KeyError, codec.InvalidTensor) as exc:
+            raise ServerGone(f"round {order.round} came without valid models: {exc!r}") from exc
+        self._incoming.clear()
+        started = time.perf_counter()
+        result = await asyncio.to_thread(train_local_round, self.gan, states["generator"], states["discriminator"],
+                                         order.iterations)
+        for model, state in (("generator", result.generator), ("discriminator", result.discriminator)):
+            for part in codec.model_parts(state, order.round, model):
+                await self._write(call, pb.WorkerMessage(model_part=part))
+        await self._write(call, pb.WorkerMessage(local_round_done=pb.LocalRoundDone(
+            round=order.round, stats=[pb.StepStats(**s) for s in result.stats])))
+        t = self.telemetry
+        t.iterations.inc(order.iterations)
+        t.iteration_seconds.observe((time.perf_counter() - started) / max(1, order.iterations))
+        if result.stats:
+            t.generator_loss.set(result.stats[-1]["gen_loss"])
+            t.discriminator_loss.set(result.stats[-1]["disc_loss"])
         t.last_iteration.set_to_current_time()
 
     async def _swap(self, order: pb.SwapOrder) -> pb.SwapReport:

@@ -9,32 +9,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "feedback", "swap_report", "heartbeat")
+    __slots__ = ("join", "feedback", "swap_report", "heartbeat", "model_part", "local_round_done")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     SWAP_REPORT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PART_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ROUND_DONE_FIELD_NUMBER: _ClassVar[int]
     join: Join
     feedback: Feedback
     swap_report: SwapReport
     heartbeat: Heartbeat
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    model_part: ModelPart
+    local_round_done: LocalRoundDone
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round_done: _Optional[_Union[LocalRoundDone, _Mapping]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop")
+    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SWAP_ORDER_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PART_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ROUND_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     batches: Batches
     swap_order: SwapOrder
     rejection: Rejection
     heartbeat: Heartbeat
     stop: Stop
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    model_part: ModelPart
+    local_round: LocalRound
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
     __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size")
@@ -53,7 +61,7 @@ class Join(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +77,10 @@ class TrainingSpec(_message.Message):
     SWAP_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     KAPPA_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    GEN_LR_FIELD_NUMBER: _ClassVar[int]
+    GEN_BETA1_FIELD_NUMBER: _ClassVar[int]
+    GEN_BETA2_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     gan: str
     loss: str
@@ -84,7 +96,11 @@ class TrainingSpec(_message.Message):
     swap_optimizer_state: bool
     kappa: int
     workers: int
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+    algorithm: str
+    gen_lr: float
+    gen_beta1: float
+    gen_beta2: float
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index")
@@ -187,3 +203,33 @@ class Stop(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ModelPart(_message.Message):
+    __slots__ = ("round", "model", "header", "data")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    model: str
+    header: _tensor_pb2.StateHeader
+    data: bytes
+    def __init__(self, round: _Optional[int] = ..., model: _Optional[str] = ..., header: _Optional[_Union[_tensor_pb2.StateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class LocalRound(_message.Message):
+    __slots__ = ("round", "first_iteration", "iterations")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    first_iteration: int
+    iterations: int
+    def __init__(self, round: _Optional[int] = ..., first_iteration: _Optional[int] = ..., iterations: _Optional[int] = ...) -> None: ...
+
+class LocalRoundDone(_message.Message):
+    __slots__ = ("round", "stats")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    stats: _containers.RepeatedCompositeFieldContainer[StepStats]
+    def __init__(self, round: _Optional[int] = ..., stats: _Optional[_Iterable[_Union[StepStats, _Mapping]]] = ...) -> None: ...

@@ -56,6 +56,8 @@ class CoordinatorServicer:
         Then: `batches` and `swap_order` down, `feedback` and `swap_report` up, heartbeats both ways,
         `stop` down at the end. Invalid input up is answered in band with a `rejection` carrying
         INVALID_ARGUMENT, and the run goes on without that answer.
+        FL-GAN runs (TrainingSpec.algorithm "flgan") exchange whole models instead: `model_part`s and a
+        `local_round` down, the trained `model_part`s and `local_round_done` up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
