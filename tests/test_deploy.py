@@ -1,0 +1,477 @@
+"""The deployment files, checked with the real tools, and the compose file's services run for real.
+
+Tools (helm, kubernetes-validate, hadolint, docker-compose) are found on PATH or in the tools
+directory of scripts/install_deploy_tools.sh. Missing tools skip these tests, except under CI=true,
+where they fail: CI installs them with that script.
+
+The last tests take the server and worker services of docker-compose.yml (entrypoint, environment,
+replicas, volumes) and run them as local processes, with only addresses, ports and paths rewritten to
+loopback and temporary folders: the configuration the containers get is the one that is exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHART = os.path.join(REPO, "deploy", "k8s", "mdgan")
+COMPOSE_FILE = os.path.join(REPO, "docker-compose.yml")
+K8S_VERSION = "1.30.0"
+SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+
+
+# ----------------------------------------------------------------------------------------------- tools
+
+def tools_bin() -> str:
+    base = os.environ.get("MDGAN_TOOLS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mdgan-deploy-tools")
+    return os.path.join(base, "bin")
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path=tools_bin())
+    if found:
+        return found
+    reason = f"{name} not found on PATH or in {tools_bin()}: run scripts/install_deploy_tools.sh"
+    if IN_CI:
+        pytest.fail(f"CI=true and {reason}")
+    pytest.skip(reason)
+
+
+def run(argv: list[str], *, input: str | None = None, env: dict | None = None, check: bool = True,
+        timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, input=input, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                             f"stderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def helm_template(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run([tool("helm"), "template", "mdgan", CHART, *args], check=check)
+
+
+def render(*args: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(helm_template(*args).stdout) if doc]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def validate(manifests: str) -> subprocess.CompletedProcess:
+    return run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, "-"], input=manifests,
+               check=False)
+
+
+def stand_in_dashboard(tmp_path) -> str:
+    real = os.path.join(REPO, "deploy", "grafana", "dashboards", "mdgan.json")
+    if os.path.isfile(real):
+        return real
+    path = tmp_path / "dashboard.json"
+    path.write_text('{"title": "MD-GAN (stand-in)"}')
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------ Helm chart
+
+def test_helm_lint_strict(tmp_path):
+    run([tool("helm"), "lint", "--strict", CHART])
+    run([tool("helm"), "lint", "--strict", CHART, "--set", "metrics.serviceMonitor.enabled=true",
+         "--set", "grafanaDashboard.enabled=true", "--set-file", f"grafanaDashboard.json={stand_in_dashboard(tmp_path)}"])
+
+
+@pytest.mark.parametrize("values", [
+    [],
+    ["--set", "workers.replicas=8", "--set", "global.dataset=synthetic",
+     "--set", "server.persistence.enabled=false", "--set", "metrics.enabled=false",
+     "--set", "server.runDirPerStart=false"],
+    ["--set", "workers.data.download=false",
+     "--set-json", 'workers.data.volume={"persistentVolumeClaim":{"claimName":"mnist","readOnly":true}}',
+     "--set", "server.persistence.existingClaim=runs", "--set", "global.imageRegistry=registry.example.com/mdgan"],
+], ids=["defaults", "synthetic-8-workers", "existing-claims"])
+def test_helm_template_is_valid_kubernetes(values):
+    result = validate(helm_template(*values).stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_kubernetes_validate_is_strict():
+    """The validator really rejects what a cluster would: an unknown field and a wrong type."""
+    rendered = helm_template().stdout
+    for broken in (rendered.replace("podManagementPolicy:", "podManagementPolicyy:"),
+                   rendered.replace("containerPort: 50052", "containerPort: fifty")):
+        assert broken != rendered
+        assert validate(broken).returncode != 0
+
+
+def test_optional_servicemonitor_and_dashboard(tmp_path):
+    assert not by_kind(render(), "ServiceMonitor")
+    docs = render("--set", "metrics.serviceMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true",
+                  "--set-file", f"grafanaDashboard.json={stand_in_dashboard(tmp_path)}")
+    # kubernetes-validate has no schema for the CRD: it validates the core kinds and warns about it
+    core = [doc for doc in docs if doc["kind"] != "ServiceMonitor"]
+    result = validate(yaml.safe_dump_all(core))
+    assert result.returncode == 0, result.stdout + result.stderr
+    [monitor] = by_kind(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [s for s in by_kind(docs, "Service") if selector.items() <= s["metadata"]["labels"].items()]
+    assert sorted(s["metadata"]["name"] for s in services) == ["mdgan-server", "mdgan-worker"]
+    for service in services:
+        assert "metrics" in [port["name"] for port in service["spec"]["ports"]]
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    # job names the alert rules and the dashboard select on, whatever the release is called
+    assert sorted(s["metadata"]["labels"][monitor["spec"]["jobLabel"]] for s in services) == \
+        ["mdgan-server", "mdgan-worker"]
+    [dashboard] = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "mdgan-grafana-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    json.loads(dashboard["data"]["mdgan.json"])
+    # enabling the dashboard without its JSON is an error, not an empty ConfigMap
+    assert helm_template("--set", "grafanaDashboard.enabled=true", check=False).returncode != 0
+
+
+def test_workers_replicas_is_the_one_scaling_value():
+    docs = render("--set", "workers.replicas=5")
+    [statefulset] = by_kind(docs, "StatefulSet")
+    assert statefulset["spec"]["replicas"] == 5
+    config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    assert config["mdgan-server"]["MDGAN_WORKERS"] == "5"
+    assert config["mdgan-worker"]["MDGAN_NUM_SHARDS"] == "5"
+    assert config["mdgan-worker"]["MDGAN_SHARD_INDEX"] == "auto"
+    assert config["mdgan-server"]["MDGAN_DATASET"] == config["mdgan-worker"]["MDGAN_DATASET"] == "mnist"
+    # the derived settings cannot be overridden out of step with workers.replicas
+    for flag in ("server.settings.MDGAN_WORKERS=3", "workers.settings.MDGAN_NUM_SHARDS=3",
+                 "workers.settings.MDGAN_DATASET=synthetic"):
+        result = helm_template("--set", flag, check=False)
+        assert result.returncode != 0 and "set by the chart" in result.stderr
+
+
+def test_pods_are_locked_down_and_probed():
+    docs = render()
+    workloads = by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")
+    assert len(workloads) == 2
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["enableServiceLinks"] is False
+        tmp_volumes = [v["name"] for v in pod["volumes"] if "emptyDir" in v]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert container["resources"]["requests"] and container["resources"]["limits"]
+            assert any(m["mountPath"] == "/tmp" and m["name"] in tmp_volumes for m in container["volumeMounts"])
+        for container in pod["containers"]:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert "grpc" in container[probe], (container["name"], probe)
+    [statefulset] = by_kind(docs, "StatefulSet")
+    headless = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == statefulset["spec"]["serviceName"]]
+    assert headless and headless[0]["spec"]["clusterIP"] == "None"
+    env = {e["name"]: e.get("value") for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MDGAN_ADVERTISE_ADDRESS"] == "$(POD_NAME).mdgan-worker.$(POD_NAMESPACE).svc.cluster.local:50052"
+
+
+def test_plain_manifests_are_up_to_date_and_valid():
+    tool("helm")  # the script needs it; skip/fail the same way as the other tests
+    run(["bash", os.path.join(REPO, "scripts", "render_k8s_manifests.sh"), "--check"])
+    kustomized = run([tool("kubectl"), "kustomize", os.path.join(REPO, "deploy", "k8s", "manifests")]).stdout
+    result = validate(kustomized)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(doc["kind"] for doc in yaml.safe_load_all(kustomized) if doc) == [
+        "ConfigMap", "ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "Service", "StatefulSet"]
+
+
+# ------------------------------------------------------------------------------- Dockerfiles, compose
+
+def test_hadolint_dockerfiles():
+    run([tool("hadolint"), "Dockerfile.server", "Dockerfile.worker"])
+
+
+def test_dockerfiles_follow_the_conventions():
+    for name, port, metrics in (("Dockerfile.server", 50051, 9100), ("Dockerfile.worker", 50052, 9101)):
+        text = open(os.path.join(REPO, name)).read()
+        assert text.count("\nFROM ") >= 2, "multi-stage"
+        assert re.search(r"^ARG BASE_IMAGE=", text, flags=re.M)
+        assert re.search(r"^ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu$", text, flags=re.M)
+        assert re.search(r"^USER 10001:10001$", text, flags=re.M), "non-root, numeric (runAsNonRoot can check it)"
+        assert f"EXPOSE {port} {metrics}" in text
+        assert "HEALTHCHECK" in text and "mdgan-healthcheck" in text
+
+
+def test_compose_config_is_valid():
+    compose = tool("docker-compose")
+    run([compose, "-f", COMPOSE_FILE, "config", "-q"])
+    scaled = json.loads(run([compose, "-f", COMPOSE_FILE, "config", "--format", "json"],
+                            env={"MDGAN_WORKERS": "5", "MDGAN_DATA_DIR": SHARED_DATA}).stdout)["services"]
+    assert scaled["worker"]["deploy"]["replicas"] == 5
+    assert scaled["worker"]["environment"]["MDGAN_NUM_SHARDS"] == "5"
+    assert scaled["server"]["environment"]["MDGAN_WORKERS"] == "5"
+    assert scaled["worker"]["volumes"][0]["type"] == "bind"
+    assert {"server", "worker", "prometheus", "grafana"} <= set(scaled)
+    with_data = run([compose, "-f", COMPOSE_FILE, "--profile", "download", "config", "--services"]).stdout.split()
+    assert "data" in with_data
+
+
+# ------------------------------------------------- the compose services, run as local processes
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolate(value, env: dict):
+    """Compose's variable interpolation (the subset this file uses), applied to every string."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, default = match.group(1) or match.group(4), match.group(2), match.group(3)
+        current = env.get(name)
+        if op == ":-":
+            return current if current else default
+        if op == "-":
+            return current if current is not None else default
+        if op is None:
+            return current or ""
+        raise AssertionError(f"interpolation {match.group(0)!r} not handled by this test")
+
+    return _VAR.sub(one, value)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def console_script_shims(tmp_path) -> str:
+    """A folder of stand-ins for the project's console scripts that this venv lacks (an editable
+    install made before a script was added): each runs the same entry point as the image's."""
+    import tomllib
+
+    shims = tmp_path / "console-scripts"
+    shims.mkdir()
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
+        scripts = tomllib.load(fh)["project"]["scripts"]
+    for name, target in scripts.items():
+        if shutil.which(name, path=os.path.dirname(sys.executable)):
+            continue
+        module, func = target.split(":")
+        shim = shims / name
+        shim.write_text(f"#!/bin/sh\nexec '{sys.executable}' -c 'import sys; from {module} import {func}; "
+                        f"sys.argv[0] = \"{name}\"; sys.exit({func}())' \"$@\"\n")
+        shim.chmod(0o755)
+    return str(shims)
+
+
+def supports(command: str, word: str, env: dict) -> bool:
+    return word in run([command, "--help"], env=env, check=False).stdout
+
+
+class LocalService:
+    """One compose service replica as a local process: its entrypoint, its environment, rewritten."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, log_path: str):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.popen = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, cwd=os.path.dirname(log_path))
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as fh:
+            return fh.read()[-3000:]
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+
+
+def scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
+def test_compose_services_run_as_local_processes(tmp_path, dataset):
+    """Runs the compose file's own service commands and environment as local processes (no containers)."""
+    if dataset == "mnist" and not os.path.isdir(os.path.join(SHARED_DATA, "MNIST", "raw")):
+        if IN_CI:
+            pytest.fail(f"MNIST missing under {SHARED_DATA}")
+        pytest.skip(f"MNIST not found under {SHARED_DATA}")
+    iterations, workers = 4, 2
+    # the file's own knobs, as a user sets them in the shell or in .env
+    # (swap epochs: a discriminator swap every 2 iterations, so the workers dial each other's advertised address)
+    knobs = {"MDGAN_WORKERS": str(workers), "MDGAN_ITERATIONS": str(iterations), "MDGAN_DATASET": dataset,
+             "MDGAN_BATCH_SIZE": "10", "MDGAN_SWAP_EPOCHS": "0.02" if dataset == "synthetic" else "0.0005",
+             "MDGAN_DATA_DIR": SHARED_DATA if dataset == "mnist" else ""}
+    with open(COMPOSE_FILE) as fh:
+        compose = interpolate(yaml.safe_load(fh), knobs)
+    services = compose["services"]
+
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MDGAN_")}
+    base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), console_script_shims(tmp_path),
+                                        base_env.get("PATH", "")])
+    if not supports("mdgan-worker", "assign", base_env):
+        pytest.skip("mdgan-worker --shard-index assign (what the compose workers use) is not implemented yet")
+    has_metrics = supports("mdgan-server", "--metrics-port", base_env)
+
+    def volume_paths(service: dict) -> dict[str, str]:
+        """container path -> host path: bind mounts stay, named volumes become temporary folders."""
+        paths = {}
+        for spec in service.get("volumes", []):
+            source, target = spec.split(":")[:2]
+            if source.startswith((".", "/")):
+                paths[target] = os.path.join(REPO, source) if source.startswith(".") else source
+            else:
+                paths[target] = str(tmp_path / "volumes" / source)
+                os.makedirs(paths[target], exist_ok=True)
+        return paths
+
+    # addresses of the compose network (service:port) -> loopback ports of the local processes
+    server_port, server_metrics = free_port(), free_port()
+    network = {f"server:{services['server']['environment']['MDGAN_LISTEN'].rsplit(':', 1)[1]}":
+               f"127.0.0.1:{server_port}"}
+
+    def environment(name: str, grpc_port: int, metrics_port: int) -> dict:
+        env = dict(base_env)
+        paths = volume_paths(services[name])
+        for key, value in services[name]["environment"].items():
+            value = str(value)
+            if key == "MDGAN_LISTEN":
+                value = f"127.0.0.1:{grpc_port}"
+            elif key == "MDGAN_METRICS_PORT":
+                value = str(metrics_port)
+            value = network.get(value, value)
+            for target, host in paths.items():
+                if value == target or value.startswith(target + "/"):
+                    value = host + value[len(target):]
+            assert not re.fullmatch(r"[a-z][\w-]*:\d+", value) or value.startswith("127."), (key, value)
+            env[key] = value
+        if has_metrics:
+            env["MDGAN_METRICS_ADDRESS"] = "127.0.0.1"  # containers listen on all their interfaces
+        return env
+
+    def argv(name: str) -> list[str]:
+        entrypoint = services[name]["entrypoint"]
+        return (entrypoint if isinstance(entrypoint, list) else ["/bin/sh", "-c", entrypoint]) + \
+            list(services[name].get("command") or [])
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: list[LocalService] = []
+    try:
+        server_env = environment("server", server_port, server_metrics)
+        assert server_env["MDGAN_WORKERS"] == str(workers) and server_env["MDGAN_ITERATIONS"] == str(iterations)
+        server = LocalService("server", argv("server"), server_env, str(logs / "server.log"))
+        procs.append(server)
+
+        # the compose healthcheck, pointed at the local server, until it reports SERVING
+        check = [network.get(a, a.replace("localhost:50051", f"127.0.0.1:{server_port}"))
+                 for a in services["server"]["healthcheck"]["test"][1:]]
+        deadline = time.monotonic() + 120
+        while run(check, env=base_env, check=False).returncode != 0:
+            assert server.popen.poll() is None, f"server exited early:\n{server.log()}"
+            assert time.monotonic() < deadline, f"server never healthy:\n{server.log()}"
+            time.sleep(0.5)
+        scraped = {}
+        if has_metrics:
+            scraped["server"] = scrape(server_metrics)
+
+        replicas = int(services["worker"]["deploy"]["replicas"])
+        assert replicas == workers
+        worker_metrics = []
+        for i in range(replicas):
+            grpc_port, metrics_port = free_port(), free_port()
+            env = environment("worker", grpc_port, metrics_port)
+            # a container advertises its IP on the compose network; here that is loopback
+            env["MDGAN_ADVERTISE_ADDRESS"] = f"127.0.0.1:{grpc_port}"
+            assert env["MDGAN_SERVER"] == f"127.0.0.1:{server_port}"
+            assert env["MDGAN_NUM_SHARDS"] == str(workers) and env["MDGAN_SHARD_INDEX"] == "assign"
+            if dataset == "mnist":
+                assert env["MDGAN_DATA_ROOT"] == SHARED_DATA
+            procs.append(LocalService(f"worker-{i}", argv("worker"), env, str(logs / f"worker-{i}.log")))
+            worker_metrics.append(metrics_port)
+
+        deadline = time.monotonic() + 300
+        while any(p.popen.poll() is None for p in procs):
+            if has_metrics:
+                if not scraped.get("server") and server.popen.poll() is None:
+                    scraped["server"] = scrape(server_metrics)
+                for i, port in enumerate(worker_metrics):
+                    if not scraped.get(f"worker-{i}") and procs[i + 1].popen.poll() is None:
+                        scraped[f"worker-{i}"] = scrape(port)
+            if time.monotonic() > deadline:
+                raise AssertionError("run did not finish in 300 s:\n" +
+                                     "\n".join(f"--- {p.name}\n{p.log()}" for p in procs))
+            time.sleep(0.2)
+        for proc in procs:
+            assert proc.popen.returncode == 0, f"{proc.name} exited {proc.popen.returncode}:\n{proc.log()}"
+    finally:
+        for proc in procs:
+            proc.stop()
+
+    out = server_env["MDGAN_OUT"]
+    assert out.startswith(str(tmp_path)), out
+    with open(os.path.join(out, "summary.json")) as fh:
+        summary = json.load(fh)
+    assert summary["iterations"] == iterations
+    assert summary["workers"] == workers and summary["workers_alive"] == workers
+    assert summary["swaps"] >= 1, summary  # peer to peer, at the addresses the workers advertised
+    for name in ("history.jsonl", "samples.png", "checkpoint.pt"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    if has_metrics:
+        assert scraped.get("server") and "mdgan_" in scraped["server"], "server /metrics"
+        assert any(text and "mdgan_" in text for key, text in scraped.items() if key.startswith("worker")), \
+            "no worker /metrics answered during the run"
+
+
+def test_data_download_commands_run(tmp_path):
+    """The chart's init container and the compose `data` service run torchvision's download; with the
+    data already in place (../shared/data) that is a no-op, so their code runs here without a network."""
+    if not os.path.isdir(os.path.join(SHARED_DATA, "MNIST", "raw")):
+        if IN_CI:
+            pytest.fail(f"MNIST missing under {SHARED_DATA}")
+        pytest.skip(f"MNIST not found under {SHARED_DATA}")
+    [statefulset] = by_kind(render(), "StatefulSet")
+    [init] = statefulset["spec"]["template"]["spec"]["initContainers"]
+    with open(COMPOSE_FILE) as fh:
+        data_service = interpolate(yaml.safe_load(fh), {})["services"]["data"]
+    assert data_service["environment"]["MDGAN_DATA_ROOT"] == "/data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDGAN_")}
+    env.update(MDGAN_DATASET="mnist", MDGAN_DATA_ROOT=SHARED_DATA)
+    for argv in (init["command"], data_service["entrypoint"]):
+        assert argv[0] == "python3"
+        result = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, text=True, timeout=120,
+                                cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert f"mnist ready in {SHARED_DATA}" in result.stdout
