@@ -218,8 +218,19 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False) ->
     if not only_plot:
         for run in tqdm(runs, desc=config["name"], unit="run", disable=not progress):
             run_dir = os.path.join(out, "runs", run["name"])
-            if os.path.exists(os.path.join(run_dir, "summary.json")):
-                continue  # resumed: this one finished before
+            settings = os.path.join(run_dir, "run.json")
+            if os.path.exists(settings):
+                with open(settings, encoding="utf-8") as fh:
+                    before = json.load(fh)
+                if before != run:
+                    changed = sorted(k for k in run if before.get(k) != run[k])
+                    raise ConfigError(f"{run_dir} holds a run with other settings ({changed} differ): "
+                                      "give the experiment another `out`, or delete that run")
+                if os.path.exists(os.path.join(run_dir, "summary.json")):
+                    continue  # resumed: this one finished before
+            os.makedirs(run_dir, exist_ok=True)
+            with open(settings, "w", encoding="utf-8") as fh:
+                json.dump(run, fh, indent=2)
             run_one(run, run_dir, progress)
             done += 1
     rows = collect(runs, out)

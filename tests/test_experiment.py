@@ -81,6 +81,10 @@ def test_a_small_experiment_runs_resumes_and_plots(tmp_path, mnist_root):
 
     again = run_experiment(path, progress=False)  # resumed: nothing left to run
     assert again["ran"] == 0 and again["rows"] == result["rows"]
+    changed = yaml.safe_load(open(path))
+    changed["base"]["iterations"] = 13
+    with pytest.raises(ConfigError, match="other settings"):  # never mistaken for the finished runs
+        run_experiment(_write(tmp_path, changed), progress=False)
 
     # samples from a finished run
     run_dir = out / "runs" / "mdgan-N3"
