@@ -116,7 +116,8 @@ class LocalCluster:
                             for name, port in metrics_ports.items()])
         server = self._spawn("server", [
             "services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", self.out,
-            "--threads", str(a.threads), "--step-timeout", str(a.step_timeout), "--swap-timeout", str(a.swap_timeout),
+            "--threads", str(a.threads), "--device", a.device, "--step-timeout", str(a.step_timeout),
+            "--swap-timeout", str(a.swap_timeout),
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
@@ -128,7 +129,7 @@ class LocalCluster:
                 "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
                 "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
-                "--threads", str(a.threads), "--server-timeout", str(a.step_timeout + 60),
+                "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
                 *self._metrics_flags(name, metrics_ports[name])])
         return server
 

@@ -82,6 +82,10 @@ class TrainingConfig:
     # moves |theta| floats exactly as in the paper's Table III; True sends them along (3|theta|).
     swap_optimizer_state: bool = False
     seed: int = 0
+    # Where this process computes ("cpu", "cuda", "cuda:1"); a property of the process, not of the
+    # run: it never travels to the workers, each chooses its own. Randomness is always drawn on the
+    # CPU, so the draws are the same on every device.
+    device: str = "cpu"
     model: ModelSpec = field(default_factory=ModelSpec)
     generator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     discriminator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
@@ -103,6 +107,13 @@ class TrainingConfig:
             raise ConfigError("--swap-every must be at least 1")
         if self.seed < 0:
             raise ConfigError("--seed must be >= 0")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device != "cpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device}: no CUDA device is available here")
         self.model.validate()
         self.generator_optimizer.validate()
         self.discriminator_optimizer.validate()

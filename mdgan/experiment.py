@@ -17,7 +17,7 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
 
 Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
-split, dirichlet_alpha, eval_every, eval_samples, eval_reference, crash ("every I/N": one worker fails
+split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
 every I/N iterations, the paper's crash experiment; MD-GAN only), label (the curve's name), series
 (final-vs-workers: the line(s) a run belongs to, a name or a list; default: its name without N).
 
@@ -45,7 +45,7 @@ DEFAULTS = {
     "swap_every": None, "iterations": 1000, "seed": 0, "architecture": "mlp", "gan": "acgan",
     "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
     "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
-    "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None,
+    "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
 }
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
@@ -108,6 +108,7 @@ def training_config(run: dict) -> TrainingConfig:
     return TrainingConfig(
         workers=run["workers"], iterations=run["iterations"], batch_size=run["batch_size"], kappa=run["kappa"],
         disc_steps=run["disc_steps"], swap_epochs=run["swap_epochs"], swap_every=swap_every, seed=run["seed"],
+        device=run["device"],
         model=ModelSpec(architecture=run["architecture"], gan=run["gan"], loss=run["loss"],
                         sample_shape=tuple(DATASET_SAMPLE_SHAPES[run["dataset"]])),
         generator_optimizer=OptimizerSpec(run["gen_lr"], run["beta1"], run["beta2"]),

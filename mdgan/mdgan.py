@@ -8,6 +8,7 @@ how the two sides talk.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
@@ -105,15 +106,17 @@ class GeneratorSide:
     def __init__(self, config: TrainingConfig):
         self.config = config
         self.spec = config.model
-        self.generator = build_generator(self.spec, derive_seed(config.seed, "generator-init"))
+        self.device = torch.device(config.device)
+        self.generator = build_generator(self.spec, derive_seed(config.seed, "generator-init")).to(self.device)
         self.optimizer = make_adam(self.generator, config.generator_optimizer)
         self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "server-noise"))
         self.updates = 0
 
     def generate(self, kappa: int) -> GeneratedBatches:
         b, spec = self.config.batch_size, self.spec
-        z = torch.randn(kappa * b, spec.latent_dim, generator=self._noise)  # (kappa*b, l)
+        z = torch.randn(kappa * b, spec.latent_dim, generator=self._noise)  # (kappa*b, l), drawn on the CPU
         labels = torch.randint(0, spec.num_classes, (kappa * b,), generator=self._noise) if spec.conditional else None
+        z, labels = z.to(self.device), None if labels is None else labels.to(self.device)
         samples = self.generator(z, labels)  # (kappa*b, *sample_shape)
         return GeneratedBatches(samples.view(kappa, b, *spec.sample_shape),
                                 None if labels is None else labels.view(kappa, b))
@@ -127,7 +130,7 @@ class GeneratorSide:
             raise ValueError("no feedback to update from")
         incoming = torch.zeros_like(batches.samples)  # (kappa, b, *sample_shape)
         for index, gradient in feedback:
-            incoming[index] += gradient
+            incoming[index] += gradient.to(self.device)
         incoming /= len(feedback)
         self.optimizer.zero_grad(set_to_none=True)
         batches.samples.backward(incoming)
@@ -139,9 +142,10 @@ class GeneratorSide:
 
     @torch.no_grad()
     def sample(self, z: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """G(z, labels) in eval mode, returned on the CPU."""
         self.generator.eval()
         try:
-            return self.generator(z, labels)
+            return self.generator(z.to(self.device), None if labels is None else labels.to(self.device)).cpu()
         finally:
             self.generator.train()
 
@@ -164,8 +168,11 @@ class DiscriminatorSide:
     def __init__(self, config: TrainingConfig, shard: Shard):
         self.config = config
         self.spec = config.model
+        self.device = torch.device(config.device)
         # All D_n start equal, as the paper assumes (section IV-A).
-        self.discriminator = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init"))
+        self.discriminator = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init")).to(self.device)
+        if self.device.type != "cpu":  # the shard lives where D computes
+            shard = dataclasses.replace(shard, images=shard.images.to(self.device), labels=shard.labels.to(self.device))
         self.optimizer = make_adam(self.discriminator, config.discriminator_optimizer)
         self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
 
@@ -177,6 +184,10 @@ class DiscriminatorSide:
         spec, disc = self.spec, self.discriminator
         started = time.perf_counter()
         real, real_labels = self.sampler.next_batch()  # X_r: (b, *shape), (b,)
+        if self.device.type != "cpu":
+            batch = dataclasses.replace(batch, **{k: None if v is None else v.to(self.device) for k, v in (
+                ("generated", batch.generated), ("generated_labels", batch.generated_labels),
+                ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
         disc_loss = torch.tensor(float("nan"))
         real_acc = fake_acc = float("nan")
         for _ in range(self.config.disc_steps):

@@ -64,8 +64,9 @@ class PeriodicEvaluator:
 
     def _score(self, generator: torch.nn.Module) -> dict:
         z, labels = self.noise
+        device = self.generator_side.device
         with torch.no_grad():
-            images = generator.eval()(z, labels)
+            images = generator.eval()(z.to(device), None if labels is None else labels.to(device))
         return self.scorer.evaluate(images)
 
     def maybe_start(self, iteration: int) -> None:
@@ -100,7 +101,7 @@ def make_evaluator(generator_side: GeneratorSide, data_root: str | None, every: 
         return None
     from mdgan.evaluation import ScoreEvaluator
 
-    scorer = ScoreEvaluator.from_mnist_test(data_root, n=reference, seed=0)
+    scorer = ScoreEvaluator.from_mnist_test(data_root, n=reference, seed=0, device=generator_side.device)
     return PeriodicEvaluator(scorer, generator_side, every, samples)
 
 

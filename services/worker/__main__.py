@@ -11,7 +11,7 @@ import sys
 
 import grpc
 
-from mdgan.config import ConfigError
+from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_dataset, load_shard
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
 from services.common import rpc
@@ -68,6 +68,7 @@ def advertise_address(value: str | None, bound_port: int) -> str:
 
 async def serve(args) -> str:
     data = data_config(args, args.num_shards)
+    TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
     index = resolve_shard_index(args.shard_index)
     if index is None and data.split != "iid":
         raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
@@ -85,7 +86,7 @@ async def serve(args) -> str:
     telemetry.serve(args.metrics_port, args.metrics_address)
     server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
-                      telemetry=telemetry, **source)
+                      telemetry=telemetry, device=args.device, **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = server.add_insecure_port(args.listen)

@@ -132,12 +132,13 @@ class WorkerNode:
     def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
                  dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
                  connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
-                 telemetry: Telemetry | None = None):
+                 telemetry: Telemetry | None = None, device: str = "cpu"):
         if (shard is None) == (dataset is None):
             raise ValueError("give a shard, or a dataset to take the assigned shard from")
         self.shard = shard
         self.dataset = dataset
         self.telemetry = telemetry or Telemetry("worker")
+        self.device = device  # this worker's own choice; the run's spec does not carry one
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout
@@ -219,7 +220,7 @@ class WorkerNode:
                 await self._close_peers()
 
     def _on_welcome(self, welcome: pb.Welcome) -> None:
-        config = codec.config_from_spec(welcome.spec)
+        config = replace(codec.config_from_spec(welcome.spec), device=self.device).validate()
         if self.shard is None:
             images, labels, data = self.dataset
             data = replace(data, num_shards=config.workers)
