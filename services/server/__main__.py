@@ -67,8 +67,6 @@ async def serve(args) -> dict:
     generator = GeneratorSide(config)
     layouts = {"generator": codec.layout_of(generator.generator.state_dict()),
                "discriminator": codec.layout_of(initial_discriminator.state_dict())}
-    if args.algorithm == "flgan":  # a worker is silent for a whole local round
-        liveness = max(liveness, args.round_timeout)
     coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
                               swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
                               model_layouts=layouts)
