@@ -67,6 +67,10 @@ class WorkerHandle(abc.ABC):
         """Send this worker's D to order.send_to and install the one from order.receive_from."""
 
     @abc.abstractmethod
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
+        """`sender` left during the swap round: stop waiting for its discriminator."""
+
+    @abc.abstractmethod
     async def stop(self, reason: str) -> None:
         """The run is over (or this worker is dropped from it)."""
 
@@ -82,7 +86,8 @@ class InProcessSwapBoard:
     def _box(self, swap_round: int, receiver: str) -> asyncio.Future:
         return self._boxes.setdefault((swap_round, receiver), asyncio.get_running_loop().create_future())
 
-    def deliver(self, swap_round: int, receiver: str, sender: str, state: dict[str, torch.Tensor]) -> None:
+    def deliver(self, swap_round: int, receiver: str, sender: str, state: dict[str, torch.Tensor] | None) -> None:
+        """`state` None: the sender left, nothing will come."""
         box = self._box(swap_round, receiver)
         if not box.done():
             box.set_result((sender, state))
@@ -123,10 +128,13 @@ class InProcessWorker(WorkerHandle):
             sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
         except asyncio.TimeoutError:
             return SwapReport(order.swap_round, True, False, sent, "no discriminator arrived")
-        if sender != order.receive_from:
-            return SwapReport(order.swap_round, True, False, sent, f"unexpected sender {sender}")
+        if sender != order.receive_from or incoming is None:
+            return SwapReport(order.swap_round, True, False, sent, f"nothing usable from {sender}")
         self.side.import_state(incoming)
         return SwapReport(order.swap_round, True, True, sent)
+
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
+        self.board.deliver(swap_round, self.worker_id, sender, None)
 
     async def stop(self, reason: str) -> None:
         return None
@@ -252,7 +260,8 @@ class Trainer:
 
         swap_round = None
         if t % self.swap_period == 0 and len(self.active) >= 2:
-            swap_round = await self.swap(t)
+            swap_round, lost_in_swap = await self.swap(t)
+            lost += lost_in_swap
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
@@ -261,15 +270,27 @@ class Trainer:
             swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
             wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated)
 
-    async def swap(self, t: int) -> int:
-        """One swap round over the active workers, along a random derangement."""
+    async def swap(self, t: int) -> tuple[int, int]:
+        """One swap round over the active workers, along a random derangement; (round, workers lost)."""
         swap_round = self.swaps + 1
         participants = list(self.active)
         plan = derangement([w.worker_id for w in participants], self.config.seed, swap_round)
         receive_from = {dst: src for src, dst in plan.items()}
         orders = [SwapOrder(swap_round, plan[w.worker_id], receive_from[w.worker_id]) for w in participants]
-        reports = await asyncio.gather(*(self._guard(w.swap(o), self.swap_timeout) for w, o in zip(participants, orders)),
-                                       return_exceptions=True)
+        by_id = {w.worker_id: w for w in participants}
+
+        async def swap_one(worker: WorkerHandle, order: SwapOrder):
+            try:
+                return await self._guard(worker.swap(order), self.swap_timeout)
+            except (WorkerLost, asyncio.TimeoutError) as exc:
+                # Its receiver would wait a whole swap deadline for a discriminator that cannot come.
+                try:
+                    await by_id[order.send_to].cancel_swap(swap_round, worker.worker_id, str(exc) or "deadline")
+                except Exception:  # the receiver may be gone too; its own call reports that
+                    pass
+                raise
+
+        reports = await asyncio.gather(*(swap_one(w, o) for w, o in zip(participants, orders)), return_exceptions=True)
         outcome = {}
         for worker, report in zip(participants, reports):
             if isinstance(report, SwapReport):
@@ -288,7 +309,7 @@ class Trainer:
         self.swaps = swap_round
         if self.on_swap is not None:
             self.on_swap({"round": swap_round, "iteration": t, "plan": plan, "workers": outcome})
-        return swap_round
+        return swap_round, sum(1 for r in reports if isinstance(r, (WorkerLost, asyncio.TimeoutError)))
 
     async def run(self) -> RunResult:
         last, stopped = None, None

@@ -107,7 +107,9 @@ def test_a_worker_killed_mid_run_costs_at_most_one_deadline(tmp_path):
     lost_at = [r for r in records if r["lost"]]
     assert len(lost_at) == 1
     assert lost_at[0]["seconds"] < step_timeout + 5  # one deadline at most, never a hang
-    assert all(r["answered"] == 2 for r in records[records.index(lost_at[0]):])
+    # lost in a step (that iteration goes on with 2) or in a swap (after 3 answered): 2 from then on
+    assert lost_at[0]["answered"] in (2, 3)
+    assert all(r["answered"] == 2 for r in records[records.index(lost_at[0]) + 1:])
     for p in (workers[0], workers[2]):
         assert p.popen.returncode == 0, p.log()
 

@@ -159,3 +159,33 @@ def test_a_crashed_worker_leaves_and_the_generator_averages_over_those_that_answ
     assert [r.active_workers for r in records] == [3, 3, 3, 2, 2, 2]
     assert [r.answered for r in records] == [3, 3, 2, 2, 2, 2]
     assert records[2].lost == 1
+
+
+def test_a_worker_lost_during_a_swap_does_not_leave_its_receiver_waiting():
+    from mdgan.cluster import InProcessWorker, WorkerLost
+
+    class DiesInSwap(InProcessWorker):
+        async def swap(self, order):
+            self.crash()
+            raise WorkerLost(f"{self.worker_id} died mid-swap")
+
+    config = TrainingConfig(workers=3, iterations=4, swap_every=2, batch_size=5).validate()
+    shards = load_all_shards(DataConfig("synthetic", num_shards=3))
+    workers = build_in_process_workers(config, shards)
+    workers[1] = DiesInSwap(workers[1].side, workers[0].board, swap_timeout=600)
+    for w in workers:
+        w.swap_timeout = 600  # without the cancel, the receiver would wait this long
+    records, swaps = [], []
+
+    async def run():
+        trainer = Trainer(config, GeneratorSide(config), workers, on_iteration=records.append, on_swap=swaps.append)
+        return await asyncio.wait_for(trainer.run(), 60)
+
+    result = asyncio.run(run())
+    assert result.iterations == 4 and result.workers_alive == 2
+    assert [r.lost for r in records] == [0, 1, 0, 0]  # counted in the iteration whose swap lost it
+    first = swaps[0]["workers"]
+    receiver = swaps[0]["plan"]["worker-1"]
+    assert first["worker-1"]["sent"] is False
+    assert first[receiver]["received"] is False and "worker-1" in first[receiver]["error"]
+    assert all(w["sent"] and w["received"] for w in swaps[1]["workers"].values())  # the next round, among two

@@ -127,6 +127,10 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
             self._rounds.pop(round_, None)
             self._returning = {}
 
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
+        await self.send(pb.ServerMessage(swap_cancel=pb.SwapCancel(round=swap_round, sender_worker=sender,
+                                                                   reason=reason)))
+
     async def stop(self, reason: str) -> None:
         if self.closed.is_set():
             return

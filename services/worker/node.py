@@ -50,7 +50,10 @@ class SwapMailbox:
             return grpc.StatusCode.ALREADY_EXISTS, f"a discriminator for round {swap_round} already arrived"
         return None
 
-    def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor]) -> None:
+    def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor] | None) -> None:
+        """`state` None: the server says the sender left; nothing will come this round."""
+        if swap_round <= self.completed_round:
+            return
         box = self._box(swap_round)
         if not box.done():
             box.set_result((sender, state))
@@ -243,14 +246,20 @@ class WorkerNode:
                  config.disc_steps)
 
     async def _serve(self, call) -> str:
+        swaps: set[asyncio.Task] = set()
         while True:
             message = await self._read(call)
             kind = message.WhichOneof("body")
             if kind == "batches":
                 await self._on_batches(call, message.batches)
             elif kind == "swap_order":
-                report = await self._swap(message.swap_order)
-                await self._write(call, pb.WorkerMessage(swap_report=report))
+                # In the background: a swap_cancel may arrive while we wait for a peer.
+                swaps.add(asyncio.create_task(self._swap_and_report(call, message.swap_order)))
+                swaps = {t for t in swaps if not t.done()}
+            elif kind == "swap_cancel":
+                cancel = message.swap_cancel
+                log.warning("swap %d: %s left (%s)", cancel.round, cancel.sender_worker, cancel.reason)
+                self.mailbox.deliver(cancel.round, cancel.sender_worker, None)
             elif kind == "model_part":
                 self._on_model_part(message.model_part)
             elif kind == "local_round":
@@ -260,6 +269,8 @@ class WorkerNode:
                 log.error("the server rejected our input at iteration %d: %s (%s)", r.iteration, r.message, r.reason)
             elif kind == "stop":
                 log.info("stopped by the server: %s", message.stop.reason)
+                for task in swaps:
+                    task.cancel()
                 await call.done_writing()
                 return message.stop.reason
 
@@ -335,6 +346,10 @@ class WorkerNode:
             t.discriminator_loss.set(result.stats[-1]["disc_loss"])
         t.last_iteration.set_to_current_time()
 
+    async def _swap_and_report(self, call, order: pb.SwapOrder) -> None:
+        report = await self._swap(order)
+        await self._write(call, pb.WorkerMessage(swap_report=report))
+
     async def _swap(self, order: pb.SwapOrder) -> pb.SwapReport:
         started = time.perf_counter()
         state = self.side.export_state()  # snapshot before anything arrives in our place
@@ -348,7 +363,9 @@ class WorkerNode:
         received = False
         try:
             sender, incoming = await self.mailbox.collect(order.round, self.swap_timeout)
-            if sender == order.receive_from_worker:
+            if incoming is None:
+                errors.append(f"{sender} left before sending its discriminator")
+            elif sender == order.receive_from_worker:
                 self.side.import_state(incoming)
                 received = True
             else:

@@ -25,7 +25,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round_done: _Optional[_Union[LocalRoundDone, _Mapping]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round")
+    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round", "swap_cancel")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SWAP_ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class ServerMessage(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     MODEL_PART_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ROUND_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CANCEL_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     batches: Batches
     swap_order: SwapOrder
@@ -42,7 +43,8 @@ class ServerMessage(_message.Message):
     stop: Stop
     model_part: ModelPart
     local_round: LocalRound
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ...) -> None: ...
+    swap_cancel: SwapCancel
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
     __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size")
@@ -163,6 +165,16 @@ class SwapOrder(_message.Message):
     send_to_address: str
     receive_from_worker: str
     def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ...) -> None: ...
+
+class SwapCancel(_message.Message):
+    __slots__ = ("round", "sender_worker", "reason")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    sender_worker: str
+    reason: str
+    def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SwapReport(_message.Message):
     __slots__ = ("round", "sent", "received", "sent_payload_bytes", "sent_message_bytes", "error")
