@@ -134,7 +134,7 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
     return TrainingConfig(
         workers=args.workers, iterations=args.iterations, batch_size=args.batch_size, kappa=args.kappa,
         disc_steps=args.disc_steps, swap_epochs=args.swap_epochs, swap_every=args.swap_every,
-        swap_optimizer_state=args.swap_optimizer_state, seed=args.seed, device=args.device,
+        swap_optimizer_state=args.swap_optimizer_state, seed=args.seed, device=getattr(args, "device", "cpu"),
         model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss, sample_shape=tuple(sample_shape)),
         generator_optimizer=OptimizerSpec(args.gen_lr, args.beta1, args.beta2),
         discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),

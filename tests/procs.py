@@ -64,7 +64,9 @@ def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        text = fh.read()
+    # a file being written may end in half a line: only complete lines count
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
 def read_json(path: str) -> dict:
