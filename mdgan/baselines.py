@@ -182,6 +182,7 @@ class FederatedTrainer:
         self.on_round = on_round
         self.period = config.swap_period(min(w.shard_size for w in self.workers))
         self.traffic = Traffic()
+        self.rejections = 0
 
     async def _guard(self, awaitable):
         return await asyncio.wait_for(awaitable, self.round_timeout) if self.round_timeout else await awaitable
@@ -208,7 +209,9 @@ class FederatedTrainer:
                     self.traffic.payload_bytes["worker_to_server"] += reply.sent_bytes
                     results.append(reply)
                     weights.append(float(worker.shard_size))
-                elif isinstance(reply, (WorkerLost, InputRejected, asyncio.TimeoutError)):
+                elif isinstance(reply, InputRejected):  # this round goes on without it, as in MD-GAN
+                    self.rejections += 1
+                elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
                     self.active.remove(worker)
                     try:
                         await asyncio.wait_for(worker.stop(str(reply) or "missed its deadline"), 5.0)
@@ -237,7 +240,7 @@ class FederatedTrainer:
             except Exception:
                 pass
         return RunResult(iterations=done, workers=len(self.workers), workers_alive=len(self.active), swaps=rounds,
-                         rejections=0, swap_period=self.period, traffic=self.traffic, last=last, stopped_early=stopped)
+                         rejections=self.rejections, swap_period=self.period, traffic=self.traffic, last=last, stopped_early=stopped)
 
 
 def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard],

@@ -220,3 +220,56 @@ def test_peer_service_checks_every_pushed_discriminator():
     assert results["good"][1].received_bytes == 670_219 * 4
     assert sender == "worker-1"
     assert all(torch.equal(received[k], v) for k, v in state.items())
+
+
+async def _fake_flgan_worker(port: int):
+    """An FL-GAN worker that sends back a generator of the wrong shape in round 1, then echoes the models."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=120)
+        await call.write(_join(shard_index=1))
+        await asyncio.wait_for(call.read(), 60)  # welcome
+        received: dict[str, list] = {}
+        rounds, rejections = [], []
+        while True:
+            message = await asyncio.wait_for(call.read(), 60)
+            kind = message.WhichOneof("body")
+            if kind == "model_part":
+                received.setdefault(message.model_part.model, []).append(message.model_part)
+            elif kind == "local_round":
+                r = message.local_round
+                rounds.append(r.round)
+                parts = [p for m in ("generator", "discriminator") for p in received.pop(m)]
+                if r.round == 1:  # a generator whose first tensor has another shape
+                    header = parts[0].header
+                    header.tensors[0].shape[-1] += 1
+                for p in parts:
+                    await call.write(pb.WorkerMessage(model_part=p))
+                stats = [pb.StepStats()] * r.iterations
+                await call.write(pb.WorkerMessage(local_round_done=pb.LocalRoundDone(round=r.round, stats=stats)))
+            elif kind == "rejection":
+                rejections.append(message.rejection)
+            elif kind == "stop":
+                await call.done_writing()
+                return rounds, rejections
+
+
+@pytest.mark.slow
+def test_a_malformed_flgan_model_is_refused_and_the_round_goes_on(tmp_path):
+    out = str(tmp_path)
+    server, port = start_server(out, "--algorithm", "flgan", "--workers", "2", "--iterations", "6",
+                                "--swap-every", "2", "--batch-size", str(B), "--gan", "gan")
+    worker = start_worker(out, port, 0, 2, "--dataset", "synthetic")
+    try:
+        rounds, rejections = asyncio.run(_fake_flgan_worker(port))
+        assert server.wait(60) == 0, server.log()
+        assert worker.wait(30) == 0, worker.log()
+    finally:
+        server.kill()
+        worker.kill()
+    assert rounds == [1, 2, 3]
+    assert [(r.iteration, r.code, r.reason) for r in rejections] == [(1, INVALID_ARGUMENT, "shape")]
+    summary = read_json(os.path.join(out, "summary.json"))
+    assert summary["algorithm"] == "flgan" and summary["iterations"] == 6
+    assert summary["workers_alive"] == 2 and summary["rejections"] == 1
+    history = read_jsonl(os.path.join(out, "history.jsonl"))
+    assert [r["answered"] for r in history] == [1, 1, 2, 2, 2, 2]

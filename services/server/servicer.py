@@ -69,6 +69,7 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.model_layouts = model_layouts or {}
         self._rounds: dict[int, asyncio.Future] = {}
         self._returning: dict[tuple[int, str], codec.StateAssembler] = {}
+        self._discarding = -1  # a round already refused: the rest of its parts are dropped quietly
         self.last_write = time.monotonic()
 
     # -- sending -----------------------------------------------------------------------------
@@ -209,6 +210,7 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         future.set_result(StepResult(gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy))
 
     async def _fail_round(self, round_: int, reason: str, detail: str) -> None:
+        self._discarding = round_
         await self._reject(round_, reason, detail)
         future = self._rounds.get(round_)
         if future is not None and not future.done():
@@ -216,6 +218,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self._returning = {}
 
     async def _on_model_part(self, part: pb.ModelPart) -> None:
+        if part.round == self._discarding:
+            return
         assembler = self._returning.get((part.round, part.model))
         if assembler is None:
             await self._reject(part.round, "round", f"no {part.model!r} expected for round {part.round}")
@@ -226,6 +230,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
             await self._fail_round(part.round, exc.reason, f"{part.model}: {exc}")
 
     async def _on_local_round_done(self, done: pb.LocalRoundDone) -> None:
+        if done.round == self._discarding:
+            return
         future = self._rounds.get(done.round)
         if future is None or future.done():
             await self._reject(done.round, "round", f"no local round {done.round} pending")
