@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mdgan.cluster import RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost
+from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
+                           tell_to_stop, with_deadline)
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.mdgan import (DiscriminatorSide, GeneratorSide, derive_seed, discriminator_loss, generator_loss,
@@ -58,7 +59,6 @@ class LocalGAN:
         self.g.optimizer.zero_grad(set_to_none=True)
         gen_loss.backward()  # through D into G; D's gradients are dropped before its next step
         self.g.optimizer.step()
-        self.g.updates += 1
         return {"gen_loss": gen_loss.item(), "disc_loss": disc_loss.item(), "real_accuracy": real_acc,
                 "fake_accuracy": fake_acc}
 
@@ -184,9 +184,6 @@ class FederatedTrainer:
         self.traffic = Traffic()
         self.rejections = 0
 
-    async def _guard(self, awaitable):
-        return await asyncio.wait_for(awaitable, self.round_timeout) if self.round_timeout else await awaitable
-
     async def run(self) -> RunResult:
         done, rounds, last, stopped = 0, 0, None, None
         while done < self.config.iterations:
@@ -198,8 +195,8 @@ class FederatedTrainer:
             started = time.perf_counter()
             generator = self.server.generator.state_dict()
             active = list(self.active)
-            replies = await asyncio.gather(*(self._guard(w.local_round(rounds, done + 1, count, generator,
-                                                                       self.discriminator)) for w in active),
+            replies = await asyncio.gather(*(with_deadline(w.local_round(rounds, done + 1, count, generator,
+                                                                          self.discriminator), self.round_timeout) for w in active),
                                            return_exceptions=True)
             results, weights = [], []
             down = sum(t.numel() * t.element_size() for t in [*generator.values(), *self.discriminator.values()])
@@ -213,10 +210,7 @@ class FederatedTrainer:
                     self.rejections += 1
                 elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
                     self.active.remove(worker)
-                    try:
-                        await asyncio.wait_for(worker.stop(str(reply) or "missed its deadline"), 5.0)
-                    except Exception:  # already gone
-                        pass
+                    await tell_to_stop(worker, str(reply) or "missed its deadline")
                 else:
                     raise reply
             if results:  # worker-rank order, as everywhere: repeatable
@@ -231,14 +225,10 @@ class FederatedTrainer:
                 if self.on_iteration:
                     self.on_iteration(last)
             done += count
-            self.server.updates = done
             if self.on_round:
                 self.on_round({"round": rounds, "iteration": done, "workers": len(results)})
         for worker in list(self.active):
-            try:
-                await asyncio.wait_for(worker.stop(RUN_FINISHED), 10.0)
-            except Exception:
-                pass
+            await tell_to_stop(worker, RUN_FINISHED, 10.0)
         return RunResult(iterations=done, workers=len(self.workers), workers_alive=len(self.active), swaps=rounds,
                          rejections=self.rejections, swap_period=self.period, traffic=self.traffic, last=last, stopped_early=stopped)
 

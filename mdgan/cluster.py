@@ -187,6 +187,19 @@ class RunResult:
     stopped_early: str | None = None
 
 
+async def with_deadline(awaitable, timeout: float | None):
+    """Await, within `timeout` seconds when one is given (raises asyncio.TimeoutError)."""
+    return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable
+
+
+async def tell_to_stop(worker, reason: str, timeout: float = 5.0) -> None:
+    """Best effort: a worker being dropped may already be gone, and then there is nobody to tell."""
+    try:
+        await asyncio.wait_for(worker.stop(reason), timeout)
+    except Exception as exc:
+        log.debug("could not stop %s: %s", worker.worker_id, exc)
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -216,17 +229,11 @@ class Trainer:
         shard_size = min((w.shard_size for w in self.workers), default=0)
         self.swap_period = config.swap_period(shard_size)
 
-    async def _guard(self, awaitable, timeout: float | None):
-        return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable
-
     async def _drop(self, worker: WorkerHandle, why: str) -> None:
         if worker in self.active:
             log.warning("dropping %s: %s", worker.worker_id, why)
             self.active.remove(worker)
-            try:
-                await asyncio.wait_for(worker.stop(why), 5.0)
-            except Exception:  # the worker is already gone; nothing more to tell it
-                pass
+            await tell_to_stop(worker, why)
 
     async def iteration(self, t: int) -> IterationRecord:
         started = time.perf_counter()
@@ -234,7 +241,7 @@ class Trainer:
         batches = self.generator.generate(min(self.config.kappa, len(active)))
         sent = [batches.for_worker(rank) for rank in range(len(active))]
         generated = time.perf_counter()
-        replies = await asyncio.gather(*(self._guard(w.step(t, b), self.step_timeout) for w, b in zip(active, sent)),
+        replies = await asyncio.gather(*(with_deadline(w.step(t, b), self.step_timeout) for w, b in zip(active, sent)),
                                        return_exceptions=True)
         answered = time.perf_counter()
         feedback, stats, rejected, lost = [], [], 0, 0
@@ -281,7 +288,7 @@ class Trainer:
 
         async def swap_one(worker: WorkerHandle, order: SwapOrder):
             try:
-                return await self._guard(worker.swap(order), self.swap_timeout)
+                return await with_deadline(worker.swap(order), self.swap_timeout)
             except (WorkerLost, asyncio.TimeoutError) as exc:
                 # Its receiver would wait a whole swap deadline for a discriminator that cannot come.
                 try:
@@ -322,10 +329,7 @@ class Trainer:
             if self.on_iteration is not None:
                 self.on_iteration(last)
         for worker in list(self.active):
-            try:
-                await asyncio.wait_for(worker.stop(RUN_FINISHED), 10.0)
-            except Exception as exc:
-                log.warning("could not stop %s cleanly: %s", worker.worker_id, exc)
+            await tell_to_stop(worker, RUN_FINISHED, 10.0)
         return RunResult(iterations=last.iteration if last else 0,
                          workers=len(self.workers), workers_alive=len(self.active), swaps=self.swaps,
                          rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last, stopped_early=stopped)

@@ -224,8 +224,7 @@ def take_shard(images: torch.Tensor, labels: torch.Tensor, index: int, config: D
 
 
 def load_shard(config: DataConfig, index: int, sample_shape: tuple[int, ...] | None = None) -> Shard:
-    config.validate()
-    if not 0 <= index < config.num_shards:
+    if not 0 <= index < config.validate().num_shards:  # before loading a whole dataset for nothing
         raise ConfigError(f"shard index {index} out of range for {config.num_shards} shards")
     images, labels = load_dataset(config)
     return take_shard(images, labels, index, config, sample_shape)

@@ -110,7 +110,6 @@ class GeneratorSide:
         self.generator = build_generator(self.spec, derive_seed(config.seed, "generator-init")).to(self.device)
         self.optimizer = make_adam(self.generator, config.generator_optimizer)
         self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "server-noise"))
-        self.updates = 0
 
     def generate(self, kappa: int) -> GeneratedBatches:
         b, spec = self.config.batch_size, self.spec
@@ -138,7 +137,6 @@ class GeneratorSide:
     def update(self, batches: GeneratedBatches, feedback: list[tuple[int, torch.Tensor]]) -> None:
         self.accumulate(batches, feedback)
         self.optimizer.step()
-        self.updates += 1
 
     @torch.no_grad()
     def sample(self, z: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:

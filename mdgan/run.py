@@ -115,7 +115,6 @@ class RunRecorder:
         self.total = total
         self._final_done = False
         self._eval_seconds = 0.0  # the final evaluation runs inline: kept out of the wall time
-        self.out_dir = out_dir
         self._history = open(os.path.join(out_dir, "history.jsonl"), "w", encoding="utf-8")
         self._swaps = open(os.path.join(out_dir, "swaps.jsonl"), "w", encoding="utf-8")
         self._bar = tqdm(total=total, desc=description, unit="it", disable=not progress, dynamic_ncols=True)

@@ -12,13 +12,14 @@ from conftest import REPO
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], log_dir: str, env: dict | None = None):
+    """A process whose output goes to a log file, for tests that start real programs."""
+
+    def __init__(self, name: str, argv: list[str], log_path: str, env: dict | None = None, cwd: str = REPO):
         self.name = name
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self._log = open(self.log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=self._log,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, **(env or {})})
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.popen = subprocess.Popen(argv, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -32,6 +33,16 @@ class Proc:
         with open(self.log_path) as fh:
             return fh.read()[-4000:]
 
+    def stop(self, grace: float = 10) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
@@ -39,10 +50,15 @@ class Proc:
         self._log.close()
 
 
+def python_module(name: str, argv: list[str], log_dir: str) -> Proc:
+    """`python -m argv...` from the repository, logging to LOG_DIR/NAME.log."""
+    return Proc(name, [sys.executable, "-m", *argv], os.path.join(log_dir, f"{name}.log"), env=dict(os.environ))
+
+
 def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int]:
     port_file = os.path.join(out, "server.port")
     os.makedirs(out, exist_ok=True)
-    server = Proc(name, ["services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", out,
+    server = python_module(name, ["services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", out,
                          "--threads", "1", "--metrics-port", "0", *flags], out)
     deadline = time.monotonic() + 60
     while not os.path.exists(port_file):
@@ -54,7 +70,7 @@ def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int
 
 
 def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags: str) -> Proc:
-    return Proc(f"worker-{index}", ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
+    return python_module(f"worker-{index}", ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                                     "--advertise-address", "127.0.0.1", "--shard-index", str(index),
                                     "--num-shards", str(num_shards), "--threads", "1", "--metrics-port", "0",
                                     *flags], out)

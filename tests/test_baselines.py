@@ -3,7 +3,7 @@ import asyncio
 import pytest
 import torch
 
-from mdgan.baselines import LocalGAN, fedavg, run_flgan, run_standalone
+from mdgan.baselines import FederatedTrainer, InProcessFederatedWorker, fedavg, run_flgan, run_standalone
 from mdgan.cluster import Trainer, build_in_process_workers
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
@@ -55,11 +55,17 @@ def test_flgan_averages_every_period_and_counts_table_iii_traffic():
     assert len(records) == 10 and records[3].swap_round == 1
 
 
-def test_flgan_workers_hold_the_average_after_a_round():
+def test_flgan_server_ends_with_the_average_of_what_the_workers_trained():
     config = TrainingConfig(workers=2, iterations=3, batch_size=5, swap_every=3).validate()
     shards = load_all_shards(DataConfig("synthetic", num_shards=2))
     server = GeneratorSide(config)
-    run_flgan(config, server, shards)
-    # a fresh local GAN is different; the server holds the average of what the workers trained
-    fresh = LocalGAN(config, shards[0])
-    assert not all(torch.equal(p, q) for p, q in zip(server.generator.parameters(), fresh.g.generator.parameters()))
+    workers = [InProcessFederatedWorker(config, shard) for shard in shards]
+    trainer = FederatedTrainer(config, server, workers, workers[0].gan.d.discriminator.state_dict())
+    asyncio.run(trainer.run())
+    trained = [w.gan.g.generator.state_dict() for w in workers]
+    assert not all(torch.equal(a, b) for a, b in zip(trained[0].values(), trained[1].values()))  # they differ
+    expected = fedavg(trained, [float(len(s)) for s in shards])
+    for name, tensor in server.generator.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    expected_d = fedavg([w.gan.d.discriminator.state_dict() for w in workers], [float(len(s)) for s in shards])
+    assert all(torch.equal(trainer.discriminator[k], v) for k, v in expected_d.items())

@@ -24,6 +24,8 @@ import urllib.request
 import pytest
 import yaml
 
+from procs import Proc
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHART = os.path.join(REPO, "deploy", "k8s", "mdgan")
 COMPOSE_FILE = os.path.join(REPO, "docker-compose.yml")
@@ -286,32 +288,6 @@ def supports(command: str, word: str, env: dict) -> bool:
     return word in run([command, "--help"], env=env, check=False).stdout
 
 
-class LocalService:
-    """One compose service replica as a local process: its entrypoint, its environment, rewritten."""
-
-    def __init__(self, name: str, argv: list[str], env: dict, log_path: str):
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.popen = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, cwd=os.path.dirname(log_path))
-
-    def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path) as fh:
-            return fh.read()[-3000:]
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._log.close()
-
-
 def scrape(port: int) -> str | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
@@ -388,11 +364,11 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    procs: list[LocalService] = []
+    procs: list[Proc] = []
     try:
         server_env = environment("server", server_port, server_metrics)
         assert server_env["MDGAN_WORKERS"] == str(workers) and server_env["MDGAN_ITERATIONS"] == str(iterations)
-        server = LocalService("server", argv("server"), server_env, str(logs / "server.log"))
+        server = Proc("server", argv("server"), str(logs / "server.log"), env=server_env, cwd=str(logs))
         procs.append(server)
 
         # the compose healthcheck, pointed at the local server, until it reports SERVING
@@ -419,7 +395,7 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
             assert env["MDGAN_NUM_SHARDS"] == str(workers) and env["MDGAN_SHARD_INDEX"] == "assign"
             if dataset == "mnist":
                 assert env["MDGAN_DATA_ROOT"] == SHARED_DATA
-            procs.append(LocalService(f"worker-{i}", argv("worker"), env, str(logs / f"worker-{i}.log")))
+            procs.append(Proc(f"worker-{i}", argv("worker"), str(logs / f"worker-{i}.log"), env=env, cwd=str(logs)))
             worker_metrics.append(metrics_port)
 
         deadline = time.monotonic() + 300

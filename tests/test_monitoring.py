@@ -33,6 +33,8 @@ import urllib.request
 import pytest
 import yaml
 
+from procs import Proc
+
 from conftest import REPO
 
 PROM_DIR = os.path.join(REPO, "deploy", "prometheus")
@@ -196,17 +198,16 @@ class Prometheus:
         self.config_path = _write_config(config, directory)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(directory, "prometheus.log")
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={directory}/data",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.process = Proc("prometheus", [
+            binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={directory}/data",
+            f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h", "--log.level=warn"],
+            os.path.join(directory, "prometheus.log"), cwd=directory)
 
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"prometheus exited {self.process.returncode}:\n{self.log()}"
+            assert self.process.popen.poll() is None, \
+                f"prometheus exited {self.process.popen.returncode}:\n{self.log()}"
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
                     if response.status == 200:
@@ -237,19 +238,10 @@ class Prometheus:
         return data["result"]
 
     def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path) as fh:
-            return fh.read()[-4000:]
+        return self.process.log()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+        self.process.stop()
 
 
 def _has_data(result: list[dict]) -> bool:

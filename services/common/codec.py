@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -30,6 +30,7 @@ _TO_WIRE = {
     torch.uint8: tensor_pb2.DTYPE_UINT8,
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+_ELEMENT_BYTES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _TO_WIRE}
 
 
 class InvalidTensor(ValueError):
@@ -71,8 +72,7 @@ def decode_tensor(msg: tensor_pb2.Tensor, *, shape: tuple[int, ...] | None = Non
     got_shape = tuple(msg.shape)
     if any(s < 0 for s in got_shape):
         raise InvalidTensor("shape", f"{field}: negative dimension in {got_shape}")
-    element = torch.empty((), dtype=got_dtype).element_size()
-    expected_bytes = math.prod(got_shape) * element
+    expected_bytes = math.prod(got_shape) * _ELEMENT_BYTES[got_dtype]
     if max_bytes is not None and max(expected_bytes, len(msg.data)) > max_bytes:
         raise InvalidTensor("size", f"{field}: {max(expected_bytes, len(msg.data))} bytes exceed the bound {max_bytes}")
     if shape is not None and got_shape != tuple(shape):
@@ -144,7 +144,7 @@ class StateAssembler:
         self._filled = 0
 
     def expected_bytes(self) -> int:
-        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.layout.values())
+        return sum(math.prod(shape) * _ELEMENT_BYTES[dt] for shape, dt in self.layout.values())
 
     def accept_header(self, header) -> None:  # DiscriminatorHeader or StateHeader
         if self.header is not None:
@@ -191,7 +191,7 @@ class StateAssembler:
         state, offset = {}, 0
         for spec in self.header.tensors:
             shape, dtype = self.layout[spec.name]
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * _ELEMENT_BYTES[dtype]
             t = torch.frombuffer(self._buffer, dtype=dtype, count=math.prod(shape), offset=offset).view(shape) \
                 if size else torch.empty(shape, dtype=dtype)
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -200,9 +200,6 @@ class StateAssembler:
             offset += size
         return state
 
-
-def payload_bytes(tensors: Iterable[tensor_pb2.Tensor]) -> int:
-    return sum(len(t.data) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,3 @@ def run(main):
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
 
-
-def host_of(address: str) -> str:
-    return address.rsplit(":", 1)[0]

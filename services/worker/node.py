@@ -155,7 +155,6 @@ class WorkerNode:
         self._write_lock = asyncio.Lock()
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
         self.swap_timeout = 60.0
-        self.iterations = 0
 
     async def _write(self, call, message: pb.WorkerMessage) -> None:
         async with self._write_lock:
@@ -293,7 +292,6 @@ class WorkerNode:
         started = time.perf_counter()
         # Torch releases the GIL: the event loop keeps serving peers and heartbeats meanwhile.
         result = await asyncio.to_thread(self.side.step, batch)
-        self.iterations += 1
         await self._write(call, pb.WorkerMessage(feedback=pb.Feedback(
             iteration=batches.iteration, gradient=codec.encode_tensor(result.feedback),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
