@@ -149,12 +149,14 @@ def collect(runs: list[dict], out: str) -> list[dict]:
         with open(history, encoding="utf-8") as fh:
             for line in fh:
                 record = json.loads(line)
-                if "eval_iteration" in record:
+                # every evaluation finished since the line before; older histories carry only the newest, flat
+                evaluations = record.get("evaluations") or ([record] if "eval_iteration" in record else [])
+                for evaluation in evaluations:
                     rows.append({"run": run["name"], "label": run["label"], "algorithm": run["algorithm"],
                                  "workers": run["workers"], "batch_size": run["batch_size"], "kappa": run["kappa"],
                                  "crash": run["crash"] or "", "swap_every": run["swap_every"] or "",
-                                 "iteration": record["eval_iteration"], "mnist_score": record.get("mnist_score"),
-                                 "fid": record.get("fid"), "active_workers": record.get("active_workers")})
+                                 "iteration": evaluation["eval_iteration"], "mnist_score": evaluation.get("mnist_score"),
+                                 "fid": evaluation.get("fid"), "active_workers": record.get("active_workers")})
     return rows
 
 

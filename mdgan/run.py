@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -51,7 +51,8 @@ def evaluation_samples(generator_side: GeneratorSide, count: int) -> tuple[torch
 
 class PeriodicEvaluator:
     """Scores G every `every` iterations on a snapshot, in a background thread, so training never
-    waits for it; results are picked up by the next history line. `finish` scores the final G."""
+    waits for it; results are picked up by the next history line (all that finished since the line
+    before). `finish` waits for those still running and scores the final G."""
 
     def __init__(self, scorer, generator_side: GeneratorSide, every: int, samples: int = 500):
         self.scorer = scorer  # anything with evaluate(images) -> dict of scores (mdgan.evaluation.ScoreEvaluator)
@@ -74,24 +75,26 @@ class PeriodicEvaluator:
             snapshot = copy.deepcopy(self.generator_side.generator)  # training goes on with the original
             self._pending.append((iteration, self._pool.submit(self._score, snapshot)))
 
-    def collect(self) -> dict | None:
-        """The newest finished evaluation ({"eval_iteration", scores...}), if any finished since last asked."""
-        found = None
+    def collect(self) -> list[dict]:
+        """Every evaluation ({"eval_iteration", scores...}) finished since last asked, oldest first;
+        in order, so one still running holds back those started after it."""
+        found = []
         while self._pending and self._pending[0][1].done():
             iteration, future = self._pending.pop(0)
-            found = {"eval_iteration": iteration, **future.result()}
-        if found is not None:
-            self.latest = found
+            found.append({"eval_iteration": iteration, **future.result()})
+        if found:
+            self.latest = found[-1]
         return found
 
-    def finish(self, iteration: int) -> dict:
-        for _, future in self._pending:
-            future.result()
-        self.collect()
+    def finish(self, iteration: int) -> list[dict]:
+        """Waits for the periodic evaluations still running, then scores the final G: all of them,
+        the final one last."""
+        wait([future for _, future in self._pending])
+        done = self.collect()
         final = {"eval_iteration": iteration, **self._score(copy.deepcopy(self.generator_side.generator))}
         self.latest = final
         self._pool.shutdown()
-        return final
+        return done + [final]
 
 
 def make_evaluator(generator_side: GeneratorSide, data_root: str | None, every: int, samples: int,
@@ -124,10 +127,13 @@ class RunRecorder:
         row = {k: (_finite_or_none(v) if isinstance(v, float) else v) for k, v in asdict(record).items()}
         if self.evaluator is not None:
             if record.iteration == self.total:  # the last line carries the final generator's scores
-                row.update(self._finish(record.iteration))
+                evaluations = self._finish(record.iteration)
             else:
                 self.evaluator.maybe_start(record.iteration)
-                row.update(self.evaluator.collect() or {})
+                evaluations = self.evaluator.collect()
+            if evaluations:  # the newest flat (for plain readers) and all of them, none lost
+                row.update(evaluations[-1])
+                row["evaluations"] = evaluations
         self._history.write(json.dumps(row) + "\n")
         self._history.flush()
         self._bar.update(1)
@@ -139,12 +145,12 @@ class RunRecorder:
         self._swaps.write(json.dumps(record) + "\n")
         self._swaps.flush()
 
-    def _finish(self, iteration: int) -> dict:
+    def _finish(self, iteration: int) -> list[dict]:
         started = time.perf_counter()
-        final = self.evaluator.finish(iteration)
+        evaluations = self.evaluator.finish(iteration)
         self._final_done = True
         self._eval_seconds += time.perf_counter() - started
-        return final
+        return evaluations
 
     def close(self, iteration: int | None = None) -> float:
         """Stop the clock; a run cut short still gets its final generator scored (into the summary)."""

@@ -209,3 +209,47 @@ def test_cuda_matches_cpu(clf, test_set):
     assert gpu["fid"] == pytest.approx(cpu["fid"], rel=1e-2, abs=1e-2)
     assert mnist_score(x, clf, device="cuda") == pytest.approx(cpu["mnist_score"], rel=1e-3)
     assert next(clf.parameters()).device.type == "cpu"  # the caller's model is not moved
+
+
+class _GatedScorer:
+    """Scores nothing until the test opens the gate: evaluations pile up behind a slow scorer."""
+
+    def __init__(self):
+        import threading
+
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def evaluate(self, images: torch.Tensor) -> dict:
+        self.gate.wait(timeout=60)
+        self.calls += 1
+        return {"mnist_score": float(self.calls), "fid": float(images.shape[0])}
+
+
+def test_no_periodic_evaluation_is_lost_from_history_even_when_still_running_at_the_end(tmp_path):
+    import json
+
+    from mdgan.cluster import IterationRecord
+    from mdgan.config import TrainingConfig
+    from mdgan.mdgan import GeneratorSide
+    from mdgan.run import PeriodicEvaluator, RunRecorder
+
+    total = 10
+    side = GeneratorSide(TrainingConfig(workers=1, iterations=total, batch_size=4).validate())
+    scorer = _GatedScorer()
+    recorder = RunRecorder(str(tmp_path), total, progress=False,
+                           evaluator=PeriodicEvaluator(scorer, side, every=2, samples=20))
+    for iteration in range(1, total + 1):
+        if iteration == total:
+            scorer.gate.set()  # the four periodic ones (2, 4, 6, 8) are all still running here
+        recorder(IterationRecord(iteration, 1, 1, 0, 0, 0.5, 0.5, 0.5, 0.5, None, 0.01))
+    recorder.close(total)
+
+    lines = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert len(lines) == total  # one line per iteration, evaluations or not
+    assert all("evaluations" not in line for line in lines[:-1])
+    last = lines[-1]
+    assert [e["eval_iteration"] for e in last["evaluations"]] == [2, 4, 6, 8, 10]
+    assert [e["mnist_score"] for e in last["evaluations"]] == [1.0, 2.0, 3.0, 4.0, 5.0]  # scored in order
+    assert last["eval_iteration"] == 10 and last["mnist_score"] == 5.0  # the newest, flat
+    assert recorder.scores == last["evaluations"][-1]

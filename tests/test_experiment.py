@@ -1,3 +1,4 @@
+import csv
 import json
 import os
 import subprocess
@@ -69,6 +70,8 @@ def test_a_small_experiment_runs_resumes_and_plots(tmp_path, mnist_root):
     assert lines[0].startswith("run,label,algorithm")
     runs = {line.split(",")[0] for line in lines[1:]}
     assert runs == {"mdgan-N3", "mdgan-N3-crashIoverN", "standalone-N1", "flgan-N3"}  # what varies
+    evaluated = sorted((row["run"], int(row["iteration"])) for row in csv.DictReader(lines))
+    assert evaluated == sorted((run, i) for run in runs for i in (6, 12))  # every evaluation, once
     for name in ("mnist_score.png", "fid.png"):
         assert (out / name).stat().st_size > 1000
 
