@@ -210,6 +210,34 @@ def plot(rows: list[dict], runs: list[dict], kind: str, out: str, title: str) ->
     return paths
 
 
+def plot_samples(runs: list[dict], out: str, title: str, per_row: int = 4) -> str | None:
+    """Every finished run's sample grid (its samples.png), side by side under its label."""
+    grids = [(run["label"], os.path.join(out, "runs", run["name"], "samples.png")) for run in runs]
+    grids = [(label, path) for label, path in grids if os.path.exists(path)]
+    if not grids:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    columns = min(per_row, len(grids))
+    rows = -(-len(grids) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.5 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, (label, path) in zip(axes.flat, grids):
+        ax.imshow(matplotlib.image.imread(path))
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"{title}: samples of the final generators", fontsize=10)
+    fig.tight_layout()
+    target = os.path.join(out, "samples.png")
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target
+
+
 def run_experiment(path: str, progress: bool = True, only_plot: bool = False) -> dict:
     config = load_config(path)
     runs = expand(config)
@@ -239,5 +267,7 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False) ->
     rows = collect(runs, out)
     write_csv(rows, os.path.join(out, "results.csv"))
     plots = plot(rows, runs, config["plot"], out, config["name"]) if rows else []
+    samples = plot_samples(runs, out, config["name"])
+    plots += [samples] if samples else []
     return {"out": out, "runs": len(runs), "ran": done, "rows": len(rows), "plots": plots}
 

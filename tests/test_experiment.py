@@ -72,7 +72,7 @@ def test_a_small_experiment_runs_resumes_and_plots(tmp_path, mnist_root):
     assert runs == {"mdgan-N3", "mdgan-N3-crashIoverN", "standalone-N1", "flgan-N3"}  # what varies
     evaluated = sorted((row["run"], int(row["iteration"])) for row in csv.DictReader(lines))
     assert evaluated == sorted((run, i) for run in runs for i in (6, 12))  # every evaluation, once
-    for name in ("mnist_score.png", "fid.png"):
+    for name in ("mnist_score.png", "fid.png", "samples.png"):  # samples: every run's grid side by side
         assert (out / name).stat().st_size > 1000
 
     # the crash schedule: one worker fails every I/N = 4 iterations
