@@ -22,7 +22,8 @@ every I/N iterations, the paper's crash experiment; MD-GAN only), label (the cur
 (final-vs-workers: the line(s) a run belongs to, a name or a list; default: its name without N).
 
 Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
-again, so an interrupted experiment resumes where it stopped. Results: OUT/results.csv (one row per
+again, so an interrupted experiment resumes where it stopped (its label and series may change in
+between, any other setting may not). Results: OUT/results.csv (one row per
 evaluation of every run) and OUT/*.png.
 """
 
@@ -224,7 +225,7 @@ def plot_samples(runs: list[dict], out: str, title: str, per_row: int = 4) -> st
 
     columns = min(per_row, len(grids))
     rows = -(-len(grids) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.5 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.7 * rows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
     for ax, (label, path) in zip(axes.flat, grids):
@@ -236,6 +237,13 @@ def plot_samples(runs: list[dict], out: str, title: str, per_row: int = 4) -> st
     fig.savefig(target, dpi=110)
     plt.close(fig)
     return target
+
+
+PRESENTATION_KEYS = ("label", "series")  # how a run is drawn, not what it trained: free to change on resume
+
+
+def _trained(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k not in PRESENTATION_KEYS}
 
 
 def run_experiment(path: str, progress: bool = True, only_plot: bool = False) -> dict:
@@ -253,11 +261,14 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False) ->
             if os.path.exists(settings):
                 with open(settings, encoding="utf-8") as fh:
                     before = json.load(fh)
-                if before != run:
-                    changed = sorted(k for k in run if before.get(k) != run[k])
+                if _trained(before) != _trained(run):
+                    changed = sorted(k for k in _trained(run) if before.get(k) != run[k])
                     raise ConfigError(f"{run_dir} holds a run with other settings ({changed} differ): "
                                       "give the experiment another `out`, or delete that run")
                 if os.path.exists(os.path.join(run_dir, "summary.json")):
+                    if before != run:  # a new label or series: keep run.json current
+                        with open(settings, "w", encoding="utf-8") as fh:
+                            json.dump(run, fh, indent=2)
                     continue  # resumed: this one finished before
             os.makedirs(run_dir, exist_ok=True)
             with open(settings, "w", encoding="utf-8") as fh:

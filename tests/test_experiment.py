@@ -84,6 +84,11 @@ def test_a_small_experiment_runs_resumes_and_plots(tmp_path, mnist_root):
 
     again = run_experiment(path, progress=False)  # resumed: nothing left to run
     assert again["ran"] == 0 and again["rows"] == result["rows"]
+    relabelled = yaml.safe_load(open(path))
+    relabelled["runs"][0]["label"] = "MD-GAN, renamed"  # presentation only: still the finished run
+    again = run_experiment(_write(tmp_path, relabelled), progress=False)
+    assert again["ran"] == 0
+    assert json.loads((out / "runs" / "mdgan-N3" / "run.json").read_text())["label"] == "MD-GAN, renamed"
     changed = yaml.safe_load(open(path))
     changed["base"]["iterations"] = 13
     with pytest.raises(ConfigError, match="other settings"):  # never mistaken for the finished runs
