@@ -232,7 +232,8 @@ def cmd_experiment(args) -> int:
     from mdgan.settings import apply_threads
 
     apply_threads(args.threads)
-    result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only)
+    result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only, jobs=args.jobs,
+                            threads=args.threads)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -283,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("config", help="experiment YAML (see experiments/)")
     experiment.add_argument("--plot-only", action="store_true", help="only collect the results and plot them")
     experiment.add_argument("--no-progress", action="store_true", help="no progress bars")
+    experiment.add_argument("--jobs", type=int, default=1,
+                            help="runs at once, each in its own process with --threads torch threads (same results)")
     add_threads_argument(experiment, default=1)
     experiment.set_defaults(func=cmd_experiment)
     sample = sub.add_parser("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")

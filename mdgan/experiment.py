@@ -33,8 +33,10 @@ import csv
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import yaml
 from tqdm import tqdm
@@ -246,16 +248,32 @@ def _trained(run: dict) -> dict:
     return {k: v for k, v in run.items() if k not in PRESENTATION_KEYS}
 
 
-def run_experiment(path: str, progress: bool = True, only_plot: bool = False) -> dict:
+def _run_in_child(run: dict, run_dir: str, threads: int) -> str:
+    """One run in a worker process of `run_experiment(jobs > 1)`: its own torch threads, no progress bar."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    run_one(run, run_dir, progress=False)
+    return run["name"]
+
+
+def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jobs: int = 1,
+                   threads: int = 1) -> dict:
+    """Runs what has not finished, then collects and plots. jobs > 1: that many runs at once, each in
+    its own process with `threads` torch threads (runs are independent and deterministic, so the
+    results are those of running them one by one)."""
+    if jobs < 1:
+        raise ConfigError(f"jobs must be at least 1, not {jobs}")
     config = load_config(path)
     runs = expand(config)
     out = config["out"]
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     with open(os.path.join(out, "experiment.json"), "w", encoding="utf-8") as fh:
         json.dump({"config": config, "runs": runs}, fh, indent=2)
-    done = 0
+    todo = []
     if not only_plot:
-        for run in tqdm(runs, desc=config["name"], unit="run", disable=not progress):
+        for run in runs:
             run_dir = os.path.join(out, "runs", run["name"])
             settings = os.path.join(run_dir, "run.json")
             if os.path.exists(settings):
@@ -273,8 +291,26 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False) ->
             os.makedirs(run_dir, exist_ok=True)
             with open(settings, "w", encoding="utf-8") as fh:
                 json.dump(run, fh, indent=2)
+            todo.append((run, run_dir))
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=config["name"], unit="run",
+               disable=not progress or only_plot)
+    if jobs == 1:
+        for run, run_dir in todo:
             run_one(run, run_dir, progress)
-            done += 1
+            bar.update(1)
+    elif todo:
+        # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_run_in_child, run, run_dir, threads) for run, run_dir in todo]
+            try:
+                for future in as_completed(futures):
+                    bar.set_postfix_str(f"finished {future.result()}")  # a failed run raises here
+                    bar.update(1)
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # runs not started yet stay for a resume
+                raise
+    bar.close()
+    done = len(todo)
     rows = collect(runs, out)
     write_csv(rows, os.path.join(out, "results.csv"))
     plots = plot(rows, runs, config["plot"], out, config["name"]) if rows else []

@@ -103,3 +103,24 @@ def test_a_small_experiment_runs_resumes_and_plots(tmp_path, mnist_root):
     assert samples.shape == (30, 784) and samples.dtype == np.float32 and np.abs(samples).max() <= 1
     assert np.bincount(labels).tolist() == [3] * 10  # class-balanced
     assert (tmp_path / "s.png").stat().st_size > 500
+
+
+@pytest.mark.slow
+def test_runs_in_parallel_processes_give_the_runs_of_one_by_one(tmp_path):
+    results = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        path = _write(tmp_path, {
+            "name": "parallel", "out": str(out),
+            "base": {"dataset": "synthetic", "iterations": 6, "workers": 3, "batch_size": 5, "swap_every": 3},
+            "runs": [{"algorithm": "mdgan", "kappa": 1}, {"algorithm": "mdgan", "kappa": 2},
+                     {"algorithm": "flgan"}],
+        })
+        result = run_experiment(path, progress=False, jobs=jobs)
+        assert result["ran"] == 3
+        results[jobs] = {d.name: json.loads((d / "summary.json").read_text())["generator_sha256"]
+                         for d in (out / "runs").iterdir()}
+    assert len(results[1]) == 3 and results[1] == results[2]
+    assert len(set(results[1].values())) == 3  # three different generators, each equal to its twin
+    with pytest.raises(ConfigError, match="jobs"):
+        run_experiment(path, progress=False, jobs=0)
