@@ -213,11 +213,13 @@ class FederatedTrainer:
                     await tell_to_stop(worker, str(reply) or "missed its deadline")
                 else:
                     raise reply
-            if results:  # worker-rank order, as everywhere: repeatable
-                self.server.generator.load_state_dict(fedavg([r.generator for r in results], weights))
-                self.discriminator = fedavg([r.discriminator for r in results], weights)
             seconds = (time.perf_counter() - started) / count
             for i in range(count):
+                if i == count - 1 and results:  # worker-rank order, as everywhere: repeatable
+                    # the average becomes the server's G at the round's last iteration, not before: an
+                    # evaluation started at an iteration inside the round sees the G of that iteration
+                    self.server.generator.load_state_dict(fedavg([r.generator for r in results], weights))
+                    self.discriminator = fedavg([r.discriminator for r in results], weights)
                 stats = [r.stats[i] for r in results] or [dict.fromkeys(
                     ("gen_loss", "disc_loss", "real_accuracy", "fake_accuracy"), float("nan"))]
                 last = _record(done + i + 1, len(active), len(results), stats, seconds,

@@ -69,3 +69,21 @@ def test_flgan_server_ends_with_the_average_of_what_the_workers_trained():
         assert torch.equal(tensor, expected[name]), name
     expected_d = fedavg([w.gan.d.discriminator.state_dict() for w in workers], [float(len(s)) for s in shards])
     assert all(torch.equal(trainer.discriminator[k], v) for k, v in expected_d.items())
+
+
+def test_flgan_records_see_the_server_generator_of_their_iteration():
+    """The server's G changes at a round's last iteration only: what an evaluation started at an
+    iteration inside a round scores is the G of that iteration, not the next average."""
+    config = TrainingConfig(workers=2, iterations=6, batch_size=5, swap_every=3).validate()
+    shards = load_all_shards(DataConfig("synthetic", num_shards=2))
+    server = GeneratorSide(config)
+    seen = []
+    run_flgan(config, server, shards, on_iteration=lambda r: seen.append(
+        (r.iteration, [p.detach().clone() for p in server.generator.parameters()])))
+    initial = [p.detach().clone() for p in GeneratorSide(config).generator.parameters()]
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))
+    g = dict(seen)
+    assert same(g[1], initial) and same(g[2], initial)  # round 1 runs on the initial G
+    assert not same(g[3], initial)  # its average lands at iteration 3
+    assert same(g[4], g[3]) and same(g[5], g[3]) and not same(g[6], g[3])
+    assert same(g[6], list(server.generator.parameters()))
