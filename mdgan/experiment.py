@@ -250,10 +250,9 @@ def _trained(run: dict) -> dict:
 
 def _run_in_child(run: dict, run_dir: str, threads: int) -> str:
     """One run in a worker process of `run_experiment(jobs > 1)`: its own torch threads, no progress bar."""
-    import torch
+    from mdgan.settings import apply_threads
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    apply_threads(threads)
     run_one(run, run_dir, progress=False)
     return run["name"]
 

@@ -7,7 +7,9 @@ skipped, with the path in the reason, only when it is absent.
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -215,8 +217,6 @@ class _GatedScorer:
     """Scores nothing until the test opens the gate: evaluations pile up behind a slow scorer."""
 
     def __init__(self):
-        import threading
-
         self.gate = threading.Event()
         self.calls = 0
 
@@ -227,8 +227,6 @@ class _GatedScorer:
 
 
 def test_no_periodic_evaluation_is_lost_from_history_even_when_still_running_at_the_end(tmp_path):
-    import json
-
     from mdgan.cluster import IterationRecord
     from mdgan.config import TrainingConfig
     from mdgan.mdgan import GeneratorSide

@@ -201,7 +201,6 @@ class StateAssembler:
         return state
 
 
-
 # ---------------------------------------------------------------------------------------------
 # run configuration <-> TrainingSpec (what a worker learns when it joins)
 
