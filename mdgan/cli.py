@@ -101,9 +101,24 @@ class LocalCluster:
         return ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
                 "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
 
+    def security_flags(self) -> dict[str, list[str]]:
+        """Per process: the --tls-* flags of a throwaway PKI made in RUN/tls/ (a new CA every run), or
+        --insecure for everyone when the user asked for plaintext."""
+        names = ["server", *(f"worker-{i}" for i in range(self.args.workers))]
+        if self.args.insecure:
+            return {name: ["--insecure"] for name in names}
+        from services.common import pki  # cryptography only; no gRPC here
+
+        directory = os.path.join(self.out, "tls")
+        identities = {"server": "mdgan-server", **{n: n for n in names[1:]}}
+        issued = pki.provision_run(directory, names[1:], server=identities["server"])
+        return {name: ["--tls-ca", issued[identities[name]]["ca"], "--tls-cert", issued[identities[name]]["cert"],
+                       "--tls-key", issued[identities[name]]["key"]] for name in names}
+
     def start(self) -> subprocess.Popen:
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
+        security = self.security_flags()
         port_file = os.path.join(self.out, "server.port")
         for stale in ("server.port", "history.jsonl", "swaps.jsonl", "summary.json"):  # from an earlier run here
             if os.path.exists(os.path.join(self.out, stale)):
@@ -121,6 +136,7 @@ class LocalCluster:
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
+            *security["server"],
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
         port = _wait_for_file(port_file, server, 120)
         for index in range(a.workers):
@@ -130,7 +146,7 @@ class LocalCluster:
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
                 "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
-                *self._metrics_flags(name, metrics_ports[name])])
+                *security[name], *self._metrics_flags(name, metrics_ports[name])])
         return server
 
     def follow(self, server: subprocess.Popen) -> int:
@@ -209,6 +225,24 @@ def cmd_local(args) -> int:
     return 0
 
 
+def cmd_certs(args) -> int:
+    # cryptography only; imported here so that other commands do not need it
+    from services.common import pki
+
+    try:
+        if args.certs_command == "init":
+            path = pki.init_ca(args.dir, days=args.days, overwrite=args.overwrite)
+            print(f"CA certificate: {path}\nCA key:         {pki.ca_paths(args.dir)[1]}  (keep it safe; only "
+                  f"`mdgan certs issue` needs it)")
+        else:
+            role = "server" if args.server else "worker"
+            paths = pki.issue(args.dir, args.name, role, sans=args.san, days=args.days, overwrite=args.overwrite)
+            print(f"{role} {args.name}: --tls-ca {paths['ca']} --tls-cert {paths['cert']} --tls-key {paths['key']}")
+    except pki.PKIError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
 def cmd_models(args) -> int:
     from mdgan.models import ARCHITECTURES, parameter_report
 
@@ -274,7 +308,30 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
     local.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
     local.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
+    local.add_argument("--insecure", action="store_true",
+                       help="plaintext gRPC between the processes (default: mutual TLS with a throwaway CA made in "
+                            "OUT/tls/)")
     local.set_defaults(func=cmd_local)
+    certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",
+                           description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "
+                                       "in DIR/NAME/ (tls.crt, tls.key, ca.crt): the --tls-* files of the services.")
+    certs_sub = certs.add_subparsers(dest="certs_command", required=True)
+    init = certs_sub.add_parser("init", help="create the run's CA in DIR")
+    init.add_argument("dir", help="directory of the run's PKI")
+    issue = certs_sub.add_parser("issue", help="a key and certificate for NAME, signed by DIR's CA")
+    issue.add_argument("dir", help="directory of the run's PKI (made by `mdgan certs init`)")
+    issue.add_argument("name", help="the identity: a worker's name (its SAN), or the server's")
+    role = issue.add_mutually_exclusive_group()
+    role.add_argument("--worker", action="store_true", help="a worker's certificate (the default)")
+    role.add_argument("--server", action="store_true",
+                      help="the server's certificate (also valid for localhost, 127.0.0.1 and ::1)")
+    issue.add_argument("--san", action="append", default=[],
+                       help="another DNS name or IP address the certificate is valid for (repeatable), e.g. the "
+                            "host name clients dial")
+    for p in (init, issue):
+        p.add_argument("--days", type=int, default=365, help="validity in days")
+        p.add_argument("--overwrite", action="store_true", help="replace existing files")
+    certs.set_defaults(func=cmd_certs)
     sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
     traffic = sub.add_parser("traffic", help="A run's measured traffic against the paper's Table III.")
     traffic.add_argument("run", help="run directory of `mdgan local`")

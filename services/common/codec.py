@@ -104,12 +104,13 @@ def _state_blob(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.TensorS
     return specs, memoryview(b"".join(blobs))
 
 
-def state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: str,
+def state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: str, sender_identity: str = "",
                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[peer_pb2.DiscriminatorChunk]:
     """A discriminator for the Peer swap: its header, then its bytes in chunks."""
     specs, payload = _state_blob(state)
     yield peer_pb2.DiscriminatorChunk(header=peer_pb2.DiscriminatorHeader(
-        round=swap_round, sender_worker=sender, tensors=specs, total_bytes=len(payload)))
+        round=swap_round, sender_worker=sender, tensors=specs, total_bytes=len(payload),
+        sender_identity=sender_identity))
     for start in range(0, len(payload), chunk_bytes):
         yield peer_pb2.DiscriminatorChunk(data=bytes(payload[start:start + chunk_bytes]))
 

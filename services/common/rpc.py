@@ -1,20 +1,30 @@
-"""gRPC plumbing shared by both services: limits, keepalive, health and reflection."""
+"""gRPC plumbing shared by both services: limits, keepalive, health, reflection, hostile input."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import time
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-MAX_MESSAGE_BYTES = 64 << 20  # explicit limit both ways; tensor validation applies tighter bounds
+log = logging.getLogger("mdgan.rpc")
+
+# Clients that trust the other end (a worker dialling its authenticated server) keep a generous
+# bound; servers size what they accept to the model (see message_bytes_for).
+MAX_MESSAGE_BYTES = 64 << 20
+MESSAGE_HEADROOM = 256 << 10  # framing, headers and control fields around the tensors
+MAX_CONCURRENT_STREAMS = 16  # per HTTP/2 connection: one Train stream, health checks, a few pushes
 
 
-def options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
+def options(max_message_bytes: int = MAX_MESSAGE_BYTES, *, max_send_bytes: int | None = None,
+            max_concurrent_streams: int | None = None) -> list[tuple[str, int]]:
+    opts = [
+        ("grpc.max_send_message_length", max_send_bytes or max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # Keepalive pings notice a peer that vanished without closing its connection.
         ("grpc.keepalive_time_ms", 20_000),
@@ -23,6 +33,119 @@ def options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
+    if max_concurrent_streams:
+        opts.append(("grpc.max_concurrent_streams", max_concurrent_streams))
+    return opts
+
+
+def message_bytes_for(*tensor_bytes: int) -> int:
+    """A message bound from the largest tensor payload a message may carry, plus headroom."""
+    return max(tensor_bytes, default=0) + MESSAGE_HEADROOM
+
+
+class RateLimitedWarnings:
+    """One warning line per kind of bad input per `period` seconds, with a count of the ones held back,
+    so a flood of garbage cannot flood the logs."""
+
+    def __init__(self, logger: logging.Logger, period: float = 10.0):
+        self.logger = logger
+        self.period = period
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.period) < self.period:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        suffix = f" (and {held} more like it in the last {self.period:.0f} s)" if held else ""
+        self.logger.warning(message + suffix, *args)
+
+
+class MalformedMessage(Exception):
+    """Bytes on a stream that do not parse as the method's request type."""
+
+
+class _Malformed:
+    """Stands in for a unary request that did not parse (raising there would end the call UNKNOWN)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+class HostileInputGuard(grpc.aio.ServerInterceptor):
+    """Parses every request itself: bytes that are not a valid message end the call with
+    INVALID_ARGUMENT and one rate-limited warning line, never UNKNOWN and a traceback.
+
+    Applies to every service of the server it is installed on (ours, health, reflection). A
+    servicer that reads a stream in a task of its own catches MalformedMessage itself.
+    """
+
+    def __init__(self, warnings: RateLimitedWarnings | None = None, on_reject=None):
+        self.warnings = warnings or RateLimitedWarnings(log)
+        self.on_reject = on_reject  # called with a reason label (telemetry)
+
+    async def reject(self, context: grpc.aio.ServicerContext, method: str, error: str) -> None:
+        self.warnings.warn("malformed", "malformed request to %s from %s: %s", method, context.peer(), error)
+        if self.on_reject is not None:
+            self.on_reject("malformed")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {error}")
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method
+        parse = handler.request_deserializer
+        streaming = handler.request_streaming
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except (DecodeError, ValueError, TypeError) as exc:  # protobuf raises DecodeError (a ValueError)
+                detail = str(exc)[:200] or type(exc).__name__
+                if streaming:
+                    raise MalformedMessage(detail) from None
+                return _Malformed(detail)
+
+        behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
+        guard = self
+        if inspect.isasyncgenfunction(behavior):
+            async def guarded(request, context):
+                if isinstance(request, _Malformed):
+                    await guard.reject(context, method, request.error)
+                    return
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except MalformedMessage as exc:
+                    await guard.reject(context, method, str(exc))
+        else:
+            async def guarded(request, context):
+                if isinstance(request, _Malformed):
+                    await guard.reject(context, method, request.error)
+                try:
+                    result = behavior(request, context)
+                    return (await result) if inspect.isawaitable(result) else result
+                except MalformedMessage as exc:
+                    await guard.reject(context, method, str(exc))
+
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(streaming, handler.response_streaming)]
+        return make(guarded, request_deserializer=deserialize, response_serializer=handler.response_serializer)
+
+
+def make_server(*, max_receive_bytes: int, max_send_bytes: int | None = None,
+                max_concurrent_streams: int = MAX_CONCURRENT_STREAMS, guard: HostileInputGuard | None = None
+                ) -> grpc.aio.Server:
+    """A grpc.aio server with the project's limits and the hostile-input guard on every method."""
+    return grpc.aio.server(interceptors=[guard or HostileInputGuard()],
+                           options=options(max_receive_bytes, max_send_bytes=max_send_bytes,
+                                           max_concurrent_streams=max_concurrent_streams))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -39,9 +162,12 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
-async def check_health(address: str, service: str = "", timeout: float = 5.0) -> bool:
-    """True when the gRPC health service at address answers SERVING."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def check_health(address: str, service: str = "", timeout: float = 5.0, tls=None,
+                       server_name: str | None = None) -> bool:
+    """True when the gRPC health service at address answers SERVING (over mTLS when tls is given)."""
+    from services.common.tls import channel as open_channel
+
+    async with open_channel(address, tls, server_name=server_name) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)

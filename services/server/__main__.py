@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
 
-import grpc
 
 from mdgan.config import DATASETS, ConfigError
 from mdgan.baselines import FederatedTrainer
@@ -18,7 +18,7 @@ from mdgan.models import build_discriminator
 from mdgan.run import RunRecorder, make_evaluator, write_outputs
 from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_threads_argument, add_training_arguments,
                             apply_threads, training_config)
-from services.common import codec, rpc
+from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
 from services.server.servicer import Coordinator
@@ -52,14 +52,29 @@ def build_parser() -> EnvArgumentParser:
                         help="the kind of data the workers hold (sets the sample shape; default: the architecture's)")
     parser.add_argument("--eval-data-root", default=None,
                         help="folder holding MNIST/raw: score the generator (MNIST score, FID) against its test set")
+    parser.add_argument("--allowed-workers", default=None,
+                        help="comma-separated identities (certificate names) that may join; default: any worker "
+                             "certificate the run's CA signed")
+    tls.add_tls_arguments(parser)
     add_threads_argument(parser, default=0)
     add_training_arguments(parser)
     add_evaluation_arguments(parser)
     return parser
 
 
+def message_limits(config) -> tuple[int, int]:
+    """(receive, send) message bounds of the Coordinator, sized to this run's model: feedback and
+    FL-GAN model parts up; batches (X_g, X_d and their labels) and model parts down."""
+    sample_bytes = 4 * math.prod(config.model.sample_shape)
+    receive = rpc.message_bytes_for(config.batch_size * sample_bytes, codec.CHUNK_BYTES)
+    send = rpc.message_bytes_for(2 * config.batch_size * (sample_bytes + 8), codec.CHUNK_BYTES)
+    return receive, send
+
+
 async def serve(args) -> dict:
     config = training_config(args)
+    credentials = tls.from_args(args, "mdgan-server")
+    allowed = [n.strip() for n in (args.allowed_workers or "").split(",") if n.strip()] or None
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")
     telemetry.serve(args.metrics_port, args.metrics_address)
@@ -69,14 +84,17 @@ async def serve(args) -> dict:
                "discriminator": codec.layout_of(initial_discriminator.state_dict())}
     coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
                               swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
-                              model_layouts=layouts)
-    server = grpc.aio.server(options=rpc.options())
+                              model_layouts=layouts, authenticated=credentials is not None, allowed_workers=allowed)
+    receive, send = message_limits(config)
+    guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
+    server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
-    port = server.add_insecure_port(args.listen)
+    port = tls.add_port(server, args.listen, credentials)
     await server.start()
     await rpc.set_serving(health, [SERVICE], True)
-    log.info("serving %s on port %d; waiting for %d workers", SERVICE, port, config.workers)
+    log.info("serving %s on port %d (%s); waiting for %d workers", SERVICE, port,
+             "mutual TLS" if credentials else "PLAINTEXT", config.workers)
     if args.port_file:
         with open(args.port_file + ".tmp", "w") as fh:
             fh.write(str(port))

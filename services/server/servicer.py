@@ -18,14 +18,21 @@ from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, Wo
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
 from mdgan.mdgan import StepResult, WorkerBatch
-from services.common import codec
+from services.common import codec, pki
+from services.common.rpc import MalformedMessage
 from services.common.telemetry import Telemetry
+from services.common.tls import peer_certificate
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
 
 log = logging.getLogger("mdgan.server")
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]  # 3, the google.rpc.Code value
+MAX_PENDING_JOINS = 32  # streams that opened but have not been admitted yet (each waits for its join)
+MAX_ADDRESS_CHARS = 255
+MAX_SAMPLES = 1 << 40  # a bound on shard and dataset sizes: beyond it a number is nonsense, not data
+
+
 def _kind(message) -> str:
     """The traffic kind of a stream message (a telemetry label)."""
     body = message.WhichOneof("body")
@@ -49,8 +56,10 @@ def _payload(message) -> int:
 class GrpcWorker(WorkerHandle, FederatedWorker):
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
                  config: TrainingConfig, telemetry: Telemetry, liveness_timeout: float,
-                 model_layouts: dict[str, dict] | None = None):
+                 model_layouts: dict[str, dict] | None = None, identity: str = ""):
         self.worker_id = f"worker-{shard_index}"
+        self.identity = identity or self.worker_id  # who holds the shard (certificate name under mTLS)
+        self.malformed: str | None = None  # the stream carried bytes that do not parse
         self.shard_index = shard_index
         self.shard_size = shard_size
         self.peer_address = join.peer_address
@@ -65,6 +74,7 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self._steps: dict[int, asyncio.Future] = {}
         self._swaps: dict[int, asyncio.Future] = {}
         self.address_book: dict[str, str] = {}  # worker id -> peer address, filled by the Coordinator
+        self.identity_book: dict[str, str] = {}  # worker id -> identity, filled by the Coordinator
         # FL-GAN: the models coming back in the current round, checked against these layouts
         self.model_layouts = model_layouts or {}
         self._rounds: dict[int, asyncio.Future] = {}
@@ -107,7 +117,9 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         try:
             await self.send(pb.ServerMessage(swap_order=pb.SwapOrder(
                 round=order.swap_round, send_to_worker=order.send_to,
-                send_to_address=self.address_book.get(order.send_to, ""), receive_from_worker=order.receive_from)))
+                send_to_address=self.address_book.get(order.send_to, ""), receive_from_worker=order.receive_from,
+                receive_from_identity=self.identity_book.get(order.receive_from, ""),
+                send_to_identity=self.identity_book.get(order.send_to, ""))))
             return await future
         finally:
             self._swaps.pop(order.swap_round, None)
@@ -160,6 +172,11 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
                 message = await asyncio.wait_for(self.context.read(), self.liveness_timeout)
             except asyncio.TimeoutError:
                 self.lose(f"silent for {self.liveness_timeout:.0f} s")
+                return
+            except MalformedMessage as exc:  # garbage on an admitted stream: end it with INVALID_ARGUMENT
+                self.telemetry.rejected.labels("malformed").inc()
+                self.malformed = str(exc)
+                self.lose(f"sent a message that does not parse: {exc}")
                 return
             except Exception as exc:
                 self.lose(f"read failed: {exc!r}")
@@ -261,13 +278,54 @@ class JoinRefused(Exception):
         self.detail = detail
 
 
+class ShardBindings:
+    """Which identity holds which shard: the first identity to hold a shard keeps it; anyone else
+    asking for it is refused (PERMISSION_DENIED); the same identity coming back gets it back.
+
+    Kept here until the roster (mdgan/roster.py, "Durable, elastic runs") lands on main; then this
+    binding moves into the roster, its one home.
+    """
+
+    def __init__(self) -> None:
+        self._owner: dict[int, str] = {}  # shard index -> identity
+        self._shard: dict[str, int] = {}  # identity -> shard index
+
+    def owner(self, index: int) -> str | None:
+        return self._owner.get(index)
+
+    def shard_of(self, identity: str) -> int | None:
+        return self._shard.get(identity)
+
+    def check(self, index: int, identity: str) -> None:
+        owner, held = self._owner.get(index), self._shard.get(identity)
+        if owner is not None and owner != identity:
+            raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED, f"shard {index} is bound to another identity")
+        if held is not None and held != index:
+            raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED, f"{identity!r} holds shard {held}, not {index}")
+
+    def bind(self, index: int, identity: str) -> None:
+        self.check(index, identity)
+        self._owner[index] = identity
+        self._shard[identity] = index
+
+
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """Admits up to `config.workers` workers, one per shard, until the run starts."""
+    """Admits up to `config.workers` workers, one per shard, until the run starts.
+
+    Under mutual TLS (`authenticated`) a worker's identity is the name in its client certificate,
+    which gRPC has verified against the run's CA; it must be a worker certificate (or be on
+    `allowed_workers`). With --insecure it is the name the worker claims in its Join.
+    """
 
     def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
-                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None):
+                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, authenticated: bool = False,
+                 allowed_workers: list[str] | None = None):
         self.config = config
+        self.authenticated = authenticated
+        self.allowed_workers = set(allowed_workers) if allowed_workers else None
+        self.bindings = ShardBindings()
+        self._pending_joins = 0
         self.algorithm = algorithm
         self.model_layouts = model_layouts
         self.telemetry = telemetry or Telemetry("server")
@@ -296,18 +354,41 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.started = True
         handles = sorted(self._live(), key=lambda w: w.shard_index)
         book = {w.worker_id: w.peer_address for w in handles}
+        identities = {w.worker_id: w.identity for w in handles}
         for w in handles:
             w.address_book = book
+            w.identity_book = identities
         return handles
 
     def _live(self) -> list[GrpcWorker]:
         return [w for w in self.workers.values() if not w.closed.is_set()]
 
-    def _admit(self, join: pb.Join) -> tuple[int, int]:
+    def identify(self, join: pb.Join, context: grpc.aio.ServicerContext) -> str | None:
+        """The joining worker's identity; None: unnamed (insecure mode only; named after its shard)."""
+        if not self.authenticated:
+            if join.name and not pki.NAME_PATTERN.match(join.name):
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{join.name[:64]!r} is not a valid worker name")
+            return join.name or None
+        identity, role = peer_certificate(context)
+        if identity is None:  # cannot happen with require_client_auth; refuse rather than trust
+            raise JoinRefused(grpc.StatusCode.UNAUTHENTICATED, "no client certificate")
+        if self.allowed_workers is not None:
+            if identity not in self.allowed_workers:
+                raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED, f"{identity!r} is not on --allowed-workers")
+        elif role != pki.ROLE_WORKER:
+            raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{identity!r} holds a {role or 'role-less'} certificate, not a worker's "
+                              f"(OU={pki.ROLE_WORKER}); or list it in --allowed-workers")
+        return identity
+
+    def _admit(self, join: pb.Join, identity: str | None = None) -> tuple[int, int]:
         """(shard index, shard size) for a joining worker; raises JoinRefused."""
         cfg = self.config
         if self.started:
             raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "the run has started; it takes no new workers")
+        if len(join.peer_address) > MAX_ADDRESS_CHARS or len(join.sample_shape) > 8 \
+                or join.shard_size > MAX_SAMPLES or join.dataset_size > MAX_SAMPLES:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "absurd join: address, shape or sizes out of bounds")
         if tuple(join.sample_shape) != tuple(cfg.model.sample_shape) or join.num_classes != cfg.model.num_classes:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"data of shape {tuple(join.sample_shape)} with {join.num_classes} classes does not fit the model "
@@ -319,10 +400,17 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             index, size = join.shard_index, join.shard_size
             if index >= cfg.workers:
                 raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard index {index} >= workers {cfg.workers}")
+            if identity is not None:
+                self.bindings.check(index, identity)
             if index in taken:
                 raise JoinRefused(grpc.StatusCode.ALREADY_EXISTS, f"shard {index} already has a worker")
         else:
-            free = [i for i in range(cfg.workers) if i not in taken]
+            held = self.bindings.shard_of(identity) if identity is not None else None
+            if held is not None and held in taken:
+                raise JoinRefused(grpc.StatusCode.ALREADY_EXISTS, f"{identity!r} already serves shard {held}")
+            # an identity coming back gets its own shard; others get the lowest shard nobody holds
+            free = [held] if held is not None else \
+                [i for i in range(cfg.workers) if i not in taken and self.bindings.owner(i) is None]
             if not free:
                 raise JoinRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {cfg.workers} shards have a worker")
             if join.dataset_size < cfg.workers:
@@ -335,30 +423,26 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         return index, size
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        if self._pending_joins >= MAX_PENDING_JOINS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins in progress; try again")
+        self._pending_joins += 1
         try:
-            first = await asyncio.wait_for(context.read(), self.join_read_timeout)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no join message in time")
-        if first is grpc.aio.EOF or first.WhichOneof("body") != "join":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a join")
-        self.telemetry.count("worker_to_server", "control", "receiver", first)
-        join = first.join
-        try:
-            index, size = self._admit(join)
-        except JoinRefused as refused:
-            log.warning("join refused (%s): %s", context.peer(), refused.detail)
-            await context.abort(refused.code, refused.detail)
+            join, index, size, identity = await self._join(context)
+        finally:
+            self._pending_joins -= 1
         worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout,
-                            self.model_layouts)
+                            self.model_layouts, identity=identity)
+        self.bindings.bind(index, worker.identity)
         self.workers[index] = worker
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
         self._changed.set()
-        log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), size,
-                 join.peer_address)
+        log.info("%s joined as %r from %s (shard of %d, peer %s)", worker.worker_id, worker.identity, context.peer(),
+                 size, join.peer_address)
         await worker.send(pb.ServerMessage(welcome=pb.Welcome(
             worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config, self.algorithm),
-            heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000))))
+            heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000),
+            identity=worker.identity, members=sorted(w.identity for w in self._live()))))
         reader = asyncio.create_task(worker.read_loop())
         beats = asyncio.create_task(self._heartbeats(worker))
         try:
@@ -369,6 +453,30 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             self.telemetry.workers_alive.set(len(self._live()))
             reader.cancel()
             beats.cancel()
+        if worker.malformed is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {worker.malformed}")
+
+    async def _join(self, context: grpc.aio.ServicerContext) -> tuple[pb.Join, int, int, str]:
+        """Read and admit the first message; every refusal ends the call with its status."""
+        try:
+            first = await asyncio.wait_for(context.read(), self.join_read_timeout)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no join message in time")
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "join":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a join")
+        self.telemetry.count("worker_to_server", "control", "receiver", first)
+        join = first.join
+        try:
+            identity = self.identify(join, context)
+            index, size = self._admit(join, identity)
+            identity = identity or f"worker-{index}"  # an unnamed worker (--insecure) is named after its shard
+            self.bindings.check(index, identity)
+        except JoinRefused as refused:
+            log.warning("join refused (%s): %s", context.peer(), refused.detail)
+            if refused.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                self.telemetry.rejected.labels("identity").inc()
+            await context.abort(refused.code, refused.detail)
+        return join, index, size, identity
 
     async def _heartbeats(self, worker: GrpcWorker) -> None:
         # Only when idle: a busy stream already tells the worker the server is alive.

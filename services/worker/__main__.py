@@ -14,7 +14,7 @@ import grpc
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_dataset, load_shard
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
-from services.common import rpc
+from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
 from services.worker.node import PEER_SERVICE, PeerServicer, ServerGone, WorkerNode
@@ -41,6 +41,13 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
     parser.add_argument("--metrics-dump", default=None, help="write the final metrics exposition to this file")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--name", default=None,
+                        help="the identity this worker claims with --insecure (default: worker-<shard index>, or the "
+                             "host name when the server assigns the shard); under mutual TLS the identity is the "
+                             "name in --tls-cert")
+    parser.add_argument("--tls-server-name", default=None,
+                        help="the name the server's certificate must carry (default: the host in --server)")
+    tls.add_tls_arguments(parser)
     add_threads_argument(parser, default=0)
     add_data_arguments(parser)
     return parser
@@ -59,6 +66,19 @@ def resolve_shard_index(value: str) -> int | None:
     if not match:
         raise ConfigError(f"--shard-index auto: host name {socket.gethostname()!r} does not end in -<number>")
     return int(match.group(1))
+
+
+def worker_identity(args, credentials: tls.TLSConfig | None, index: int | None) -> str:
+    """Under mTLS the certificate's name; with --insecure the claimed --name (or a default)."""
+    if credentials is not None:
+        if args.name and args.name != credentials.identity:
+            log.warning("--name %r ignored: under mutual TLS this worker is %r, the name in its certificate",
+                        args.name, credentials.identity)
+        return credentials.identity
+    name = args.name or (f"worker-{index}" if index is not None else socket.gethostname())
+    if not pki.NAME_PATTERN.match(name):
+        raise ConfigError(f"--name {name!r}: letters, digits, '.', '_' and '-' only")
+    return name
 
 
 def advertise_address(value: str | None, bound_port: int) -> str:
@@ -82,14 +102,20 @@ async def serve(args) -> str:
         source = {"shard": shard}
         log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
 
+    credentials = tls.from_args(args, "mdgan-worker")
+    identity = worker_identity(args, credentials, index)
     telemetry = Telemetry("worker")
     telemetry.serve(args.metrics_port, args.metrics_address)
-    server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
+    guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
+    # A peer sends one chunk (<= 1 MiB) or one header per message: nothing bigger is accepted.
+    server = rpc.make_server(max_receive_bytes=rpc.message_bytes_for(codec.CHUNK_BYTES), guard=guard,
+                             max_send_bytes=rpc.message_bytes_for(0), max_concurrent_streams=8)
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
-                      telemetry=telemetry, device=args.device, **source)
+                      telemetry=telemetry, device=args.device, tls=credentials, identity=identity,
+                      server_name=args.tls_server_name, **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
-    port = server.add_insecure_port(args.listen)
+    port = tls.add_port(server, args.listen, credentials)
     await server.start()
     await rpc.set_serving(health, [PEER_SERVICE], True)
     node.advertise_address = advertise_address(args.advertise_address, port)

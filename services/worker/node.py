@@ -16,10 +16,11 @@ from mdgan.config import DataConfig
 from mdgan.data import Shard, take_shard
 from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
-from services.common import codec, rpc
+from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from services.common.telemetry import Telemetry
+from services.common.tls import TLSConfig, peer_identity
 
 log = logging.getLogger("mdgan.worker")
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
@@ -30,18 +31,27 @@ class ServerGone(Exception):
 
 
 class SwapMailbox:
-    """Discriminators pushed by peers, kept until this worker's own swap order asks for them.
+    """Discriminators pushed by peers, kept until this worker's own swap order says whom to take one from.
 
-    A peer may push before our order arrives, so states are buffered by round; only rounds after
-    the last completed one are taken, one state per round, so a peer cannot pile up memory.
+    Each round's order names the one identity this worker accepts a discriminator from
+    (`expect`). A push is checked against that order before it is acknowledged: anyone else gets
+    PERMISSION_DENIED. A push that arrives before the order is read ahead only when its sender is a
+    known member of the run; any other sender is held, unread, until the order decides. Only the
+    two rounds after the last completed one are taken, one state per round, so nobody can pile up
+    memory.
     """
 
     def __init__(self) -> None:
         self.completed_round = 0
+        self.members: set[str] = set()  # identities of the run's workers, as far as this worker knows
         self._boxes: dict[int, asyncio.Future] = {}
+        self._orders: dict[int, asyncio.Future] = {}  # round -> identity of the designated sender
 
     def _box(self, swap_round: int) -> asyncio.Future:
         return self._boxes.setdefault(swap_round, asyncio.get_running_loop().create_future())
+
+    def _order(self, swap_round: int) -> asyncio.Future:
+        return self._orders.setdefault(swap_round, asyncio.get_running_loop().create_future())
 
     def check(self, swap_round: int) -> tuple[grpc.StatusCode, str] | None:
         if swap_round <= self.completed_round or swap_round > self.completed_round + 2:
@@ -49,6 +59,25 @@ class SwapMailbox:
         if self._box(swap_round).done():
             return grpc.StatusCode.ALREADY_EXISTS, f"a discriminator for round {swap_round} already arrived"
         return None
+
+    def expect(self, swap_round: int, sender_identity: str) -> None:
+        """This worker's order for `swap_round`: take a discriminator from `sender_identity` only."""
+        self.members.add(sender_identity)
+        order = self._order(swap_round)
+        if not order.done():
+            order.set_result(sender_identity)
+
+    async def authorize(self, swap_round: int, identity: str, timeout: float) -> tuple[grpc.StatusCode, str] | None:
+        """None when `identity` is the designated sender of `swap_round` (waiting for the order if
+        it has not come yet); a refusal otherwise."""
+        try:
+            expected = await asyncio.wait_for(asyncio.shield(self._order(swap_round)), timeout)
+        except asyncio.TimeoutError:
+            return grpc.StatusCode.PERMISSION_DENIED, f"no swap order names {identity!r} for round {swap_round}"
+        if identity != expected:
+            return grpc.StatusCode.PERMISSION_DENIED, (f"{identity!r} is not the designated sender of round "
+                                                       f"{swap_round}")
+        return self.check(swap_round)
 
     def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor] | None) -> None:
         """`state` None: the server says the sender left; nothing will come this round."""
@@ -63,8 +92,11 @@ class SwapMailbox:
             return await asyncio.wait_for(self._box(swap_round), timeout)
         finally:
             self.completed_round = max(self.completed_round, swap_round)
-            for r in [r for r in self._boxes if r <= self.completed_round]:
-                del self._boxes[r]
+            for book in (self._boxes, self._orders):
+                for r in [r for r in book if r <= self.completed_round]:
+                    future = book.pop(r)
+                    if not future.done():
+                        future.cancel()
 
 
 async def push_discriminator(stub: peer_pb2_grpc.PeerStub, chunks: list[peer_pb2.DiscriminatorChunk],
@@ -83,12 +115,36 @@ async def push_discriminator(stub: peer_pb2_grpc.PeerStub, chunks: list[peer_pb2
     return await call
 
 
+MAX_CONCURRENT_PUSHES = 8  # pushes in progress at once; more are refused (RESOURCE_EXHAUSTED)
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
+    """Receives discriminators. Under mutual TLS the sender is the name in its certificate; with
+    --insecure it is the name it claims in the header. Either way it must be the sender the server
+    designated for the round (see SwapMailbox)."""
+
     def __init__(self, node: "WorkerNode"):
         self.node = node
+        self.active = 0
+        self.warnings = rpc.RateLimitedWarnings(log)
+
+    def sender_identity(self, context: grpc.aio.ServicerContext, header: peer_pb2.DiscriminatorHeader) -> str:
+        if self.node.tls is not None:
+            return peer_identity(context) or ""
+        return header.sender_identity or header.sender_worker
 
     async def PushDiscriminator(self, request_iterator, context: grpc.aio.ServicerContext) -> peer_pb2.PushAck:
-        side, telemetry = self.node.side, self.node.telemetry
+        if self.active >= MAX_CONCURRENT_PUSHES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many discriminator pushes at once")
+        self.active += 1
+        try:
+            return await self._receive(request_iterator, context)
+        finally:
+            self.active -= 1
+
+    async def _receive(self, request_iterator, context: grpc.aio.ServicerContext) -> peer_pb2.PushAck:
+        node = self.node
+        side, telemetry, mailbox = node.side, node.telemetry, node.mailbox
         assembler = codec.StateAssembler(side.state_layout()) if side is not None else None
         # Refusing mid-stream while the peer still writes can surface as INTERNAL on its side, so a
         # refused stream is drained (up to a bound, discarding) and refused once the peer is done.
@@ -97,6 +153,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             refusal = grpc.StatusCode.FAILED_PRECONDITION, "this worker has not joined a run yet"
         drain_limit = 2 * (assembler.expected_bytes() if assembler else codec.CHUNK_BYTES) + codec.CHUNK_BYTES
         discarded = 0
+        sender, authorized = "", False
         async for chunk in request_iterator:
             telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, len(chunk.data))
             if refusal is not None:
@@ -108,9 +165,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 if assembler.header is None:
                     if chunk.WhichOneof("body") != "header":
                         raise codec.InvalidTensor("protocol", "the first chunk must be the header")
-                    refusal = self.node.mailbox.check(chunk.header.round)
+                    refusal = mailbox.check(chunk.header.round)
                     if refusal is not None:
                         continue
+                    assembler.accept(chunk)
+                    sender = self.sender_identity(context, chunk.header)
+                    if sender not in mailbox.members:  # not known to be in the run: read nothing before the order
+                        refusal = await mailbox.authorize(chunk.header.round, sender, node.swap_timeout)
+                        authorized = refusal is None
+                    continue
                 assembler.accept(chunk)
             except codec.InvalidTensor as exc:
                 telemetry.rejected.labels(exc.reason).inc()
@@ -121,10 +184,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             except codec.InvalidTensor as exc:
                 telemetry.rejected.labels(exc.reason).inc()
                 refusal = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if refusal is None and not authorized:  # a member read ahead: now the order decides
+            refusal = await mailbox.authorize(assembler.header.round, sender, node.swap_timeout)
         if refusal is not None:
-            log.warning("refused a discriminator from %s: %s", context.peer(), refusal[1])
+            if refusal[0] == grpc.StatusCode.PERMISSION_DENIED:
+                telemetry.rejected.labels("sender").inc()
+            self.warnings.warn(refusal[0].name, "refused a discriminator from %s (%s): %s", sender or "?",
+                               context.peer(), refusal[1])
             await context.abort(*refusal)
-        self.node.mailbox.deliver(assembler.header.round, assembler.header.sender_worker, state)
+        mailbox.deliver(assembler.header.round, sender, state)
         return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)
 
 
@@ -135,7 +203,8 @@ class WorkerNode:
     def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
                  dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
                  connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
-                 telemetry: Telemetry | None = None, device: str = "cpu"):
+                 telemetry: Telemetry | None = None, device: str = "cpu", tls: TLSConfig | None = None,
+                 identity: str = "", server_name: str | None = None):
         if (shard is None) == (dataset is None):
             raise ValueError("give a shard, or a dataset to take the assigned shard from")
         self.shard = shard
@@ -155,6 +224,9 @@ class WorkerNode:
         self._write_lock = asyncio.Lock()
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
         self.swap_timeout = 60.0
+        self.tls = tls  # None: --insecure
+        self.identity = identity or (tls.identity if tls else "")
+        self.server_name = server_name
 
     async def _write(self, call, message: pb.WorkerMessage) -> None:
         async with self._write_lock:
@@ -196,13 +268,14 @@ class WorkerNode:
             images, labels, _ = self.dataset
             join = pb.Join(dataset_size=images.shape[0])
         join.peer_address = self.advertise_address
+        join.name = self.identity
         join.sample_shape.extend(images.shape[1:])
         join.num_classes = int(labels.max()) + 1
         return pb.WorkerMessage(join=join)
 
     async def run(self) -> str:
         """Join, train until told to stop; returns the stop reason."""
-        async with grpc.aio.insecure_channel(self.server_address, options=rpc.options()) as channel:
+        async with tls_.channel(self.server_address, self.tls, rpc.options(), self.server_name) as channel:
             try:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout)
             except asyncio.TimeoutError:
@@ -234,6 +307,8 @@ class WorkerNode:
             raise ServerGone(f"this worker cut the data into {self.shard.num_shards} shards but the run has "
                              f"{config.workers} workers: set --num-shards {config.workers}")
         self.worker_id = welcome.worker_id
+        self.identity = welcome.identity or self.identity
+        self.mailbox.members.update(welcome.members)
         self.swap_timeout = welcome.swap_timeout_ms / 1000 or self.swap_timeout
         if welcome.spec.algorithm == "flgan":
             self.gan = make_flgan_worker_gan(config, self.shard)
@@ -252,6 +327,11 @@ class WorkerNode:
             if kind == "batches":
                 await self._on_batches(call, message.batches)
             elif kind == "swap_order":
+                order = message.swap_order
+                # Known before anything else happens: pushes for this round are checked against it.
+                self.mailbox.expect(order.round, order.receive_from_identity or order.receive_from_worker)
+                if order.send_to_identity:
+                    self.mailbox.members.add(order.send_to_identity)
                 # In the background: a swap_cancel may arrive while we wait for a peer.
                 swaps.add(asyncio.create_task(self._swap_and_report(call, message.swap_order)))
                 swaps = {t for t in swaps if not t.done()}
@@ -361,9 +441,10 @@ class WorkerNode:
         received = False
         try:
             sender, incoming = await self.mailbox.collect(order.round, self.swap_timeout)
+            expected = order.receive_from_identity or order.receive_from_worker
             if incoming is None:
                 errors.append(f"{sender} left before sending its discriminator")
-            elif sender == order.receive_from_worker:
+            elif sender == expected:
                 self.side.import_state(incoming)
                 received = True
             else:
@@ -381,8 +462,10 @@ class WorkerNode:
         address = order.send_to_address
         channel = self._peer_channels.get(address)
         if channel is None:
-            channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=rpc.options())
-        chunks = list(codec.state_chunks(state, order.round, self.worker_id))
+            # The receiver is verified as the identity the server named, wherever its address points.
+            channel = self._peer_channels[address] = tls_.channel(address, self.tls, rpc.options(),
+                                                                  order.send_to_identity or None)
+        chunks = list(codec.state_chunks(state, order.round, self.worker_id, self.identity))
         await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, self.swap_timeout)
         for chunk in chunks:
             self.telemetry.count("worker_to_worker", "discriminator", "sender", chunk, len(chunk.data))

@@ -47,20 +47,22 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size")
+    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_size: int
     peer_address: str
     sample_shape: _containers.RepeatedScalarFieldContainer[int]
     num_classes: int
     dataset_size: int
-    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ...) -> None: ...
+    name: str
+    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
     __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2")
@@ -105,18 +107,22 @@ class TrainingSpec(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index")
+    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     SWAP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     spec: TrainingSpec
     heartbeat_interval_ms: int
     swap_timeout_ms: int
     shard_index: int
-    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    identity: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ..., shard_index: _Optional[int] = ..., identity: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Batches(_message.Message):
     __slots__ = ("iteration", "generated", "generated_labels", "discriminated", "discriminated_labels")
@@ -155,16 +161,20 @@ class Feedback(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., gradient: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
 
 class SwapOrder(_message.Message):
-    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker")
+    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker", "receive_from_identity", "send_to_identity")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_WORKER_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_FROM_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    SEND_TO_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     round: int
     send_to_worker: str
     send_to_address: str
     receive_from_worker: str
-    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ...) -> None: ...
+    receive_from_identity: str
+    send_to_identity: str
+    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ..., receive_from_identity: _Optional[str] = ..., send_to_identity: _Optional[str] = ...) -> None: ...
 
 class SwapCancel(_message.Message):
     __slots__ = ("round", "sender_worker", "reason")

@@ -51,8 +51,10 @@ class CoordinatorServicer:
 
     def Train(self, request_iterator, context):
         """The first message up must be `join`; the first message down is `welcome`, or the stream ends
-        with an error status (INVALID_ARGUMENT for a bad join, FAILED_PRECONDITION when the run does
-        not take new workers, ALREADY_EXISTS for a shard that is already served).
+        with an error status (INVALID_ARGUMENT for a bad join or a message that does not parse,
+        FAILED_PRECONDITION when the run does not take new workers, ALREADY_EXISTS for a shard that is
+        already served, PERMISSION_DENIED for an identity that may not join or whose shard is bound to
+        another identity).
         Then: `batches` and `swap_order` down, `feedback` and `swap_report` up, heartbeats both ways,
         `stop` down at the end. Invalid input up is answered in band with a `rejection` carrying
         INVALID_ARGUMENT, and the run goes on without that answer.

@@ -50,7 +50,8 @@ class PeerServicer:
     def PushDiscriminator(self, request_iterator, context):
         """The first chunk is the header (what tensors follow, how many bytes in all); the next chunks
         carry the raw bytes of those tensors, concatenated in header order, at most 1 MiB each.
-        A state that does not match the receiver's discriminator ends with INVALID_ARGUMENT.
+        A state that does not match the receiver's discriminator ends with INVALID_ARGUMENT; a sender
+        other than the one the server designated for the round ends with PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
