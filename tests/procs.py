@@ -55,11 +55,23 @@ def python_module(name: str, argv: list[str], log_dir: str) -> Proc:
     return Proc(name, [sys.executable, "-m", *argv], os.path.join(log_dir, f"{name}.log"), env=dict(os.environ))
 
 
+def _security(flags) -> list[str]:
+    """Plaintext unless the test passes its own --tls-* flags (the services refuse to guess)."""
+    return [] if "--tls-ca" in flags or "--insecure" in flags else ["--insecure"]
+
+
+def tls_flags(pki_dir: str, name: str) -> list[str]:
+    """--tls-* flags for identity `name` of a PKI made with services.common.pki."""
+    folder = os.path.join(pki_dir, name)
+    return ["--tls-ca", os.path.join(folder, "ca.crt"), "--tls-cert", os.path.join(folder, "tls.crt"),
+            "--tls-key", os.path.join(folder, "tls.key")]
+
+
 def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int]:
     port_file = os.path.join(out, "server.port")
     os.makedirs(out, exist_ok=True)
     server = python_module(name, ["services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", out,
-                         "--threads", "1", "--metrics-port", "0", *flags], out)
+                         "--threads", "1", "--metrics-port", "0", *_security(flags), *flags], out)
     deadline = time.monotonic() + 60
     while not os.path.exists(port_file):
         if server.popen.poll() is not None or time.monotonic() > deadline:
@@ -69,11 +81,11 @@ def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int
         return server, int(fh.read())
 
 
-def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags: str) -> Proc:
-    return python_module(f"worker-{index}", ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
+def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags: str, name: str | None = None) -> Proc:
+    return python_module(name or f"worker-{index}", ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                                     "--advertise-address", "127.0.0.1", "--shard-index", str(index),
                                     "--num-shards", str(num_shards), "--threads", "1", "--metrics-port", "0",
-                                    *flags], out)
+                                    *_security(flags), *flags], out)
 
 
 def read_jsonl(path: str) -> list[dict]:

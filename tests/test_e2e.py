@@ -119,7 +119,7 @@ def test_workers_can_take_shards_the_server_assigns(tmp_path):
     flags = ["--workers", "2", "--iterations", "6", "--swap-every", "3", "--seed", "8", "--gan", "gan"]
     server, port = start_server(out, *flags)
     from services.common.healthcheck import main as healthcheck
-    assert healthcheck([f"127.0.0.1:{port}", "--service", "mdgan.v1.Coordinator"]) == 0
+    assert healthcheck([f"127.0.0.1:{port}", "--service", "mdgan.v1.Coordinator", "--insecure"]) == 0
     workers = [start_worker(out, port, "assign", 1, "--dataset", "synthetic") for _ in range(2)]
     try:
         assert server.wait(120) == 0, server.log()

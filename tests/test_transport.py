@@ -37,7 +37,9 @@ def _bad_feedback(iteration: int) -> list[pb.Tensor]:
     if iteration == 2:
         return [codec.encode_tensor(torch.full((B, 784), float("nan")))]  # NaN
     if iteration == 3:
-        return [codec.encode_tensor(torch.zeros(50 * B, 784))]  # oversized
+        # oversized, yet under the server's message bound (sized to the model: a bigger message ends the
+        # stream with RESOURCE_EXHAUSTED before any code of ours sees it)
+        return [codec.encode_tensor(torch.zeros(20 * B, 784))]
     if iteration == 4:
         t = codec.encode_tensor(good)
         t.data += b"\0" * 4096  # more bytes than the shape says
@@ -187,6 +189,7 @@ def test_peer_service_checks_every_pushed_discriminator():
         try:
             results = {"before joining": await push(list(codec.state_chunks(state, 1, "worker-1")))}
             node.side = DiscriminatorSide(config, shard)
+            node.mailbox.expect(1, "worker-1")  # the swap order: round 1 comes from worker-1
             good = list(codec.state_chunks(state, 1, "worker-1"))
             wrong = dict(state)
             wrong["stack.4.weight"] = torch.zeros(11, 511)
