@@ -366,6 +366,11 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
     logs.mkdir()
     procs: list[Proc] = []
     try:
+        # the one-shot `certs` service first (the others wait for it to complete), as compose runs it
+        if "certs" in services:
+            certs = Proc("certs", argv("certs"), str(logs / "certs.log"), env=environment("certs", 0, 0),
+                         cwd=str(logs))
+            assert certs.wait(120) == 0, certs.log()
         server_env = environment("server", server_port, server_metrics)
         assert server_env["MDGAN_WORKERS"] == str(workers) and server_env["MDGAN_ITERATIONS"] == str(iterations)
         server = Proc("server", argv("server"), str(logs / "server.log"), env=server_env, cwd=str(logs))
@@ -375,7 +380,8 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
         check = [network.get(a, a.replace("localhost:50051", f"127.0.0.1:{server_port}"))
                  for a in services["server"]["healthcheck"]["test"][1:]]
         deadline = time.monotonic() + 120
-        while run(check, env=base_env, check=False).returncode != 0:
+        # with the container's own environment: its MDGAN_TLS_* credentials
+        while run(check, env=server_env, check=False).returncode != 0:
             assert server.popen.poll() is None, f"server exited early:\n{server.log()}"
             assert time.monotonic() < deadline, f"server never healthy:\n{server.log()}"
             time.sleep(0.5)
@@ -391,6 +397,7 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
             env = environment("worker", grpc_port, metrics_port)
             # a container advertises its IP on the compose network; here that is loopback
             env["MDGAN_ADVERTISE_ADDRESS"] = f"127.0.0.1:{grpc_port}"
+            env["HOSTNAME"] = f"replica-{i}"  # each container has a host name of its own
             assert env["MDGAN_SERVER"] == f"127.0.0.1:{server_port}"
             assert env["MDGAN_NUM_SHARDS"] == str(workers) and env["MDGAN_SHARD_INDEX"] == "assign"
             if dataset == "mnist":
@@ -412,6 +419,9 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
             time.sleep(0.2)
         for proc in procs:
             assert proc.popen.returncode == 0, f"{proc.name} exited {proc.popen.returncode}:\n{proc.log()}"
+        if "certs" in services:  # secure by default: every process ran with mutual TLS
+            assert "(mutual TLS)" in server.log(), server.log()
+            assert all("mutual TLS as 'worker-" in p.log() for p in procs[1:]), [p.log() for p in procs[1:]]
     finally:
         for proc in procs:
             proc.stop()

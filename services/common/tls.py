@@ -73,7 +73,7 @@ def from_args(args: argparse.Namespace, role: str) -> TLSConfig | None:
     given = [p for p in (args.tls_ca, args.tls_cert, args.tls_key) if p]
     if args.insecure:
         if given:
-            raise ConfigError("--insecure together with --tls-* flags: choose one")
+            log.warning("--insecure: the --tls-* settings are ignored")
         log.warning("--insecure: %s serves and dials in plaintext; anyone who reaches its ports can join, push "
                     "discriminators and read the traffic", role)
         return None
