@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Check the deployment files with the real tools (install them with scripts/install_deploy_tools.sh):
 #   - helm lint --strict on deploy/k8s/mdgan (default values, and with every optional part on)
-#   - helm template | kubernetes-validate --strict -k 1.30.0 (core kinds; the ServiceMonitor CRD has no
-#     schema in kubernetes-validate, so it gets a structural check against the rendered Services)
+#   - helm template | kubernetes-validate --strict -k 1.30.0 (core kinds; the ServiceMonitor and cert-manager
+#     Certificate CRDs have no schema in kubernetes-validate, so they get structural checks); mTLS with
+#     Secrets (default), plaintext, and cert-manager Certificates; the NetworkPolicies
 #   - deploy/k8s/manifests up to date with the chart, and valid through kubectl kustomize
 #   - hadolint on Dockerfile.server and Dockerfile.worker
 #   - docker-compose config -q on docker-compose.yml (default, scaled, with the download profile)
@@ -83,6 +84,27 @@ print("ServiceMonitor selects", sorted(s["metadata"]["name"] for s in matched), 
 EOF
 }
 
+check_certificates() {
+    "$PY" - "$tmp/cert-manager.yaml" <<'EOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+certs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
+assert sorted(certs) == ["mdgan-server", "mdgan-worker-0", "mdgan-worker-1"], sorted(certs)
+for name, cert in certs.items():
+    spec = cert["spec"]
+    assert cert["apiVersion"] == "cert-manager.io/v1" and spec["issuerRef"]["name"] == "run-ca", name
+    assert spec["commonName"] == name and name in spec["dnsNames"], name
+    assert {"server auth", "client auth"} <= set(spec["usages"]), name
+    role = "mdgan-server" if name == "mdgan-server" else "mdgan-worker"
+    assert spec["subject"]["organizationalUnits"] == [role], name
+[sts] = [d for d in docs if d["kind"] == "StatefulSet"]
+[tls] = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+secrets = [s["secret"]["name"] for s in tls["projected"]["sources"]]
+assert secrets == [certs[n]["spec"]["secretName"] for n in ("mdgan-worker-0", "mdgan-worker-1")], secrets
+print("Certificates:", ", ".join(sorted(certs)), "; workers mount", ", ".join(secrets))
+EOF
+}
+
 step "helm lint --strict (default values)" "$HELM" lint --strict "$CHART"
 step "helm lint --strict (ServiceMonitor + dashboard on)" "$HELM" lint --strict "$CHART" "${ALL_ON[@]}"
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (default values)" render_and_validate default
@@ -94,6 +116,14 @@ echo "      the core kinds of that render and the ServiceMonitor gets a structur
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (ServiceMonitor + dashboard on)" \
     render_and_validate all-on "${ALL_ON[@]}"
 step "ServiceMonitor selects both Services' metrics ports" check_servicemonitor
+step "helm template | kubernetes-validate --strict -k $K8S_VERSION (plaintext: tls.enabled=false, no NetworkPolicy)" \
+    render_and_validate plaintext --set tls.enabled=false --set networkPolicy.enabled=false
+echo "note: the cert-manager Certificate CRD has no schema in kubernetes-validate either (a warning); the"
+echo "      core kinds of that render are validated, and the Certificates get a structural check"
+step "helm template | kubernetes-validate --strict -k $K8S_VERSION (cert-manager Certificates, allow-list)" \
+    render_and_validate cert-manager --set tls.certManager.enabled=true --set tls.certManager.issuerRef.name=run-ca \
+    --set 'tls.allowedWorkers={mdgan-worker-0,mdgan-worker-1}'
+step "cert-manager Certificates: one for the server, one per worker, mounted where the pods read them" check_certificates
 step "deploy/k8s/manifests up to date with the chart" scripts/render_k8s_manifests.sh --check
 step "kubectl kustomize deploy/k8s/manifests | kubernetes-validate --strict -k $K8S_VERSION" \
     bash -c '"$1" kustomize deploy/k8s/manifests > "$2" && "$3" --strict --quiet -k "$4" "$2"' _ \

@@ -178,13 +178,71 @@ def test_pods_are_locked_down_and_probed():
             assert container["resources"]["requests"] and container["resources"]["limits"]
             assert any(m["mountPath"] == "/tmp" and m["name"] in tmp_volumes for m in container["volumeMounts"])
         for container in pod["containers"]:
+            # the kubelet's gRPC probe cannot speak mTLS: mdgan-healthcheck with the pod's own credentials
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert "grpc" in container[probe], (container["name"], probe)
+                assert container[probe]["exec"]["command"][0] == "mdgan-healthcheck", (container["name"], probe)
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["MDGAN_TLS_CA"] == "/etc/mdgan/tls/ca.crt" and env["MDGAN_TLS_CERT"].endswith(".crt")
+            assert any(m["name"] == "tls" and m["readOnly"] for m in container["volumeMounts"])
     [statefulset] = by_kind(docs, "StatefulSet")
     headless = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == statefulset["spec"]["serviceName"]]
     assert headless and headless[0]["spec"]["clusterIP"] == "None"
     env = {e["name"]: e.get("value") for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["MDGAN_ADVERTISE_ADDRESS"] == "$(POD_NAME).mdgan-worker.$(POD_NAMESPACE).svc.cluster.local:50052"
+
+
+def test_tls_secrets_cert_manager_and_plaintext():
+    docs = render()
+    config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    assert config["mdgan-server"]["MDGAN_INSECURE"] == config["mdgan-worker"]["MDGAN_INSECURE"] == "false"
+    [deployment], [statefulset] = by_kind(docs, "Deployment"), by_kind(docs, "StatefulSet")
+    volumes = {w["kind"]: {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+               for w in (deployment, statefulset)}
+    assert volumes["Deployment"]["tls"]["secret"]["secretName"] == "mdgan-server-tls"
+    assert volumes["StatefulSet"]["tls"]["secret"]["secretName"] == "mdgan-worker-tls"
+    [worker] = statefulset["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["MDGAN_TLS_CERT"] == "/etc/mdgan/tls/$(POD_NAME).crt"  # a pod's identity is its name
+    # cert-manager: a Certificate per identity, the workers' Secrets projected side by side
+    docs = render("--set", "tls.certManager.enabled=true", "--set", "tls.certManager.issuerRef.name=run-ca",
+                  "--set", "workers.replicas=3", "--set", "tls.allowedWorkers={mdgan-worker-0,mdgan-worker-1}")
+    certificates = {c["metadata"]["name"]: c["spec"] for c in by_kind(docs, "Certificate")}
+    assert sorted(certificates) == ["mdgan-server", "mdgan-worker-0", "mdgan-worker-1", "mdgan-worker-2"]
+    assert "mdgan-server" in certificates["mdgan-server"]["dnsNames"]
+    assert certificates["mdgan-worker-2"]["subject"]["organizationalUnits"] == ["mdgan-worker"]
+    [statefulset] = by_kind(docs, "StatefulSet")
+    [tls] = [v for v in statefulset["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert [s["secret"]["name"] for s in tls["projected"]["sources"]] == [
+        f"mdgan-worker-{i}-tls" for i in range(3)]
+    config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    assert config["mdgan-server"]["MDGAN_ALLOWED_WORKERS"] == "mdgan-worker-0,mdgan-worker-1"
+    result = validate(yaml.safe_dump_all([d for d in docs if d["kind"] != "Certificate"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert helm_template("--set", "tls.certManager.enabled=true", check=False).returncode != 0  # no issuer
+    # plaintext on request: --insecure everywhere, native gRPC probes, no credentials mounted
+    docs = render("--set", "tls.enabled=false")
+    config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    assert config["mdgan-server"]["MDGAN_INSECURE"] == "true"
+    for workload in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
+        [container] = workload["spec"]["template"]["spec"]["containers"]
+        assert "grpc" in container["readinessProbe"]
+        assert "tls" not in [v["name"] for v in workload["spec"]["template"]["spec"]["volumes"]]
+
+
+def test_network_policies_let_only_workers_in():
+    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(render(), "NetworkPolicy")}
+    assert sorted(policies) == ["mdgan-server", "mdgan-worker"]
+    worker_pods = {"app.kubernetes.io/component": "worker", "app.kubernetes.io/instance": "mdgan",
+                   "app.kubernetes.io/name": "mdgan"}
+    for name, grpc_port, metrics_port in (("mdgan-server", 50051, 9100), ("mdgan-worker", 50052, 9101)):
+        spec = policies[name]
+        assert spec["policyTypes"] == ["Ingress"]
+        rules = {rule["ports"][0]["port"]: rule["from"] for rule in spec["ingress"]}
+        assert sorted(rules) == sorted([grpc_port, metrics_port])
+        assert rules[grpc_port] == [{"podSelector": {"matchLabels": worker_pods}}]
+        assert rules[metrics_port] == [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": "monitoring"}}}]
+    assert not by_kind(render("--set", "networkPolicy.enabled=false"), "NetworkPolicy")
 
 
 def test_plain_manifests_are_up_to_date_and_valid():
@@ -194,7 +252,8 @@ def test_plain_manifests_are_up_to_date_and_valid():
     result = validate(kustomized)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(doc["kind"] for doc in yaml.safe_load_all(kustomized) if doc) == [
-        "ConfigMap", "ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "Service", "StatefulSet"]
+        "ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "Service",
+        "Service", "StatefulSet"]
 
 
 # ------------------------------------------------------------------------------- Dockerfiles, compose

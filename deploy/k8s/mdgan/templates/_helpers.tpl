@@ -68,3 +68,39 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
   emptyDir:
     sizeLimit: {{ .Values.global.tmpSizeLimit }}
 {{- end }}
+
+{{/* Names of the TLS Secrets. */}}
+{{- define "mdgan.server.tlsSecret" -}}
+{{- .Values.tls.serverSecret | default (printf "%s-tls" (include "mdgan.server.fullname" .)) }}
+{{- end }}
+{{- define "mdgan.worker.tlsSecret" -}}
+{{- .Values.tls.workersSecret | default (printf "%s-tls" (include "mdgan.worker.fullname" .)) }}
+{{- end }}
+
+{{/* Where the credentials are mounted. */}}
+{{- define "mdgan.tlsDir" -}}/etc/mdgan/tls{{- end }}
+
+{{/*
+A probe: the native gRPC probe in plaintext; under mTLS (which the kubelet's gRPC probe cannot speak)
+mdgan-healthcheck with the container's own credentials. Pass (dict "ctx" $ "port" N "service" NAME
+"settings" PROBE-SETTINGS).
+*/}}
+{{- define "mdgan.probe" -}}
+{{- if .ctx.Values.tls.enabled }}
+exec:
+  command:
+    - mdgan-healthcheck
+    - {{ printf "localhost:%d" (int .port) | quote }}
+    {{- if .service }}
+    - --service
+    - {{ .service }}
+    {{- end }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+  {{- if .service }}
+  service: {{ .service }}
+  {{- end }}
+{{- end }}
+{{ toYaml .settings }}
+{{- end }}
