@@ -42,8 +42,8 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--metrics-dump", default=None, help="write the final metrics exposition to this file")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     parser.add_argument("--name", default=None,
-                        help="the identity this worker claims with --insecure (default: worker-<shard index>, or the "
-                             "host name when the server assigns the shard); under mutual TLS the identity is the "
+                        help="the identity this worker claims with --insecure (default: worker-<shard index>; with "
+                             "--shard-index assign, the server names it after the shard it assigns); under mutual TLS the identity is the "
                              "name in --tls-cert")
     parser.add_argument("--tls-server-name", default=None,
                         help="the name the server's certificate must carry (default: the host in --server)")
@@ -75,8 +75,10 @@ def worker_identity(args, credentials: tls.TLSConfig | None, index: int | None) 
             log.warning("--name %r ignored: under mutual TLS this worker is %r, the name in its certificate",
                         args.name, credentials.identity)
         return credentials.identity
-    name = args.name or (f"worker-{index}" if index is not None else socket.gethostname())
-    if not pki.NAME_PATTERN.match(name):
+    # Without --name: worker-<shard index>, or (shard assigned by the server) no name at all, and the
+    # server names it after the shard it gets (several workers on one host must not share a name).
+    name = args.name or (f"worker-{index}" if index is not None else "")
+    if name and not pki.NAME_PATTERN.match(name):
         raise ConfigError(f"--name {name!r}: letters, digits, '.', '_' and '-' only")
     return name
 
