@@ -398,6 +398,7 @@ def test_thousands_of_malformed_messages_get_no_unknown_and_no_traceback(tmp_pat
     finally:
         for p in [server, *workers]:
             p.kill()
+    print("statuses with a valid certificate:", with_cert)
     assert sum(with_cert.values()) == 2000 and "UNKNOWN" not in with_cert, with_cert
     assert with_cert.get("INVALID_ARGUMENT", 0) > 500, with_cert
     assert without_cert == {"UNAVAILABLE": 150} and rogue == {"UNAVAILABLE": 150}, (without_cert, rogue)

@@ -70,10 +70,15 @@ class SwapMailbox:
     async def authorize(self, swap_round: int, identity: str, timeout: float) -> tuple[grpc.StatusCode, str] | None:
         """None when `identity` is the designated sender of `swap_round` (waiting for the order if
         it has not come yet); a refusal otherwise."""
+        order = self._order(swap_round)
         try:
-            expected = await asyncio.wait_for(asyncio.shield(self._order(swap_round)), timeout)
+            expected = await asyncio.wait_for(asyncio.shield(order), timeout)
         except asyncio.TimeoutError:
             return grpc.StatusCode.PERMISSION_DENIED, f"no swap order names {identity!r} for round {swap_round}"
+        except asyncio.CancelledError:
+            if order.cancelled():  # the round was closed while this push waited
+                return grpc.StatusCode.FAILED_PRECONDITION, f"round {swap_round} is over"
+            raise
         if identity != expected:
             return grpc.StatusCode.PERMISSION_DENIED, (f"{identity!r} is not the designated sender of round "
                                                        f"{swap_round}")
