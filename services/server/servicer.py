@@ -19,7 +19,7 @@ from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
 from mdgan.mdgan import StepResult, WorkerBatch
 from services.common import codec, pki
-from services.common.rpc import MalformedMessage
+from services.common.rpc import MalformedMessage, RateLimitedWarnings
 from services.common.telemetry import Telemetry
 from services.common.tls import peer_certificate
 from services.common.proto import coordinator_pb2 as pb
@@ -326,6 +326,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.allowed_workers = set(allowed_workers) if allowed_workers else None
         self.bindings = ShardBindings()
         self._pending_joins = 0
+        self.warnings = RateLimitedWarnings(log)  # a flood of bad joins makes a few lines, not a flood
         self.algorithm = algorithm
         self.model_layouts = model_layouts
         self.telemetry = telemetry or Telemetry("server")
@@ -474,7 +475,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             identity = identity or f"worker-{index}"  # an unnamed worker (--insecure) is named after its shard
             self.bindings.check(index, identity)
         except JoinRefused as refused:
-            log.warning("join refused (%s): %s", context.peer(), refused.detail)
+            self.warnings.warn(refused.code.name, "join refused (%s, %s): %s", context.peer(), refused.code.name,
+                               refused.detail)
             if refused.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 self.telemetry.rejected.labels("identity").inc()
             await context.abort(refused.code, refused.detail)
