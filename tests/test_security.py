@@ -411,3 +411,42 @@ def test_thousands_of_malformed_messages_get_no_unknown_and_no_traceback(tmp_pat
         assert log.count("malformed request") < 50, p.name
     summary = read_json(os.path.join(out, "summary.json"))
     assert summary["iterations"] == 6 and summary["workers_alive"] == 2 and summary["swaps"] == 3
+
+
+# -- provisioning -----------------------------------------------------------------------------------------
+
+def test_mdgan_certs_makes_a_ca_and_named_certificates(tmp_path, capsys):
+    from cryptography import x509
+
+    from mdgan.cli import main
+
+    def certs(*args):
+        try:
+            code = main(["certs", *args])
+        except SystemExit as exc:  # argparse's error()
+            code = exc.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    d = str(tmp_path / "pki")
+    assert certs("init", d).returncode == 0
+    assert certs("init", d).returncode != 0  # never silently replaces a CA
+    assert certs("issue", d, "mdgan-server", "--server", "--san", "server.example.org", "--san", "10.0.0.7"
+                 ).returncode == 0
+    result = certs("issue", d, "site-a")
+    assert result.returncode == 0 and "--tls-cert" in result.stdout
+    bad = certs("issue", d, "no spaces please")
+    assert bad.returncode != 0 and "not a usable identity" in bad.stderr
+    assert certs("issue", str(tmp_path / "nowhere"), "x").returncode != 0
+
+    for name, role, sans in (("mdgan-server", pki.ROLE_SERVER,
+                              ["mdgan-server", "localhost", "server.example.org", "127.0.0.1", "::1", "10.0.0.7"]),
+                             ("site-a", pki.ROLE_WORKER, ["site-a"])):
+        paths = pki.identity_paths(d, name)
+        pem = open(paths["cert"], "rb").read()
+        assert pki.identity_of(pem) == (name, role)
+        assert sorted(pki.certificate_names(pem)[1]) == sorted(sans)
+        ca = x509.load_pem_x509_certificate(open(paths["ca"], "rb").read())
+        x509.load_pem_x509_certificate(pem).verify_directly_issued_by(ca)
+        assert oct(os.stat(paths["key"]).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(os.path.join(d, "ca.key")).st_mode & 0o777) == "0o600"
