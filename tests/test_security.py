@@ -271,9 +271,16 @@ def test_a_shard_is_bound_to_the_identity_that_first_held_it(run_pki):
                 if authenticated:
                     _, results["the server's own certificate"] = await _hold(cs, _join(shard_index=1))
                 w1, results["worker-1 takes shard 1"] = await _hold(c1, _join(shard_index=1, name="worker-1"))
-                for call in (back, w1):
-                    if call is not None:
-                        call.cancel()
+                if w1 is not None:  # an admitted worker sending bytes that do not parse: INVALID_ARGUMENT
+                    await w1.write(b"\x0a\xff\xff\xff\xff\x0f")
+                    try:
+                        while await w1.read() is not grpc.aio.EOF:
+                            pass
+                        results["garbage after the join"] = await w1.code()
+                    except grpc.aio.AioRpcError as exc:
+                        results["garbage after the join"] = exc.code()
+                if back is not None:
+                    back.cancel()
         finally:
             await server.stop(None)
         return results
@@ -282,13 +289,15 @@ def test_a_shard_is_bound_to_the_identity_that_first_held_it(run_pki):
     denied = grpc.StatusCode.PERMISSION_DENIED
     assert secure == {"worker-0 takes shard 0": 0, "mallory asks for shard 0": denied, "mallory asks again": denied,
                       "worker-0 asks for shard 1": denied, "worker-0 comes back, assigned": 0,
-                      "the server's own certificate": denied, "worker-1 takes shard 1": 1}
+                      "the server's own certificate": denied, "worker-1 takes shard 1": 1,
+                      "garbage after the join": grpc.StatusCode.INVALID_ARGUMENT}
     # --insecure: the same binding, on the names workers claim (unauthenticated, documented as such)
     plain = asyncio.run(scenario(False))
     assert plain == {k: v for k, v in secure.items() if k != "the server's own certificate"}
     # an allow-list admits only the identities on it
     listed = asyncio.run(scenario(True, allowed=["worker-0", "mallory"]))
     assert listed["worker-1 takes shard 1"] == denied and listed["worker-0 takes shard 0"] == 0
+    assert "garbage after the join" not in listed
     assert listed["the server's own certificate"] == denied
 
 
