@@ -2,8 +2,8 @@
 
     python bench/tls_overhead.py --workers 4 --batch-size 10 --iterations 300 --repeats 3
 
-Both variants run the same flags and seed, interleaved (mTLS, plaintext, mTLS, ...) so that a
-machine's changing load falls on both alike; the script checks that every run ends with the same
+Both variants run the same flags and seed, interleaved in ABBA order (mTLS, plaintext, plaintext,
+mTLS, ...) so that a machine's changing load falls on both alike; the script checks that every run ends with the same
 generator and prints seconds per iteration (training loop only, start-up excluded: the TLS
 handshakes happen once per connection, at start) for each run, the medians and their ratio.
 """
@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--swap-every", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved")
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each variant, interleaved")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -46,7 +46,9 @@ def main() -> int:
     generators = set()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            for variant in times:
+            # ABBA order: a load that drifts during the benchmark, or a run slowed by the one before
+            # it, weighs on both variants alike
+            for variant in (list(times) if r % 2 == 0 else list(times)[::-1]):
                 extra = ["--insecure"] if variant == "insecure" else []
                 summary = run(flags + extra, os.path.join(tmp, f"{variant}-{r}"))
                 times[variant].append(summary["seconds_per_iteration"])
