@@ -409,11 +409,12 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             held = self.bindings.shard_of(identity) if identity is not None else None
             if held is not None and held in taken:
                 raise JoinRefused(grpc.StatusCode.ALREADY_EXISTS, f"{identity!r} already serves shard {held}")
+            def unbound(i: int) -> bool:  # (unnamed workers cannot be told apart: any may take an unnamed one's)
+                owner = self.bindings.owner(i)
+                return owner is None or (identity is None and owner == f"worker-{i}")
+
             # an identity coming back gets its own shard; others get the lowest shard nobody holds
-            # (an unnamed worker may take a shard an unnamed worker held: they cannot be told apart)
-            free = [held] if held is not None else \
-                [i for i in range(cfg.workers) if i not in taken
-                 and self.bindings.owner(i) in (None, None if identity else f"worker-{i}")]
+            free = [held] if held is not None else [i for i in range(cfg.workers) if i not in taken and unbound(i)]
             if not free:
                 raise JoinRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {cfg.workers} shards have a worker")
             if join.dataset_size < cfg.workers:
