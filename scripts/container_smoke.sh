@@ -253,6 +253,7 @@ for ctr in "${workers[@]}"; do
     [[ "$(podman inspect "$ctr" --format '{{.State.ExitCode}}')" == 0 ]] || die "$ctr exit code"
 done
 (( ${#health[@]} >= 1 )) || die "no container ever reported healthy"
+say "healthy (HEALTHCHECK over mTLS): ${#health[@]} of $(( WORKERS + 1 )) containers: ${!health[*]}"
 if (( ${#scraped[@]} < WORKERS + 1 )); then
     if podman run --rm --entrypoint mdgan-server localhost/mdgan-server:$TAG --help 2>/dev/null | grep -q -- --metrics-port; then
         die "/metrics answered in ${#scraped[@]} of $(( WORKERS + 1 )) containers (${!scraped[*]})"
