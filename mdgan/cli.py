@@ -18,7 +18,8 @@ import time
 from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
-                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2")
+                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
+                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm")
 
 
 def _print_summary(summary: dict) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from mdgan import compression
 from mdgan.config import TrainingConfig
 from mdgan.mdgan import DiscriminatorSide, GeneratorSide, StepResult, WorkerBatch, derangement
 
@@ -116,14 +118,20 @@ class InProcessWorker(WorkerHandle):
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
         if self.crashed:
             raise WorkerLost(f"{self.worker_id} crashed")
-        return self.side.step(batch)
+        # The same rounding at the same points as over gRPC: the batches, then the feedback.
+        wire = self.side.config.wire_dtype
+        result = self.side.step(dataclasses.replace(batch, generated=compression.round_trip(batch.generated, wire),
+                                                    discriminated=compression.round_trip(batch.discriminated, wire)))
+        return dataclasses.replace(result, feedback=compression.round_trip(result.feedback, wire))
 
     async def swap(self, order: SwapOrder) -> SwapReport:
         if self.crashed:
             raise WorkerLost(f"{self.worker_id} crashed")
-        state = self.side.export_state()
-        self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
-        sent = sum(t.numel() * t.element_size() for t in state.values())
+        wire = self.side.config.wire_dtype
+        packed = compression.pack_state(self.side.export_state(), wire)
+        self.board.deliver(order.swap_round, order.send_to, self.worker_id,
+                           compression.unpack_state(packed, self.side.state_layout(), wire))
+        sent = compression.state_nbytes(packed)
         try:
             sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
         except asyncio.TimeoutError:
@@ -208,6 +216,11 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _wire_nbytes(t: torch.Tensor, wire_dtype: str) -> int:
+    """Bytes of a float32 tensor as it travels (compressed: values and int8 scales)."""
+    return compression.packed_nbytes(tuple(t.shape), wire_dtype)
+
+
 class Trainer:
     """Runs I global iterations of MD-GAN against worker handles."""
 
@@ -246,10 +259,12 @@ class Trainer:
         answered = time.perf_counter()
         feedback, stats, rejected, lost = [], [], 0, 0
         for worker, batch, reply in zip(active, sent, replies):
-            self.traffic.payload_bytes["server_to_worker"] += _nbytes(batch.generated) + _nbytes(batch.discriminated)
+            wire = self.config.wire_dtype
+            self.traffic.payload_bytes["server_to_worker"] += (_wire_nbytes(batch.generated, wire)
+                                                               + _wire_nbytes(batch.discriminated, wire))
             self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
             if isinstance(reply, StepResult):
-                self.traffic.payload_bytes["worker_to_server"] += _nbytes(reply.feedback)
+                self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, wire)
                 feedback.append((batch.generated_index, reply.feedback))
                 stats.append(reply)
             elif isinstance(reply, InputRejected):

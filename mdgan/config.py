@@ -13,6 +13,8 @@ GAN_KINDS = ("acgan", "gan")
 LOSSES = ("non-saturating", "saturating")
 DATASETS = ("mnist", "cifar10", "synthetic")
 SPLITS = ("iid", "dirichlet")  # how a dataset is cut into shards (DataConfig.split)
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # see mdgan/compression.py
+AGGREGATIONS = ("mean", "median", "trimmed-mean", "norm-clip")  # see mdgan/aggregation.py
 
 
 class ConfigError(ValueError):
@@ -89,6 +91,14 @@ class TrainingConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     generator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     discriminator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    # Beyond the paper (issue 13). How generated batches, feedback and swapped discriminators are
+    # rounded on the wire (the rounding is part of the algorithm: mdgan/compression.py).
+    wire_dtype: str = "float32"
+    # How the server combines the feedback of the workers that got the same X_g (mdgan/aggregation.py):
+    # mean is the paper's; the others resist workers that send wrong feedback.
+    aggregation: str = "mean"
+    trim_fraction: float = 0.2  # trimmed-mean: share of the workers dropped at each end, per coordinate
+    clip_norm: float = 1.0  # norm-clip: every sample's feedback is scaled down to at most this L2 norm
 
     def validate(self) -> "TrainingConfig":
         if self.workers < 1:
@@ -114,6 +124,14 @@ class TrainingConfig:
 
             if not torch.cuda.is_available():
                 raise ConfigError(f"--device {self.device}: no CUDA device is available here")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"unknown --wire-dtype {self.wire_dtype!r}; choose from {WIRE_DTYPES}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"unknown --aggregation {self.aggregation!r}; choose from {AGGREGATIONS}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError(f"--trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise ConfigError(f"--clip-norm must be a positive number, got {self.clip_norm}")
         self.model.validate()
         self.generator_optimizer.validate()
         self.discriminator_optimizer.validate()

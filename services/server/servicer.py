@@ -13,6 +13,7 @@ import time
 import grpc
 import torch
 
+from mdgan import compression
 from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
@@ -34,13 +35,18 @@ def _kind(message) -> str:
     return {"batches": "batches", "feedback": "feedback"}.get(body, "control")
 
 
+def tensor_payload(tensor) -> int:
+    """What a tensor costs on the wire: its values, and its int8 scales when compressed."""
+    return len(tensor.data) + len(tensor.scales)
+
+
 def _payload(message) -> int:
     """Bytes of the tensors Table III counts: X_g and X_d down, F_n up (labels are not in it); FL-GAN: models."""
     body = message.WhichOneof("body")
     if body == "batches":
-        return len(message.batches.generated.data) + len(message.batches.discriminated.data)
+        return tensor_payload(message.batches.generated) + tensor_payload(message.batches.discriminated)
     if body == "feedback":
-        return len(message.feedback.gradient.data)
+        return tensor_payload(message.feedback.gradient)
     if body == "model_part":
         return len(message.model_part.data)
     return 0
@@ -86,10 +92,11 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.telemetry.count("server_to_worker", _kind(message), "sender", message, _payload(message))
 
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        wire = self.config.wire_dtype
         message = pb.ServerMessage(batches=pb.Batches(
             iteration=iteration,
-            generated=codec.encode_tensor(batch.generated),
-            discriminated=codec.encode_tensor(batch.discriminated),
+            generated=codec.encode_packed(compression.pack(batch.generated, wire)),
+            discriminated=codec.encode_packed(compression.pack(batch.discriminated, wire)),
             generated_labels=None if batch.generated_labels is None else codec.encode_tensor(batch.generated_labels),
             discriminated_labels=None if batch.discriminated_labels is None
             else codec.encode_tensor(batch.discriminated_labels)))
@@ -200,8 +207,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         try:
             if not feedback.HasField("gradient"):
                 raise codec.InvalidTensor("missing", "feedback without gradient")
-            gradient = codec.decode_tensor(feedback.gradient, shape=shape, dtype=torch.float32,
-                                           max_bytes=4 * torch.Size(shape).numel(), field="gradient")
+            gradient = codec.decode_packed(feedback.gradient, shape=shape, wire_dtype=self.config.wire_dtype,
+                                           field="gradient")
         except codec.InvalidTensor as exc:
             await self._reject(feedback.iteration, exc.reason, str(exc))
             future.set_exception(InputRejected(exc.reason, str(exc)))
