@@ -35,7 +35,8 @@ def cmd_simulate(args) -> int:
     apply_threads(args.threads)
     config = training_config(args)
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
-                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm)
+                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                       byzantine=args.byzantine, attack=args.attack)
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
@@ -103,6 +104,8 @@ class LocalCluster:
                 "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
 
     def start(self) -> subprocess.Popen:
+        from mdgan.attacks import attackers
+
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
@@ -124,6 +127,7 @@ class LocalCluster:
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
         port = _wait_for_file(port_file, server, 120)
+        attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
             name = f"worker-{index}"
             self._spawn(name, [
@@ -131,6 +135,7 @@ class LocalCluster:
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
                 "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
+                *(["--attack", a.attack] if index in attacking else []),
                 *self._metrics_flags(name, metrics_ports[name])])
         return server
 
@@ -181,6 +186,12 @@ def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
     training_config(args)  # fail here, with a clear message, rather than in a child process
+    if bool(args.byzantine) != bool(args.attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if args.byzantine:
+        from mdgan.attacks import attackers
+
+        attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
     cluster = LocalCluster(args)
@@ -248,6 +259,7 @@ def cmd_sample(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
                                 add_training_arguments)
@@ -268,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_threads_argument(p, default=1)
         p.add_argument("--out", default=f"runs/{name}", help="run directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        g = p.add_argument_group("emulated Byzantine workers (experiments)")
+        g.add_argument("--byzantine", type=int, default=0,
+                       help="K: the last K workers by rank send wrong feedback (needs --attack)")
+        g.add_argument("--attack", choices=ATTACKS, default=None,
+                       help="what they send: sign-flip (-F), scale (10 F), noise (10x F's RMS), free-ride (zeros)")
         return p
 
     run_parser("simulate", "Train in one process: every worker is an object.").set_defaults(func=cmd_simulate)

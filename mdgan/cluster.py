@@ -102,8 +102,10 @@ class InProcessSwapBoard:
 
 
 class InProcessWorker(WorkerHandle):
-    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0):
+    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
+                 attack: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.side = side
+        self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
         self.board = board
         self.swap_timeout = swap_timeout
         self.shard_index = side.shard_index
@@ -122,7 +124,8 @@ class InProcessWorker(WorkerHandle):
         wire = self.side.config.wire_dtype
         result = self.side.step(dataclasses.replace(batch, generated=compression.round_trip(batch.generated, wire),
                                                     discriminated=compression.round_trip(batch.discriminated, wire)))
-        return dataclasses.replace(result, feedback=compression.round_trip(result.feedback, wire))
+        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
+        return dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
 
     async def swap(self, order: SwapOrder) -> SwapReport:
         if self.crashed:
@@ -350,6 +353,13 @@ class Trainer:
                          rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last, stopped_early=stopped)
 
 
-def build_in_process_workers(config: TrainingConfig, shards) -> list[InProcessWorker]:
+def build_in_process_workers(config: TrainingConfig, shards, byzantine: int = 0,
+                             attack: str | None = None) -> list[InProcessWorker]:
+    """One worker per shard; the last `byzantine` by rank replace their feedback by `attack`."""
+    from mdgan.attacks import FeedbackAttack, attackers
+
+    bad = set(attackers(len(shards), byzantine)) if attack else set()
     board = InProcessSwapBoard()
-    return [InProcessWorker(DiscriminatorSide(config, shard), board) for shard in shards]
+    return [InProcessWorker(DiscriminatorSide(config, shard), board,
+                            attack=FeedbackAttack(attack, config.seed, shard.index) if shard.index in bad else None)
+            for shard in shards]

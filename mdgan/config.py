@@ -98,7 +98,9 @@ class TrainingConfig:
     # mean is the paper's; the others resist workers that send wrong feedback.
     aggregation: str = "mean"
     trim_fraction: float = 0.2  # trimmed-mean: share of the workers dropped at each end, per coordinate
-    clip_norm: float = 1.0  # norm-clip: every sample's feedback is scaled down to at most this L2 norm
+    # norm-clip: every sample's feedback is scaled down to at most this L2 norm; 0: to the median of
+    # the norms the workers sent for that sample (adapts to the feedback's scale, which changes in training)
+    clip_norm: float = 0.0
 
     def validate(self) -> "TrainingConfig":
         if self.workers < 1:
@@ -130,8 +132,8 @@ class TrainingConfig:
             raise ConfigError(f"unknown --aggregation {self.aggregation!r}; choose from {AGGREGATIONS}")
         if not 0 <= self.trim_fraction < 0.5:
             raise ConfigError(f"--trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
-        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            raise ConfigError(f"--clip-norm must be a positive number, got {self.clip_norm}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+            raise ConfigError(f"--clip-norm must be a number >= 0, got {self.clip_norm}")
         self.model.validate()
         self.generator_optimizer.validate()
         self.discriminator_optimizer.validate()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mdgan import aggregation
 from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.models import build_discriminator, build_generator
@@ -121,16 +122,15 @@ class GeneratorSide:
                                 None if labels is None else labels.view(kappa, b))
 
     def accumulate(self, batches: GeneratedBatches, feedback: list[tuple[int, torch.Tensor]]) -> None:
-        """Backpropagate (1/N) sum_n F_n through G; feedback is [(index of X_g, F_n (b, *shape))].
+        """Backpropagate (1/N) sum_n F_n (or a robust rule's stand-in) through G; feedback is
+        [(index of X_g, F_n (b, *shape))].
 
         Summed in the order given (worker rank order), never arrival order: bit-for-bit repeatable.
         """
         if not feedback:
             raise ValueError("no feedback to update from")
-        incoming = torch.zeros_like(batches.samples)  # (kappa, b, *sample_shape)
-        for index, gradient in feedback:
-            incoming[index] += gradient.to(self.device)
-        incoming /= len(feedback)
+        cfg = self.config  # mean (the paper), or a rule robust to wrong feedback: mdgan/aggregation.py
+        incoming = aggregation.combine(batches.samples, feedback, cfg.aggregation, cfg.trim_fraction, cfg.clip_norm)
         self.optimizer.zero_grad(set_to_none=True)
         batches.samples.backward(incoming)
 

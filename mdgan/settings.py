@@ -86,7 +86,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         "to L2 norm <= --clip-norm, then the mean)")
     g.add_argument("--trim-fraction", type=float, default=0.2,
                    help="trimmed-mean: share of the workers dropped at each end of every coordinate")
-    g.add_argument("--clip-norm", type=float, default=1.0, help="norm-clip: largest L2 norm of one sample's feedback")
+    g.add_argument("--clip-norm", type=float, default=0.0,
+                   help="norm-clip: largest L2 norm of one sample's feedback (0: the median of the norms the "
+                        "workers sent for that sample)")
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:

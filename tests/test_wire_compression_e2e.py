@@ -15,8 +15,8 @@ FLAGS = ["--workers", "3", "--kappa", "2", "--iterations", "6", "--batch-size", 
          "--seed", "4", "--eval-every", "-1", "--no-progress"]
 
 
-def _local_and_simulated(tmp_path, mnist_root, wire: str) -> tuple[dict, dict]:
-    flags = [*FLAGS, "--data-root", mnist_root, "--wire-dtype", wire]
+def _local_and_simulated(tmp_path, mnist_root, wire: str, *extra: str) -> tuple[dict, dict]:
+    flags = [*FLAGS, "--data-root", mnist_root, "--wire-dtype", wire, *extra]
     mdgan("local", *flags, "--out", str(tmp_path / "local"))
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     return read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
@@ -39,8 +39,12 @@ def test_float16_halves_table_iii_and_local_equals_simulate(tmp_path, mnist_root
 
 
 def test_int8_local_equals_simulate_at_a_quarter_of_the_bytes(tmp_path, mnist_root):
-    local, simulated = _local_and_simulated(tmp_path, mnist_root, "int8")
+    # with an emulated attacker (mdgan-worker --attack) and a robust rule on the way: both transports
+    # still agree bit for bit (the attacker's noise is seeded, the median is summed in rank order)
+    local, simulated = _local_and_simulated(tmp_path, mnist_root, "int8", "--aggregation", "median",
+                                            "--byzantine", "1", "--attack", "noise")
     assert local["generator_sha256"] == simulated["generator_sha256"]
+    assert "emulating a Byzantine worker" in (tmp_path / "local" / "logs" / "worker-2.log").read_text()
     b = 10
     per_tensor = b * D + 4 * b  # one byte a value, one float32 scale per sample
     assert local["payload_bytes"]["server_to_worker"] == 6 * 3 * 2 * per_tensor

@@ -13,6 +13,7 @@ import torch
 from dataclasses import replace
 
 from mdgan import compression
+from mdgan.attacks import FeedbackAttack
 from mdgan.config import DataConfig
 from mdgan.data import Shard, take_shard
 from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
@@ -143,13 +144,18 @@ class WorkerNode:
     def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
                  dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
                  connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
-                 telemetry: Telemetry | None = None, device: str = "cpu"):
+                 telemetry: Telemetry | None = None, device: str = "cpu", attack: str | None = None,
+                 slow_factor: float = 1.0):
         if (shard is None) == (dataset is None):
             raise ValueError("give a shard, or a dataset to take the assigned shard from")
         self.shard = shard
         self.dataset = dataset
         self.telemetry = telemetry or Telemetry("worker")
         self.device = device  # this worker's own choice; the run's spec does not carry one
+        # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
+        self.attack_kind = attack
+        self.attack = None  # built once the run's seed is known (welcome)
+        self.slow_factor = slow_factor
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout
@@ -247,6 +253,9 @@ class WorkerNode:
             self.gan = make_flgan_worker_gan(config, self.shard)
         elif welcome.spec.algorithm in ("", "mdgan"):
             self.side = DiscriminatorSide(config, self.shard)
+            if self.attack_kind:
+                self.attack = FeedbackAttack(self.attack_kind, config.seed, self.shard.index)
+                log.warning("emulating a Byzantine worker: %s feedback", self.attack_kind)
         else:
             raise ServerGone(f"the server runs {welcome.spec.algorithm!r}, which this worker does not know")
         log.info("joined as %s: %s, b=%d, L=%d", self.worker_id, config.model.architecture, config.batch_size,
@@ -301,8 +310,11 @@ class WorkerNode:
         started = time.perf_counter()
         # Torch releases the GIL: the event loop keeps serving peers and heartbeats meanwhile.
         result = await asyncio.to_thread(self.side.step, batch)
+        if self.slow_factor > 1:  # an emulated straggler
+            await asyncio.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
+        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
         await self._write(call, pb.WorkerMessage(feedback=pb.Feedback(
-            iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(result.feedback, wire)),
+            iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(feedback, wire)),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
                                real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy))))
         t = self.telemetry
