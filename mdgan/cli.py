@@ -19,7 +19,7 @@ from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
                   "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
-                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm")
+                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm", "sync", "quorum", "max_staleness")
 
 
 def _print_summary(summary: dict) -> None:

@@ -20,6 +20,7 @@ import torch
 from mdgan import compression
 from mdgan.config import TrainingConfig
 from mdgan.mdgan import DiscriminatorSide, GeneratorSide, StepResult, WorkerBatch, derangement
+from mdgan.synchrony import PartialSync
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ class IterationRecord:
     wait_seconds: float = 0.0
     update_seconds: float = 0.0
     swap_seconds: float = 0.0
+    late: int = 0  # --sync quorum|async: answers that came too late to count (dropped)
 
 
 @dataclass
@@ -244,6 +246,18 @@ class Trainer:
         self.rejections = 0
         shard_size = min((w.shard_size for w in self.workers), default=0)
         self.swap_period = config.swap_period(shard_size)
+        # --sync quorum|async: the exchange of an iteration lives in mdgan/synchrony.py
+        self.partial = PartialSync(config) if config.sync != "all" else None
+
+    def count_batch(self, batch: WorkerBatch) -> None:
+        """Traffic of one worker's batches, as they travel."""
+        wire = self.config.wire_dtype
+        self.traffic.payload_bytes["server_to_worker"] += (_wire_nbytes(batch.generated, wire)
+                                                           + _wire_nbytes(batch.discriminated, wire))
+        self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
+
+    def count_feedback(self, reply: StepResult) -> None:
+        self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
 
     async def _drop(self, worker: WorkerHandle, why: str) -> None:
         if worker in self.active:
@@ -252,6 +266,8 @@ class Trainer:
             await tell_to_stop(worker, why)
 
     async def iteration(self, t: int) -> IterationRecord:
+        if self.partial is not None:
+            return await self._partial_iteration(t)
         started = time.perf_counter()
         active = list(self.active)
         batches = self.generator.generate(min(self.config.kappa, len(active)))
@@ -262,12 +278,9 @@ class Trainer:
         answered = time.perf_counter()
         feedback, stats, rejected, lost = [], [], 0, 0
         for worker, batch, reply in zip(active, sent, replies):
-            wire = self.config.wire_dtype
-            self.traffic.payload_bytes["server_to_worker"] += (_wire_nbytes(batch.generated, wire)
-                                                               + _wire_nbytes(batch.discriminated, wire))
-            self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
+            self.count_batch(batch)
             if isinstance(reply, StepResult):
-                self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, wire)
+                self.count_feedback(reply)
                 feedback.append((batch.generated_index, reply.feedback))
                 stats.append(reply)
             elif isinstance(reply, InputRejected):
@@ -294,6 +307,25 @@ class Trainer:
             real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
             swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
             wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated)
+
+    async def _partial_iteration(self, t: int) -> IterationRecord:
+        """--sync quorum|async (mdgan/synchrony.py): wait for some of the workers, not all."""
+        started = time.perf_counter()
+        issued, stats, rejected, lost, late, waited, updating = await self.partial.exchange(self, t)
+        self.rejections += rejected
+        updated = time.perf_counter()
+        swap_round = None
+        if t % self.swap_period == 0 and len(self.active) >= 2:
+            swap_round, lost_in_swap = await self.swap(t)
+            lost += lost_in_swap
+        finished = time.perf_counter()
+        return IterationRecord(
+            iteration=t, active_workers=issued, answered=len(stats), rejected=rejected, lost=lost,
+            gen_loss=_mean([s.gen_loss for s in stats]), disc_loss=_mean([s.disc_loss for s in stats]),
+            real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
+            swap_round=swap_round, seconds=finished - started, wait_seconds=waited, update_seconds=updating,
+            generate_seconds=max(0.0, updated - started - waited - updating), swap_seconds=finished - updated,
+            late=late)
 
     async def swap(self, t: int) -> tuple[int, int]:
         """One swap round over the active workers, along a random derangement; (round, workers lost)."""

@@ -19,7 +19,7 @@ Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_e
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
 every I/N iterations, the paper's crash experiment; MD-GAN only), wire_dtype, aggregation, trim_fraction,
-clip_norm, byzantine and attack (beyond the paper: README), label (the curve's name), series
+clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper: README), label (the curve's name), series
 (final-vs-workers: the line(s) a run belongs to, a name or a list; default: its name without N).
 
 Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
@@ -52,16 +52,16 @@ DEFAULTS = {
     "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
     # beyond the paper (README "Beyond the paper")
     "wire_dtype": "float32", "aggregation": "mean", "trim_fraction": 0.2, "clip_norm": 0.0, "byzantine": 0,
-    "attack": None,
+    "attack": None, "sync": "all", "quorum": 0, "max_staleness": 4,
 }
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
              "architecture", "gan", "loss", "split", "iterations", "wire_dtype", "aggregation", "trim_fraction",
-             "clip_norm", "byzantine", "attack", "seed")
+             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
          "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
-         "clip_norm": "clip", "byzantine": "byz", "attack": ""}
+         "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S"}
 
 
 def load_config(path: str) -> dict:
@@ -123,7 +123,7 @@ def training_config(run: dict) -> TrainingConfig:
         generator_optimizer=OptimizerSpec(run["gen_lr"], run["beta1"], run["beta2"]),
         discriminator_optimizer=OptimizerSpec(run["disc_lr"], run["beta1"], run["beta2"]),
         wire_dtype=run["wire_dtype"], aggregation=run["aggregation"], trim_fraction=run["trim_fraction"],
-        clip_norm=run["clip_norm"],
+        clip_norm=run["clip_norm"], sync=run["sync"], quorum=run["quorum"], max_staleness=run["max_staleness"],
     ).validate()
 
 

@@ -79,6 +79,7 @@ class GeneratedBatches:
 
     samples: torch.Tensor  # (kappa, b, *sample_shape), requires grad
     labels: torch.Tensor | None  # (kappa, b) int64, ACGAN only
+    noise: torch.Tensor | None = None  # (kappa*b, l): z, to generate the same batches again (--sync async)
 
     @property
     def kappa(self) -> int:
@@ -119,7 +120,14 @@ class GeneratorSide:
         z, labels = z.to(self.device), None if labels is None else labels.to(self.device)
         samples = self.generator(z, labels)  # (kappa*b, *sample_shape)
         return GeneratedBatches(samples.view(kappa, b, *spec.sample_shape),
-                                None if labels is None else labels.view(kappa, b))
+                                None if labels is None else labels.view(kappa, b), z)
+
+    def regenerate(self, batches: GeneratedBatches) -> GeneratedBatches:
+        """The same noise and labels through the current G (a new graph; for stale feedback)."""
+        kappa, b = batches.samples.shape[:2]
+        labels = None if batches.labels is None else batches.labels.reshape(-1)
+        samples = self.generator(batches.noise, labels)
+        return GeneratedBatches(samples.view(kappa, b, *self.spec.sample_shape), batches.labels, batches.noise)
 
     def accumulate(self, batches: GeneratedBatches, feedback: list[tuple[int, torch.Tensor]]) -> None:
         """Backpropagate (1/N) sum_n F_n (or a robust rule's stand-in) through G; feedback is
