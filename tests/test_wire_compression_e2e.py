@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -56,3 +57,69 @@ def test_int8_local_equals_simulate_at_a_quarter_of_the_bytes(tmp_path, mnist_ro
     assert local["payload_bytes"]["worker_to_worker"] > 2 * 3 * THETA  # at least a byte a weight
     report = json.loads(mdgan("traffic", str(tmp_path / "local"), "--json").stdout)
     assert all(row["payload_matches_formula"] for row in report["rows"]), report["rows"]
+
+
+def _hostile_int8_feedback(iteration: int):
+    import struct
+
+    import torch
+
+    from mdgan import compression
+    from services.common import codec
+
+    good = codec.encode_packed(compression.pack(torch.randn(10, D), "int8"))
+    if iteration == 1:
+        good.scales = struct.pack("<10f", *([1.0] * 9 + [float("nan")]))  # a NaN scale
+    elif iteration == 2:
+        good.scales = b""  # int8 without its scales
+    elif iteration == 3:
+        good.scales = struct.pack("<10f", *([-1.0] * 10))  # negative scales
+    elif iteration == 4:
+        return codec.encode_tensor(torch.zeros(10, D))  # float32 on an int8 run
+    return good
+
+
+def test_hostile_compressed_feedback_is_refused_in_band(tmp_path):
+    import asyncio
+
+    import grpc
+
+    from procs import read_jsonl, start_server, start_worker
+    from services.common.proto import coordinator_pb2 as pb
+    from services.common.proto import coordinator_pb2_grpc
+
+    async def fake_worker(port: int):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=120)
+            await call.write(pb.WorkerMessage(join=pb.Join(shard_index=1, shard_size=1000, peer_address="127.0.0.1:9",
+                                                           sample_shape=[D], num_classes=10)))
+            welcome = await asyncio.wait_for(call.read(), 60)
+            assert welcome.welcome.spec.wire_dtype == "int8"
+            rejections = []
+            while True:
+                message = await asyncio.wait_for(call.read(), 60)
+                kind = message.WhichOneof("body")
+                if kind == "batches":
+                    t = message.batches.iteration
+                    assert message.batches.generated.dtype == 8 and len(message.batches.generated.scales) == 40
+                    await call.write(pb.WorkerMessage(feedback=pb.Feedback(
+                        iteration=t, gradient=_hostile_int8_feedback(t))))
+                elif kind == "rejection":
+                    rejections.append((message.rejection.iteration, message.rejection.code, message.rejection.reason))
+                elif kind == "stop":
+                    await call.done_writing()
+                    return rejections
+
+    out = str(tmp_path)
+    server, port = start_server(out, "--workers", "2", "--iterations", "6", "--swap-every", "1000",
+                                "--wire-dtype", "int8")
+    worker = start_worker(out, port, 0, 2, "--dataset", "synthetic")
+    try:
+        rejections = asyncio.run(fake_worker(port))
+        assert server.wait(60) == 0, server.log()
+        assert worker.wait(30) == 0, worker.log()
+    finally:
+        server.kill()
+        worker.kill()
+    assert rejections == [(1, 3, "scales"), (2, 3, "scales"), (3, 3, "scales"), (4, 3, "dtype")]
+    assert [r["answered"] for r in read_jsonl(os.path.join(out, "history.jsonl"))] == [1, 1, 1, 1, 2, 2]
