@@ -102,7 +102,8 @@ def traffic_report(run_dir: str) -> dict:
         formula_fp32 = formula
     else:
         counts = {"server_to_worker": 2 * sum(r["active_workers"] for r in history),  # tensors of b*d floats
-                  "worker_to_server": sum(r["answered"] + r["rejected"] for r in history),
+                  # late answers (--sync quorum|async) travelled too, and were dropped on arrival
+                  "worker_to_server": sum(r["answered"] + r["rejected"] + r.get("late", 0) for r in history),
                   "worker_to_worker": sum(1 for s in swaps for w in s["workers"].values() if w["sent"])}
         per_tensor = {"server_to_worker": packed_nbytes((b, d), wire), "worker_to_server": packed_nbytes((b, d), wire),
                       "worker_to_worker": theta_bytes}
