@@ -136,8 +136,10 @@ class PartialSync:
         """Issue, wait, apply: (workers issued, stats of the answers used, rejected, lost, late,
         seconds waiting, seconds updating). Under async an iteration is one update of G: while only
         unusable answers came in, the workers that gave them get fresh batches and it waits again."""
-        issued, stats, rejected, lost, late, waiting = 0, [], 0, 0, 0, 0.0
-        groups: list[list] = []
+        # answers that came in since the last iteration closed: late (quorum) or stale (async); the
+        # workers that gave them are idle again and get this iteration's batches
+        groups, stats, rejected, lost, late = await self._harvest(trainer, t)
+        issued, waiting = 0, 0.0
         while True:
             issued += self._issue(trainer, t)
             started = time.perf_counter()
