@@ -68,7 +68,7 @@ def _free_port() -> int:
 # imported torch, gRPC and both services once: N workers then share those pages copy-on-write
 # instead of each paying ~300 MB and seconds of imports. The fork server is single-threaded when it
 # forks (it has created no gRPC channel, event loop or torch thread pool), which makes fork safe.
-SERVICE_MODULES = ("services.server", "services.worker")
+FORK_SERVER_PRELOAD = "services.common.preload"
 LOG_TAIL_LINES = 20
 
 
@@ -141,7 +141,7 @@ class LocalCluster:
         self.metrics_ports: dict[str, int] = {}
         self._context = multiprocessing.get_context("forkserver")
         # (not mdgan.cli itself: multiprocessing runs the launcher's main module again in each child)
-        self._context.set_forkserver_preload([f"{m}.__main__" for m in SERVICE_MODULES])
+        self._context.set_forkserver_preload([FORK_SERVER_PRELOAD])
 
     def log_path(self, name: str) -> str:
         return os.path.join(self.logs, f"{name}.log")
