@@ -308,8 +308,10 @@ class WorkerNode:
         except codec.InvalidTensor as exc:
             raise ServerGone(f"the server sent an invalid batch: {exc}") from exc
         started = time.perf_counter()
-        # Torch releases the GIL: the event loop keeps serving peers and heartbeats meanwhile.
-        result = await asyncio.to_thread(self.side.step, batch)
+        # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
+        # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
+        # heartbeats wait at most one step; the server sends nothing else until this feedback.
+        result = self.side.step(batch)
         if self.slow_factor > 1:  # an emulated straggler
             await asyncio.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
         feedback = result.feedback if self.attack is None else self.attack(result.feedback)
