@@ -13,6 +13,7 @@ import time
 import grpc
 import torch
 
+from mdgan import compression
 from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
@@ -23,6 +24,7 @@ from services.common.rpc import MalformedMessage, RateLimitedWarnings
 from services.common.telemetry import Telemetry
 from services.common.tls import peer_certificate
 from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import tensor_pb2
 from services.common.proto import coordinator_pb2_grpc
 
 log = logging.getLogger("mdgan.server")
@@ -41,22 +43,47 @@ def _kind(message) -> str:
     return {"batches": "batches", "feedback": "feedback"}.get(body, "control")
 
 
+def tensor_payload(tensor) -> int:
+    """What a tensor costs on the wire: its values, and its int8 scales when compressed."""
+    return len(tensor.data) + len(tensor.scales)
+
+
 def _payload(message) -> int:
     """Bytes of the tensors Table III counts: X_g and X_d down, F_n up (labels are not in it); FL-GAN: models."""
     body = message.WhichOneof("body")
     if body == "batches":
-        return len(message.batches.generated.data) + len(message.batches.discriminated.data)
+        return tensor_payload(message.batches.generated) + tensor_payload(message.batches.discriminated)
     if body == "feedback":
-        return len(message.feedback.gradient.data)
+        return tensor_payload(message.feedback.gradient)
     if body == "model_part":
         return len(message.model_part.data)
     return 0
 
 
+class BatchEncoder:
+    """Encodes each of an iteration's kappa batches once, however many of the N workers get it."""
+
+    def __init__(self) -> None:
+        self._iteration = -1
+        self._encoded: dict[int, tuple[torch.Tensor, tensor_pb2.Tensor]] = {}
+
+    def encode(self, iteration: int, tensor: torch.Tensor, wire_dtype: str | None = None) -> tensor_pb2.Tensor:
+        """`wire_dtype`: a float tensor in the run's wire form (mdgan/compression.py); None: as it is."""
+        if iteration != self._iteration:
+            self._iteration, self._encoded = iteration, {}
+        hit = self._encoded.get(id(tensor))
+        if hit is None or hit[0] is not tensor:
+            encoded = codec.encode_tensor(tensor) if wire_dtype is None else \
+                codec.encode_packed(compression.pack(tensor, wire_dtype))
+            hit = self._encoded[id(tensor)] = (tensor, encoded)  # holding it pins its id
+        return hit[1]
+
+
 class GrpcWorker(WorkerHandle, FederatedWorker):
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
                  config: TrainingConfig, telemetry: Telemetry, liveness_timeout: float,
-                 model_layouts: dict[str, dict] | None = None, identity: str = ""):
+                 model_layouts: dict[str, dict] | None = None, encoder: BatchEncoder | None = None,
+                 identity: str = ""):
         self.worker_id = f"worker-{shard_index}"
         self.identity = identity or self.worker_id  # who holds the shard (certificate name under mTLS)
         self.malformed: str | None = None  # the stream carried bytes that do not parse
@@ -80,6 +107,7 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self._rounds: dict[int, asyncio.Future] = {}
         self._returning: dict[tuple[int, str], codec.StateAssembler] = {}
         self._discarding = -1  # a round already refused: the rest of its parts are dropped quietly
+        self.encoder = encoder or BatchEncoder()  # shared by the run's workers
         self.last_write = time.monotonic()
 
     # -- sending -----------------------------------------------------------------------------
@@ -96,13 +124,14 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.telemetry.count("server_to_worker", _kind(message), "sender", message, _payload(message))
 
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        encode, wire = self.encoder.encode, self.config.wire_dtype
         message = pb.ServerMessage(batches=pb.Batches(
             iteration=iteration,
-            generated=codec.encode_tensor(batch.generated),
-            discriminated=codec.encode_tensor(batch.discriminated),
-            generated_labels=None if batch.generated_labels is None else codec.encode_tensor(batch.generated_labels),
+            generated=encode(iteration, batch.generated, wire),
+            discriminated=encode(iteration, batch.discriminated, wire),
+            generated_labels=None if batch.generated_labels is None else encode(iteration, batch.generated_labels),
             discriminated_labels=None if batch.discriminated_labels is None
-            else codec.encode_tensor(batch.discriminated_labels)))
+            else encode(iteration, batch.discriminated_labels)))
         future = asyncio.get_running_loop().create_future()
         self._steps[iteration] = future
         try:
@@ -217,8 +246,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         try:
             if not feedback.HasField("gradient"):
                 raise codec.InvalidTensor("missing", "feedback without gradient")
-            gradient = codec.decode_tensor(feedback.gradient, shape=shape, dtype=torch.float32,
-                                           max_bytes=4 * torch.Size(shape).numel(), field="gradient")
+            gradient = codec.decode_packed(feedback.gradient, shape=shape, wire_dtype=self.config.wire_dtype,
+                                           field="gradient")
         except codec.InvalidTensor as exc:
             await self._reject(feedback.iteration, exc.reason, str(exc))
             future.set_exception(InputRejected(exc.reason, str(exc)))
@@ -337,6 +366,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.liveness_timeout = liveness_timeout
         self.join_read_timeout = join_read_timeout
         self.workers: dict[int, GrpcWorker] = {}  # shard index -> handle
+        self.encoder = BatchEncoder()
         self.started = False
         self._changed = asyncio.Event()
 
@@ -435,7 +465,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             self._pending_joins -= 1
         worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout,
-                            self.model_layouts, identity=identity)
+                            self.model_layouts, self.encoder, identity=identity)
         self.bindings.bind(index, worker.identity)
         self.workers[index] = worker
         self.telemetry.joins.inc()

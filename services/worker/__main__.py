@@ -11,8 +11,9 @@ import sys
 
 import grpc
 
+from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
-from mdgan.data import load_dataset, load_shard
+from mdgan.data import load_shard, load_stored_dataset
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
@@ -50,6 +51,13 @@ def build_parser() -> EnvArgumentParser:
     tls.add_tls_arguments(parser)
     add_threads_argument(parser, default=0)
     add_data_arguments(parser)
+    g = parser.add_argument_group("emulation, for experiments and tests only")
+    g.add_argument("--attack", choices=ATTACKS, default=None,
+                   help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), noise (10x F's RMS) "
+                        "or zero (free-ride) feedback instead of F (mdgan/attacks.py)")
+    g.add_argument("--slow-factor", type=float, default=1.0,
+                   help="behave as a straggler: every iteration takes this many times as long (waits "
+                        "(F - 1) x the time its compute took before answering)")
     return parser
 
 
@@ -91,12 +99,14 @@ def advertise_address(value: str | None, bound_port: int) -> str:
 async def serve(args) -> str:
     data = data_config(args, args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
+    if not args.slow_factor >= 1:
+        raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
     index = resolve_shard_index(args.shard_index)
     if index is None and data.split != "iid":
         raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
                           "assigns from the i.i.d. split); give each worker its --shard-index")
     if index is None:
-        images, labels = load_dataset(data)
+        images, labels = load_stored_dataset(data)  # uint8 where stored so: 4x less until the shard is cut
         source = {"dataset": (images, labels, data)}
         log.info("loaded %d samples; the server will assign a shard", images.shape[0])
     else:
@@ -114,7 +124,8 @@ async def serve(args) -> str:
                              max_send_bytes=rpc.message_bytes_for(0), max_concurrent_streams=8)
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
                       telemetry=telemetry, device=args.device, tls=credentials, identity=identity,
-                      server_name=args.tls_server_name, **source)
+                      server_name=args.tls_server_name, attack=args.attack, slow_factor=args.slow_factor,
+                      **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)
