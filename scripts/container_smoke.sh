@@ -221,7 +221,9 @@ for ctr in "${workers[@]}"; do
     for _ in $(seq 30); do [[ "$(podman inspect "$ctr" --format '{{.State.Running}}')" == true ]] || break; sleep 1; done
     say "$ctr: running=$(podman inspect "$ctr" --format '{{.State.Running}} exit={{.State.ExitCode}}')"
 done
-podman logs "$server_ctr" 2>&1 | grep -q "(mutual TLS)" || die "the server did not run with mutual TLS"
+# (the log captured first: `grep -q` closing the pipe early would fail the pipeline under pipefail)
+server_log=$(podman logs "$server_ctr" 2>&1)
+[[ "$server_log" == *"(mutual TLS)"* ]] || die "the server did not run with mutual TLS"
 say "server log (tail):"
 podman logs "$server_ctr" 2>&1 | tail -8 | sed 's/^/    /'
 say "worker log ($(basename "${workers[0]}"), shard and peer lines):"
