@@ -128,6 +128,17 @@ class TrainingConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainingConfig":
+        """The inverse of to_dict (a run's config, read back from its run directory)."""
+        d = dict(d)
+        model = dict(d.pop("model"))
+        model["sample_shape"] = tuple(model["sample_shape"])
+        return cls(model=ModelSpec(**model),
+                   generator_optimizer=OptimizerSpec(**d.pop("generator_optimizer")),
+                   discriminator_optimizer=OptimizerSpec(**d.pop("discriminator_optimizer")),
+                   **d)
+
 
 @dataclass(frozen=True)
 class DataConfig:
