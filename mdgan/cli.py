@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,10 +32,17 @@ def cmd_simulate(args) -> int:
     from mdgan.run import simulate
     from mdgan.settings import apply_threads, data_config, evaluation_options, training_config
 
+    from mdgan.run import parse_churn
+
     apply_threads(args.threads)
     config = training_config(args)
+    if args.resume:
+        args.out = args.resume
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
-                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm)
+                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                       churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
+                       keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
+                       run_id=args.run_id)
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
@@ -105,9 +113,14 @@ class LocalCluster:
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
-        for stale in ("server.port", "history.jsonl", "swaps.jsonl", "summary.json"):  # from an earlier run here
-            if os.path.exists(os.path.join(self.out, stale)):
-                os.remove(os.path.join(self.out, stale))
+        # from an earlier run here (a resumed run keeps its history: the server truncates it to the checkpoint)
+        stale = ("server.port", "summary.json") if a.resume else ("server.port", "history.jsonl", "swaps.jsonl",
+                                                                   "summary.json")
+        for name in stale:
+            if os.path.exists(os.path.join(self.out, name)):
+                os.remove(os.path.join(self.out, name))
+        if not a.resume:  # the workers' states of an earlier run here would tie them to that run
+            shutil.rmtree(os.path.join(self.out, "workers"), ignore_errors=True)
         metrics_ports = {name: _free_port() for name in ["server", *(f"worker-{i}" for i in range(a.workers))]}
         # Prometheus file_sd targets, so a Prometheus can scrape this cluster while it runs.
         self.write_targets([{"targets": [f"127.0.0.1:{port}"],
@@ -121,6 +134,8 @@ class LocalCluster:
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
+            "--checkpoint-every", str(a.checkpoint_every), "--keep-checkpoints", str(a.keep_checkpoints),
+            *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
         port = _wait_for_file(port_file, server, 120)
         for index in range(a.workers):
@@ -130,6 +145,7 @@ class LocalCluster:
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
                 "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
+                "--state-dir", os.path.join(self.out, "workers", name),
                 *self._metrics_flags(name, metrics_ports[name])])
         return server
 
@@ -180,6 +196,16 @@ def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
     training_config(args)  # fail here, with a clear message, rather than in a child process
+    if args.resume:  # the run's own settings, from its run directory
+        from mdgan.checkpoint import RUN_FILE, read_json
+
+        args.out = args.resume
+        try:
+            saved = read_json(os.path.join(args.resume, RUN_FILE))
+        except FileNotFoundError:
+            raise ConfigError(f"--resume {args.resume}: no run to resume there (no {RUN_FILE})") from None
+        args.workers = saved["config"]["workers"]
+        args.iterations = saved["config"]["iterations"]
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
     cluster = LocalCluster(args)
@@ -267,9 +293,23 @@ def build_parser() -> argparse.ArgumentParser:
         add_threads_argument(p, default=1)
         p.add_argument("--out", default=f"runs/{name}", help="run directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        durable = p.add_argument_group("durable runs (MD-GAN)")
+        durable.add_argument("--checkpoint-every", type=int, default=0,
+                             help="checkpoint every this many iterations (0: never); workers keep theirs in "
+                                  "OUT/workers/")
+        durable.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
+        durable.add_argument("--resume", metavar="RUN", default=None,
+                             help="continue the run in directory RUN from its last complete checkpoint (its own "
+                                  "settings; the training flags are ignored)")
+        durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
         return p
 
-    run_parser("simulate", "Train in one process: every worker is an object.").set_defaults(func=cmd_simulate)
+    simulate = run_parser("simulate", "Train in one process: every worker is an object.")
+    simulate.add_argument("--churn", default=None, metavar="EVENTS",
+                          help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
+                               "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
+                               "state or a copy of a live peer's discriminator)")
+    simulate.set_defaults(func=cmd_simulate)
     local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
     local.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
     local.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")

@@ -18,6 +18,7 @@ from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, Wo
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
 from mdgan.mdgan import StepResult, WorkerBatch
+from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from services.common import codec
 from services.common.telemetry import Telemetry
 from services.common.proto import coordinator_pb2 as pb
@@ -63,7 +64,11 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.lost_reason: str | None = None
         self._write_lock = asyncio.Lock()
         self._steps: dict[int, asyncio.Future] = {}
+        # Swap rounds and copy boundaries share this map: a copy happens before an iteration and a
+        # swap after it, each awaited to the end, so their numbers are never pending at once.
         self._swaps: dict[int, asyncio.Future] = {}
+        self._checkpoints: dict[int, asyncio.Future] = {}
+        self.run_id = ""
         self.address_book: dict[str, str] = {}  # worker id -> peer address, filled by the Coordinator
         # FL-GAN: the models coming back in the current round, checked against these layouts
         self.model_layouts = model_layouts or {}
@@ -107,10 +112,20 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         try:
             await self.send(pb.ServerMessage(swap_order=pb.SwapOrder(
                 round=order.swap_round, send_to_worker=order.send_to,
-                send_to_address=self.address_book.get(order.send_to, ""), receive_from_worker=order.receive_from)))
+                send_to_address=self.address_book.get(order.send_to, ""), receive_from_worker=order.receive_from,
+                kind=order.kind)))
             return await future
         finally:
             self._swaps.pop(order.swap_round, None)
+
+    async def checkpoint(self, iteration: int) -> str | None:
+        future = asyncio.get_running_loop().create_future()
+        self._checkpoints[iteration] = future
+        try:
+            await self.send(pb.ServerMessage(checkpoint=pb.CheckpointOrder(iteration=iteration, run_id=self.run_id)))
+            return await future
+        finally:
+            self._checkpoints.pop(iteration, None)
 
     async def local_round(self, round_: int, first_iteration: int, iterations: int,
                           generator: dict[str, torch.Tensor], discriminator: dict[str, torch.Tensor]) -> LocalRoundResult:
@@ -148,7 +163,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
             self.lost_reason = reason
             self.telemetry.departures.labels("disconnected").inc()
             log.warning("%s lost: %s", self.worker_id, reason)
-        for future in [*self._steps.values(), *self._swaps.values(), *self._rounds.values()]:
+        for future in [*self._steps.values(), *self._swaps.values(), *self._rounds.values(),
+                       *self._checkpoints.values()]:
             if not future.done():
                 future.set_exception(WorkerLost(f"{self.worker_id}: {reason}"))
         self.closed.set()
@@ -177,6 +193,13 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
                 await self._on_model_part(message.model_part)
             elif kind == "local_round_done":
                 await self._on_local_round_done(message.local_round_done)
+            elif kind == "checkpoint_done":
+                done = message.checkpoint_done
+                future = self._checkpoints.get(done.iteration)
+                if future is None or future.done():
+                    await self._reject(done.iteration, "iteration", f"no checkpoint pending for {done.iteration}")
+                else:
+                    future.set_result(None if done.ok else (done.error or "the worker could not save its state"))
             elif kind == "heartbeat":
                 continue
             else:
@@ -262,11 +285,13 @@ class JoinRefused(Exception):
 
 
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """Admits up to `config.workers` workers, one per shard, until the run starts."""
+    """Admits workers into the roster's slots, at any time (they take part from the next iteration
+    boundary), and refuses those of another run or another identity."""
 
     def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
-                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None):
+                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
+                 run_id: str = "", swap_round=lambda: 0):
         self.config = config
         self.algorithm = algorithm
         self.model_layouts = model_layouts
@@ -277,50 +302,48 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.swap_timeout = swap_timeout
         self.liveness_timeout = liveness_timeout
         self.join_read_timeout = join_read_timeout
-        self.workers: dict[int, GrpcWorker] = {}  # shard index -> handle
-        self.started = False
-        self._changed = asyncio.Event()
+        self.roster = roster or Roster(config.workers)
+        self.run_id = run_id
+        self.swap_round = swap_round  # swap rounds done so far (the Trainer's count)
+        self.workers: dict[int, GrpcWorker] = {}  # slot -> the latest handle (for the summary's byte counts)
+        self.address_book: dict[str, str] = {}  # worker id -> peer address, shared by every handle
+        self.departed_swap_bytes = 0  # swap bytes reported by handles since replaced
 
     async def wait_for_workers(self, timeout: float) -> list[GrpcWorker]:
-        """Block until every shard has a live worker; then no one else is admitted."""
-        deadline = time.monotonic() + timeout
-        while len(self._live()) < self.config.workers:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-        self.started = True
-        handles = sorted(self._live(), key=lambda w: w.shard_index)
-        book = {w.worker_id: w.peer_address for w in handles}
-        for w in handles:
-            w.address_book = book
-        return handles
+        """Block until every slot has a live worker (FL-GAN, whose rounds take a fixed set)."""
+        if not await self.roster.wait_for(self.config.workers, timeout):
+            raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
+        self.roster.started = True
+        return self._live()
 
     def _live(self) -> list[GrpcWorker]:
-        return [w for w in self.workers.values() if not w.closed.is_set()]
+        return self.roster.alive()
 
-    def _admit(self, join: pb.Join) -> tuple[int, int]:
-        """(shard index, shard size) for a joining worker; raises JoinRefused."""
+    def _identity(self, join: pb.Join, context: grpc.aio.ServicerContext, slot: int) -> str:
+        """Who the joining worker is. Without authenticated identities (issue "secure by default"
+        brings them) a worker is the slot it claims."""
+        return f"worker-{slot}"
+
+    def _admit(self, join: pb.Join, context: grpc.aio.ServicerContext) -> tuple[int, int, str, RejoinPlan]:
+        """(slot, shard size, identity, how it gets its discriminator); raises JoinRefused."""
         cfg = self.config
-        if self.started:
-            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "the run has started; it takes no new workers")
+        if join.run_id and self.run_id and join.run_id != self.run_id:
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"this worker belongs to run {join.run_id!r}, but this server runs run {self.run_id!r}; "
+                f"point it at its own run's server, or empty its --state-dir to join run {self.run_id!r}"))
+        if self.algorithm == "flgan" and self.roster.started:
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "an FL-GAN run takes no workers once it started")
         if tuple(join.sample_shape) != tuple(cfg.model.sample_shape) or join.num_classes != cfg.model.num_classes:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"data of shape {tuple(join.sample_shape)} with {join.num_classes} classes does not fit the model "
                 f"({tuple(cfg.model.sample_shape)}, {cfg.model.num_classes} classes)"))
         if cfg.workers > 1 and not join.peer_address:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap")
-        taken = {i for i, w in self.workers.items() if not w.closed.is_set()}
+        taken = {self.roster.slot_of(w) for w in self.roster.alive()}
         if join.HasField("shard_index"):
             index, size = join.shard_index, join.shard_size
             if index >= cfg.workers:
                 raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard index {index} >= workers {cfg.workers}")
-            if index in taken:
-                raise JoinRefused(grpc.StatusCode.ALREADY_EXISTS, f"shard {index} already has a worker")
         else:
             free = [i for i in range(cfg.workers) if i not in taken]
             if not free:
@@ -332,7 +355,18 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             size = shard_sizes(join.dataset_size, cfg.workers)[index]
         if size < cfg.batch_size:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard of {size} samples < batch size {cfg.batch_size}")
-        return index, size
+        identity = self._identity(join, context, index)
+        try:
+            self.roster.claim(index, identity)
+        except SlotRefused as refused:
+            code = {"taken_by_other": grpc.StatusCode.PERMISSION_DENIED, "busy": grpc.StatusCode.ALREADY_EXISTS,
+                    "full": grpc.StatusCode.RESOURCE_EXHAUSTED}.get(refused.kind, grpc.StatusCode.INVALID_ARGUMENT)
+            raise JoinRefused(code, f"shard {index}: {refused}") from None
+        # Only what this run saved counts as the worker's state.
+        same_run = bool(join.run_id) and join.run_id == self.run_id
+        plan = self.roster.rejoin_plan(list(join.checkpoints) if same_run else [],
+                                       join.trained_iteration if same_run else 0)
+        return index, size, identity, plan
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -344,28 +378,40 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.telemetry.count("worker_to_server", "control", "receiver", first)
         join = first.join
         try:
-            index, size = self._admit(join)
+            index, size, identity, plan = self._admit(join, context)
         except JoinRefused as refused:
             log.warning("join refused (%s): %s", context.peer(), refused.detail)
             await context.abort(refused.code, refused.detail)
         worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout,
                             self.model_layouts)
+        worker.run_id = self.run_id
+        worker.needs_copy = plan.copy
+        worker.address_book = self.address_book
+        if index in self.workers:
+            self.departed_swap_bytes += self.workers[index].swap_message_bytes
         self.workers[index] = worker
+        self.roster.arrive(index, identity, worker)  # takes part from the next iteration boundary
+        self.address_book[worker.worker_id] = join.peer_address
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
-        self._changed.set()
-        log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), size,
-                 join.peer_address)
-        await worker.send(pb.ServerMessage(welcome=pb.Welcome(
-            worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config, self.algorithm),
-            heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000))))
+        log.info("%s joined from %s (shard of %d, peer %s)%s", worker.worker_id, context.peer(), size,
+                 join.peer_address, f": restores its state of iteration {plan.restore}" if plan.restore
+                 else ": takes a copy of a peer's discriminator" if plan.copy else "")
+        try:
+            await worker.send(pb.ServerMessage(welcome=pb.Welcome(
+                worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config, self.algorithm),
+                heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000),
+                run_id=self.run_id, swap_round=self.swap_round(), restore_iteration=plan.restore, copy=plan.copy)))
+        except WorkerLost:
+            self.roster.depart(worker)
+            return
         reader = asyncio.create_task(worker.read_loop())
         beats = asyncio.create_task(self._heartbeats(worker))
         try:
             await worker.closed.wait()
         finally:  # also on cancellation, when the worker's connection drops
             worker.lose("stream ended")
-            self._changed.set()
+            self.roster.depart(worker)
             self.telemetry.workers_alive.set(len(self._live()))
             reader.cancel()
             beats.cancel()

@@ -17,7 +17,8 @@ from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_ar
 from services.common import rpc
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
-from services.worker.node import PEER_SERVICE, PeerServicer, ServerGone, WorkerNode
+from mdgan.checkpoint import CheckpointError
+from services.worker.node import PEER_SERVICE, JoinRefused, PeerServicer, ServerGone, WorkerNode
 
 log = logging.getLogger("mdgan.worker")
 
@@ -36,7 +37,14 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--num-shards", type=int, default=1, help="number of shards the data is split into (N)")
     parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
     parser.add_argument("--server-timeout", type=float, default=120.0,
-                        help="leave when the server is silent this long (s)")
+                        help="leave when no server of our run has been heard for this long (s): a broken stream "
+                             "is retried (exponential backoff with jitter) until then")
+    parser.add_argument("--state-dir", default=None,
+                        help="where this worker keeps its run id and checkpoints (D, Adam, sampler state); "
+                             "without it the worker cannot take part in checkpoints or restore after a crash")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, help="saved states kept in --state-dir")
+    parser.add_argument("--run-id", default=None,
+                        help="join this run only (default: the run recorded in --state-dir, else any)")
     parser.add_argument("--metrics-port", type=int, default=9101, help="HTTP port of /metrics (0: none)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
     parser.add_argument("--metrics-dump", default=None, help="write the final metrics exposition to this file")
@@ -86,7 +94,8 @@ async def serve(args) -> str:
     telemetry.serve(args.metrics_port, args.metrics_address)
     server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
-                      telemetry=telemetry, device=args.device, **source)
+                      telemetry=telemetry, device=args.device, state_dir=args.state_dir,
+                      keep_checkpoints=args.keep_checkpoints, run_id=args.run_id, **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = server.add_insecure_port(args.listen)
@@ -113,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(args.threads)
     try:
         reason = rpc.run(serve(args))
-    except (ConfigError, ServerGone) as exc:
+    except JoinRefused as exc:
+        log.error("the server refused us: %s", exc)
+        return 3
+    except (ConfigError, ServerGone, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
     except grpc.aio.AioRpcError as exc:

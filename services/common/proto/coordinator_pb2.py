@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as mdgan_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amdgan/v1/coordinator.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"\x97\x02\n\rWorkerMessage\x12\x1e\n\x04join\x18\x01 \x01(\x0b\x32\x0e.mdgan.v1.JoinH\x00\x12&\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x12.mdgan.v1.FeedbackH\x00\x12+\n\x0bswap_report\x18\x03 \x01(\x0b\x32\x14.mdgan.v1.SwapReportH\x00\x12(\n\theartbeat\x18\x04 \x01(\x0b\x32\x13.mdgan.v1.HeartbeatH\x00\x12)\n\nmodel_part\x18\x05 \x01(\x0b\x32\x13.mdgan.v1.ModelPartH\x00\x12\x34\n\x10local_round_done\x18\x06 \x01(\x0b\x32\x18.mdgan.v1.LocalRoundDoneH\x00\x42\x06\n\x04\x62ody\"\x87\x03\n\rServerMessage\x12$\n\x07welcome\x18\x01 \x01(\x0b\x32\x11.mdgan.v1.WelcomeH\x00\x12$\n\x07\x62\x61tches\x18\x02 \x01(\x0b\x32\x11.mdgan.v1.BatchesH\x00\x12)\n\nswap_order\x18\x03 \x01(\x0b\x32\x13.mdgan.v1.SwapOrderH\x00\x12(\n\trejection\x18\x04 \x01(\x0b\x32\x13.mdgan.v1.RejectionH\x00\x12(\n\theartbeat\x18\x05 \x01(\x0b\x32\x13.mdgan.v1.HeartbeatH\x00\x12\x1e\n\x04stop\x18\x06 \x01(\x0b\x32\x0e.mdgan.v1.StopH\x00\x12)\n\nmodel_part\x18\x07 \x01(\x0b\x32\x13.mdgan.v1.ModelPartH\x00\x12+\n\x0blocal_round\x18\x08 \x01(\x0b\x32\x14.mdgan.v1.LocalRoundH\x00\x12+\n\x0bswap_cancel\x18\t \x01(\x0b\x32\x14.mdgan.v1.SwapCancelH\x00\x42\x06\n\x04\x62ody\"\x9b\x01\n\x04Join\x12\x18\n\x0bshard_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nshard_size\x18\x02 \x01(\x04\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x14\n\x0csample_shape\x18\x04 \x03(\x03\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x61taset_size\x18\x06 \x01(\x04\x42\x0e\n\x0c_shard_index\"\xf4\x02\n\x0cTrainingSpec\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x0b\n\x03gan\x18\x02 \x01(\t\x12\x0c\n\x04loss\x18\x03 \x01(\t\x12\x12\n\nlatent_dim\x18\x04 \x01(\r\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\x12\x14\n\x0csample_shape\x18\x06 \x03(\x03\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x12\n\ndisc_steps\x18\x08 \x01(\r\x12\x0f\n\x07\x64isc_lr\x18\t \x01(\x01\x12\x12\n\ndisc_beta1\x18\n \x01(\x01\x12\x12\n\ndisc_beta2\x18\x0b \x01(\x01\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x1c\n\x14swap_optimizer_state\x18\r \x01(\x08\x12\r\n\x05kappa\x18\x0e \x01(\r\x12\x0f\n\x07workers\x18\x0f \x01(\r\x12\x11\n\talgorithm\x18\x10 \x01(\t\x12\x0e\n\x06gen_lr\x18\x11 \x01(\x01\x12\x11\n\tgen_beta1\x18\x12 \x01(\x01\x12\x11\n\tgen_beta2\x18\x13 \x01(\x01\"\x8f\x01\n\x07Welcome\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.mdgan.v1.TrainingSpec\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x17\n\x0fswap_timeout_ms\x18\x04 \x01(\r\x12\x13\n\x0bshard_index\x18\x05 \x01(\r\"\xc6\x01\n\x07\x42\x61tches\x12\x11\n\titeration\x18\x01 \x01(\x04\x12#\n\tgenerated\x18\x02 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12*\n\x10generated_labels\x18\x03 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12\'\n\rdiscriminated\x18\x04 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12.\n\x14\x64iscriminated_labels\x18\x05 \x01(\x0b\x32\x10.mdgan.v1.Tensor\"^\n\tStepStats\x12\x11\n\tdisc_loss\x18\x01 \x01(\x01\x12\x10\n\x08gen_loss\x18\x02 \x01(\x01\x12\x15\n\rreal_accuracy\x18\x03 \x01(\x01\x12\x15\n\rfake_accuracy\x18\x04 \x01(\x01\"e\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\"\n\x08gradient\x18\x02 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12\"\n\x05stats\x18\x03 \x01(\x0b\x32\x13.mdgan.v1.StepStats\"h\n\tSwapOrder\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0esend_to_worker\x18\x02 \x01(\t\x12\x17\n\x0fsend_to_address\x18\x03 \x01(\t\x12\x1b\n\x13receive_from_worker\x18\x04 \x01(\t\"B\n\nSwapCancel\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x82\x01\n\nSwapReport\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04sent\x18\x02 \x01(\x08\x12\x10\n\x08received\x18\x03 \x01(\x08\x12\x1a\n\x12sent_payload_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12sent_message_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"M\n\tRejection\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x1c\n\tHeartbeat\x12\x0f\n\x07unix_ms\x18\x01 \x01(\x03\"\x16\n\x04Stop\x12\x0e\n\x06reason\x18\x01 \x01(\t\"j\n\tModelPart\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\'\n\x06header\x18\x03 \x01(\x0b\x32\x15.mdgan.v1.StateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x04 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"H\n\nLocalRound\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x17\n\x0f\x66irst_iteration\x18\x02 \x01(\x04\x12\x12\n\niterations\x18\x03 \x01(\r\"C\n\x0eLocalRoundDone\x12\r\n\x05round\x18\x01 \x01(\x04\x12\"\n\x05stats\x18\x02 \x03(\x0b\x32\x13.mdgan.v1.StepStats2L\n\x0b\x43oordinator\x12=\n\x05Train\x12\x17.mdgan.v1.WorkerMessage\x1a\x17.mdgan.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amdgan/v1/coordinator.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"\xcc\x02\n\rWorkerMessage\x12\x1e\n\x04join\x18\x01 \x01(\x0b\x32\x0e.mdgan.v1.JoinH\x00\x12&\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x12.mdgan.v1.FeedbackH\x00\x12+\n\x0bswap_report\x18\x03 \x01(\x0b\x32\x14.mdgan.v1.SwapReportH\x00\x12(\n\theartbeat\x18\x04 \x01(\x0b\x32\x13.mdgan.v1.HeartbeatH\x00\x12)\n\nmodel_part\x18\x05 \x01(\x0b\x32\x13.mdgan.v1.ModelPartH\x00\x12\x34\n\x10local_round_done\x18\x06 \x01(\x0b\x32\x18.mdgan.v1.LocalRoundDoneH\x00\x12\x33\n\x0f\x63heckpoint_done\x18\x07 \x01(\x0b\x32\x18.mdgan.v1.CheckpointDoneH\x00\x42\x06\n\x04\x62ody\"\xb8\x03\n\rServerMessage\x12$\n\x07welcome\x18\x01 \x01(\x0b\x32\x11.mdgan.v1.WelcomeH\x00\x12$\n\x07\x62\x61tches\x18\x02 \x01(\x0b\x32\x11.mdgan.v1.BatchesH\x00\x12)\n\nswap_order\x18\x03 \x01(\x0b\x32\x13.mdgan.v1.SwapOrderH\x00\x12(\n\trejection\x18\x04 \x01(\x0b\x32\x13.mdgan.v1.RejectionH\x00\x12(\n\theartbeat\x18\x05 \x01(\x0b\x32\x13.mdgan.v1.HeartbeatH\x00\x12\x1e\n\x04stop\x18\x06 \x01(\x0b\x32\x0e.mdgan.v1.StopH\x00\x12)\n\nmodel_part\x18\x07 \x01(\x0b\x32\x13.mdgan.v1.ModelPartH\x00\x12+\n\x0blocal_round\x18\x08 \x01(\x0b\x32\x14.mdgan.v1.LocalRoundH\x00\x12+\n\x0bswap_cancel\x18\t \x01(\x0b\x32\x14.mdgan.v1.SwapCancelH\x00\x12/\n\ncheckpoint\x18\n \x01(\x0b\x32\x19.mdgan.v1.CheckpointOrderH\x00\x42\x06\n\x04\x62ody\"\xdb\x01\n\x04Join\x12\x18\n\x0bshard_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nshard_size\x18\x02 \x01(\x04\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x14\n\x0csample_shape\x18\x04 \x03(\x03\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x61taset_size\x18\x06 \x01(\x04\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x13\n\x0b\x63heckpoints\x18\x08 \x03(\x04\x12\x19\n\x11trained_iteration\x18\t \x01(\x04\x42\x0e\n\x0c_shard_index\"\xf4\x02\n\x0cTrainingSpec\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x0b\n\x03gan\x18\x02 \x01(\t\x12\x0c\n\x04loss\x18\x03 \x01(\t\x12\x12\n\nlatent_dim\x18\x04 \x01(\r\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\x12\x14\n\x0csample_shape\x18\x06 \x03(\x03\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x12\n\ndisc_steps\x18\x08 \x01(\r\x12\x0f\n\x07\x64isc_lr\x18\t \x01(\x01\x12\x12\n\ndisc_beta1\x18\n \x01(\x01\x12\x12\n\ndisc_beta2\x18\x0b \x01(\x01\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x1c\n\x14swap_optimizer_state\x18\r \x01(\x08\x12\r\n\x05kappa\x18\x0e \x01(\r\x12\x0f\n\x07workers\x18\x0f \x01(\r\x12\x11\n\talgorithm\x18\x10 \x01(\t\x12\x0e\n\x06gen_lr\x18\x11 \x01(\x01\x12\x11\n\tgen_beta1\x18\x12 \x01(\x01\x12\x11\n\tgen_beta2\x18\x13 \x01(\x01\"\xdc\x01\n\x07Welcome\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.mdgan.v1.TrainingSpec\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x17\n\x0fswap_timeout_ms\x18\x04 \x01(\r\x12\x13\n\x0bshard_index\x18\x05 \x01(\r\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x12\n\nswap_round\x18\x07 \x01(\x04\x12\x19\n\x11restore_iteration\x18\x08 \x01(\x04\x12\x0c\n\x04\x63opy\x18\t \x01(\x08\"\xc6\x01\n\x07\x42\x61tches\x12\x11\n\titeration\x18\x01 \x01(\x04\x12#\n\tgenerated\x18\x02 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12*\n\x10generated_labels\x18\x03 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12\'\n\rdiscriminated\x18\x04 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12.\n\x14\x64iscriminated_labels\x18\x05 \x01(\x0b\x32\x10.mdgan.v1.Tensor\"^\n\tStepStats\x12\x11\n\tdisc_loss\x18\x01 \x01(\x01\x12\x10\n\x08gen_loss\x18\x02 \x01(\x01\x12\x15\n\rreal_accuracy\x18\x03 \x01(\x01\x12\x15\n\rfake_accuracy\x18\x04 \x01(\x01\"e\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\"\n\x08gradient\x18\x02 \x01(\x0b\x32\x10.mdgan.v1.Tensor\x12\"\n\x05stats\x18\x03 \x01(\x0b\x32\x13.mdgan.v1.StepStats\"v\n\tSwapOrder\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0esend_to_worker\x18\x02 \x01(\t\x12\x17\n\x0fsend_to_address\x18\x03 \x01(\t\x12\x1b\n\x13receive_from_worker\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x07 \x01(\t\"4\n\x0f\x43heckpointOrder\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x0e\n\x06run_id\x18\x02 \x01(\t\">\n\x0e\x43heckpointDone\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"B\n\nSwapCancel\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x82\x01\n\nSwapReport\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04sent\x18\x02 \x01(\x08\x12\x10\n\x08received\x18\x03 \x01(\x08\x12\x1a\n\x12sent_payload_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12sent_message_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"M\n\tRejection\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x1c\n\tHeartbeat\x12\x0f\n\x07unix_ms\x18\x01 \x01(\x03\"\x16\n\x04Stop\x12\x0e\n\x06reason\x18\x01 \x01(\t\"j\n\tModelPart\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\'\n\x06header\x18\x03 \x01(\x0b\x32\x15.mdgan.v1.StateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x04 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"H\n\nLocalRound\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x17\n\x0f\x66irst_iteration\x18\x02 \x01(\x04\x12\x12\n\niterations\x18\x03 \x01(\r\"C\n\x0eLocalRoundDone\x12\r\n\x05round\x18\x01 \x01(\x04\x12\"\n\x05stats\x18\x02 \x03(\x0b\x32\x13.mdgan.v1.StepStats2L\n\x0b\x43oordinator\x12=\n\x05Train\x12\x17.mdgan.v1.WorkerMessage\x1a\x17.mdgan.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,39 +34,43 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mdgan.v1.coordinator_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERMESSAGE']._serialized_start=64
-  _globals['_WORKERMESSAGE']._serialized_end=343
-  _globals['_SERVERMESSAGE']._serialized_start=346
-  _globals['_SERVERMESSAGE']._serialized_end=737
-  _globals['_JOIN']._serialized_start=740
-  _globals['_JOIN']._serialized_end=895
-  _globals['_TRAININGSPEC']._serialized_start=898
-  _globals['_TRAININGSPEC']._serialized_end=1270
-  _globals['_WELCOME']._serialized_start=1273
-  _globals['_WELCOME']._serialized_end=1416
-  _globals['_BATCHES']._serialized_start=1419
-  _globals['_BATCHES']._serialized_end=1617
-  _globals['_STEPSTATS']._serialized_start=1619
-  _globals['_STEPSTATS']._serialized_end=1713
-  _globals['_FEEDBACK']._serialized_start=1715
-  _globals['_FEEDBACK']._serialized_end=1816
-  _globals['_SWAPORDER']._serialized_start=1818
-  _globals['_SWAPORDER']._serialized_end=1922
-  _globals['_SWAPCANCEL']._serialized_start=1924
-  _globals['_SWAPCANCEL']._serialized_end=1990
-  _globals['_SWAPREPORT']._serialized_start=1993
-  _globals['_SWAPREPORT']._serialized_end=2123
-  _globals['_REJECTION']._serialized_start=2125
-  _globals['_REJECTION']._serialized_end=2202
-  _globals['_HEARTBEAT']._serialized_start=2204
-  _globals['_HEARTBEAT']._serialized_end=2232
-  _globals['_STOP']._serialized_start=2234
-  _globals['_STOP']._serialized_end=2256
-  _globals['_MODELPART']._serialized_start=2258
-  _globals['_MODELPART']._serialized_end=2364
-  _globals['_LOCALROUND']._serialized_start=2366
-  _globals['_LOCALROUND']._serialized_end=2438
-  _globals['_LOCALROUNDDONE']._serialized_start=2440
-  _globals['_LOCALROUNDDONE']._serialized_end=2507
-  _globals['_COORDINATOR']._serialized_start=2509
-  _globals['_COORDINATOR']._serialized_end=2585
+  _globals['_WORKERMESSAGE']._serialized_end=396
+  _globals['_SERVERMESSAGE']._serialized_start=399
+  _globals['_SERVERMESSAGE']._serialized_end=839
+  _globals['_JOIN']._serialized_start=842
+  _globals['_JOIN']._serialized_end=1061
+  _globals['_TRAININGSPEC']._serialized_start=1064
+  _globals['_TRAININGSPEC']._serialized_end=1436
+  _globals['_WELCOME']._serialized_start=1439
+  _globals['_WELCOME']._serialized_end=1659
+  _globals['_BATCHES']._serialized_start=1662
+  _globals['_BATCHES']._serialized_end=1860
+  _globals['_STEPSTATS']._serialized_start=1862
+  _globals['_STEPSTATS']._serialized_end=1956
+  _globals['_FEEDBACK']._serialized_start=1958
+  _globals['_FEEDBACK']._serialized_end=2059
+  _globals['_SWAPORDER']._serialized_start=2061
+  _globals['_SWAPORDER']._serialized_end=2179
+  _globals['_CHECKPOINTORDER']._serialized_start=2181
+  _globals['_CHECKPOINTORDER']._serialized_end=2233
+  _globals['_CHECKPOINTDONE']._serialized_start=2235
+  _globals['_CHECKPOINTDONE']._serialized_end=2297
+  _globals['_SWAPCANCEL']._serialized_start=2299
+  _globals['_SWAPCANCEL']._serialized_end=2365
+  _globals['_SWAPREPORT']._serialized_start=2368
+  _globals['_SWAPREPORT']._serialized_end=2498
+  _globals['_REJECTION']._serialized_start=2500
+  _globals['_REJECTION']._serialized_end=2577
+  _globals['_HEARTBEAT']._serialized_start=2579
+  _globals['_HEARTBEAT']._serialized_end=2607
+  _globals['_STOP']._serialized_start=2609
+  _globals['_STOP']._serialized_end=2631
+  _globals['_MODELPART']._serialized_start=2633
+  _globals['_MODELPART']._serialized_end=2739
+  _globals['_LOCALROUND']._serialized_start=2741
+  _globals['_LOCALROUND']._serialized_end=2813
+  _globals['_LOCALROUNDDONE']._serialized_start=2815
+  _globals['_LOCALROUNDDONE']._serialized_end=2882
+  _globals['_COORDINATOR']._serialized_start=2884
+  _globals['_COORDINATOR']._serialized_end=2960
 # @@protoc_insertion_point(module_scope)

@@ -26,19 +26,19 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as mdgan_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mdgan/v1/peer.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"w\n\x13\x44iscriminatorHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"]\n\x12\x44iscriminatorChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.mdgan.v1.DiscriminatorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"!\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x32N\n\x04Peer\x12\x46\n\x11PushDiscriminator\x12\x1c.mdgan.v1.DiscriminatorChunk\x1a\x11.mdgan.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mdgan/v1/peer.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"\x85\x01\n\x13\x44iscriminatorHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x63opy\x18\x07 \x01(\x08\"]\n\x12\x44iscriminatorChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.mdgan.v1.DiscriminatorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"!\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x32N\n\x04Peer\x12\x46\n\x11PushDiscriminator\x12\x1c.mdgan.v1.DiscriminatorChunk\x1a\x11.mdgan.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mdgan.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DISCRIMINATORHEADER']._serialized_start=56
-  _globals['_DISCRIMINATORHEADER']._serialized_end=175
-  _globals['_DISCRIMINATORCHUNK']._serialized_start=177
-  _globals['_DISCRIMINATORCHUNK']._serialized_end=270
-  _globals['_PUSHACK']._serialized_start=272
-  _globals['_PUSHACK']._serialized_end=305
-  _globals['_PEER']._serialized_start=307
-  _globals['_PEER']._serialized_end=385
+  _globals['_DISCRIMINATORHEADER']._serialized_start=57
+  _globals['_DISCRIMINATORHEADER']._serialized_end=190
+  _globals['_DISCRIMINATORCHUNK']._serialized_start=192
+  _globals['_DISCRIMINATORCHUNK']._serialized_end=285
+  _globals['_PUSHACK']._serialized_start=287
+  _globals['_PUSHACK']._serialized_end=320
+  _globals['_PEER']._serialized_start=322
+  _globals['_PEER']._serialized_end=400
 # @@protoc_insertion_point(module_scope)
