@@ -180,7 +180,7 @@ async def serve(args) -> dict:
     finally:
         telemetry.dump(args.metrics_dump or os.path.join(args.out, "metrics", "server.prom"))
         await rpc.set_serving(health, [SERVICE], False)
-        await server.stop(grace=5 if result is not None and not trainer.stop_requested else 0)
+        await server.stop(grace=5 if result is not None and not getattr(trainer, "stop_requested", False) else 0)
 
 
 def observe_scores(telemetry: Telemetry, scores: dict | None) -> None:
