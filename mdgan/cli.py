@@ -114,8 +114,7 @@ class LocalCluster:
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
         # from an earlier run here (a resumed run keeps its history: the server truncates it to the checkpoint)
-        stale = ("server.port", "summary.json") if a.resume else ("server.port", "history.jsonl", "swaps.jsonl",
-                                                                   "summary.json")
+        stale = ("server.port",) if a.resume else ("server.port", "history.jsonl", "swaps.jsonl", "summary.json")
         for name in stale:
             if os.path.exists(os.path.join(self.out, name)):
                 os.remove(os.path.join(self.out, name))

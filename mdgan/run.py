@@ -304,7 +304,10 @@ def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: s
         check_run_id(run_id)
     path = os.path.join(out_dir, checkpoint.RUN_FILE)
     store = CheckpointStore(os.path.join(out_dir, "checkpoints"))
-    if resume != "no" and os.path.exists(path):
+    finished = os.path.exists(os.path.join(out_dir, "summary.json"))
+    if resume == "yes" and finished:
+        raise CheckpointError(f"--resume: the run in {out_dir} has finished (summary.json); nothing to resume")
+    if resume != "no" and os.path.exists(path) and not finished:
         saved = checkpoint.read_json(path)
         if run_id is not None and run_id != saved["run_id"]:
             raise CheckpointError(f"{out_dir} holds run {saved['run_id']!r}, not run {run_id!r}")
@@ -322,8 +325,13 @@ def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: s
         return RunStart(saved["run_id"], saved_config, latest, state)
     if resume == "yes":
         raise CheckpointError(f"--resume: {out_dir} holds no run to resume (no {checkpoint.RUN_FILE})")
+    os.makedirs(out_dir, exist_ok=True)
     run_id = run_id or uuid.uuid4().hex[:12]
+    if finished:
+        log.info("the run in %s has finished: starting a new one there", out_dir)
     shutil.rmtree(store.root, ignore_errors=True)  # an earlier run's checkpoints must never be resumed into this one
+    if finished:  # a new run: a crash before its end must not look like the old run's end
+        os.remove(os.path.join(out_dir, "summary.json"))
     checkpoint.atomic_write_json(path, {"run_id": run_id, "config": config.to_dict()})
     return RunStart(run_id, config)
 

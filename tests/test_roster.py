@@ -138,8 +138,12 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
     full = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10)
     store = CheckpointStore(os.path.join(out, "checkpoints"))
     assert store.complete() == [10, 20, 30]
-    for name in os.listdir(store.folder(30)):  # as if the process died before checkpoint 30 completed
+    with pytest.raises(CheckpointError, match="finished"):
+        simulate(config, data, out, progress=False, evaluation=quiet, resume="yes")
+    # as if the process died before checkpoint 30 completed (and so before the end)
+    for name in os.listdir(store.folder(30)):
         os.remove(os.path.join(store.folder(30), name))
+    os.remove(os.path.join(out, "summary.json"))
     resumed = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10, resume="yes")
     assert resumed["resumed_from"] == 20 and resumed["run_id"] == full["run_id"]
     assert resumed["generator_sha256"] == full["generator_sha256"]

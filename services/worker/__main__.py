@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
 import logging
+import os
 import re
 import signal
 import socket
 import sys
+import uuid
 
 import grpc
 
@@ -69,6 +73,43 @@ def resolve_shard_index(value: str) -> int | None:
     return int(match.group(1))
 
 
+_held_locks = []  # open lock files: a folder stays ours as long as this process lives
+
+
+def claim_state_dir(root: str) -> tuple[str, dict]:
+    """A sub-folder of `root` locked for this process: an unlocked one of an unfinished run if any
+    (its current.json is returned), else a new one."""
+    os.makedirs(root, exist_ok=True)
+
+    def lock(folder: str) -> bool:
+        fh = open(os.path.join(folder, ".lock"), "a")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.close()
+            return False
+        _held_locks.append(fh)
+        return True
+
+    candidates = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        try:
+            with open(os.path.join(folder, "current.json")) as fh:
+                saved = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if not saved.get("finished"):
+            candidates.append((folder, saved))
+    for folder, saved in candidates:
+        if lock(folder):
+            return folder, saved
+    folder = os.path.join(root, f"worker-{uuid.uuid4().hex[:8]}")
+    os.makedirs(folder)
+    lock(folder)
+    return folder, {}
+
+
 def advertise_address(value: str | None, bound_port: int) -> str:
     host = value or socket.gethostname()
     return host if re.search(r":\d+$", host) else f"{host}:{bound_port}"
@@ -78,6 +119,13 @@ async def serve(args) -> str:
     data = data_config(args, args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
     index = resolve_shard_index(args.shard_index)
+    if args.state_dir and index is None:
+        # Replicas without an ordinal share one state volume: each locks a folder of its own in it,
+        # and one restarted after a crash takes back the folder (and the shard) of an unfinished run.
+        args.state_dir, saved = claim_state_dir(args.state_dir)
+        if saved.get("shard_index") is not None and not saved.get("finished"):
+            index = int(saved["shard_index"])
+            log.info("state %s: back in run %s with shard %d", args.state_dir, saved.get("run_id"), index)
     if index is None and data.split != "iid":
         raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
                           "assigns from the i.i.d. split); give each worker its --shard-index")

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import random
+import shutil
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from mdgan.checkpoint import CheckpointError, CheckpointStore
 from mdgan.config import DataConfig
 from mdgan.data import Shard, take_shard
 from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
+from mdgan.cluster import RUN_FINISHED
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
@@ -224,11 +226,20 @@ class WorkerNode:
         if not self.state_dir:
             return {}
         try:
-            return checkpoint.read_json(os.path.join(self.state_dir, "current.json"))
+            saved = checkpoint.read_json(os.path.join(self.state_dir, "current.json"))
+            return {} if saved.get("finished") else saved
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{self.state_dir}/current.json is unreadable: {exc}") from exc
+
+    def _forget_run(self) -> None:
+        """The run is over: its states are of no more use, and the next run may take this worker."""
+        if not (self.state_dir and self.run_id):
+            return
+        checkpoint.atomic_write_json(os.path.join(self.state_dir, "current.json"),
+                                     {"run_id": self.run_id, "shard_index": self.shard.index, "finished": True})
+        shutil.rmtree(os.path.join(self.state_dir, self.run_id), ignore_errors=True)
 
     def _store(self) -> CheckpointStore | None:
         if not (self.state_dir and self.run_id):
@@ -438,6 +449,8 @@ class WorkerNode:
                 log.error("the server rejected our input at iteration %d: %s (%s)", r.iteration, r.message, r.reason)
             elif kind == "stop":
                 log.info("stopped by the server: %s", message.stop.reason)
+                if message.stop.reason == RUN_FINISHED:
+                    self._forget_run()
                 await call.done_writing()
                 return message.stop.reason
 
