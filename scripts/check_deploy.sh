@@ -88,7 +88,7 @@ step "helm lint --strict (ServiceMonitor + dashboard on)" "$HELM" lint --strict 
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (default values)" render_and_validate default
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (8 workers, synthetic, no persistence, no metrics)" \
     render_and_validate variant --set workers.replicas=8 --set global.dataset=synthetic \
-    --set server.persistence.enabled=false --set metrics.enabled=false --set server.runDirPerStart=false
+    --set server.persistence.enabled=false --set workers.persistence.enabled=false --set metrics.enabled=false --set server.runDirPerStart=false
 echo "note: kubernetes-validate has no schema for the ServiceMonitor CRD (monitoring.coreos.com/v1); it validates"
 echo "      the core kinds of that render and the ServiceMonitor gets a structural check instead"
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (ServiceMonitor + dashboard on)" \

@@ -98,7 +98,7 @@ def test_helm_lint_strict(tmp_path):
 @pytest.mark.parametrize("values", [
     [],
     ["--set", "workers.replicas=8", "--set", "global.dataset=synthetic",
-     "--set", "server.persistence.enabled=false", "--set", "metrics.enabled=false",
+     "--set", "server.persistence.enabled=false", "--set", "workers.persistence.enabled=false", "--set", "metrics.enabled=false",
      "--set", "server.runDirPerStart=false"],
     ["--set", "workers.data.download=false",
      "--set-json", 'workers.data.volume={"persistentVolumeClaim":{"claimName":"mnist","readOnly":true}}',
