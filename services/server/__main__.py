@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import grpc
 
@@ -144,6 +145,7 @@ async def serve(args) -> dict:
     try:
         if args.algorithm == "flgan":
             workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
+            recorder.started = time.perf_counter()
             trainer = FederatedTrainer(config, generator, workers, initial_discriminator.state_dict(),
                                        round_timeout=args.round_timeout, on_iteration=on_iteration,
                                        on_round=recorder.swap)
@@ -153,6 +155,7 @@ async def serve(args) -> dict:
                 wall = recorder.close(result.iterations if result else None)
         else:
             await _until(trainer.wait_to_start(args.join_timeout), stopping)
+            recorder.started = time.perf_counter()  # the run's wall time starts with its first iteration
             try:
                 result = await _until(trainer.run(), stopping, lambda: setattr(trainer, "stop_requested", True),
                                       args.stop_grace)
