@@ -160,3 +160,35 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
     assert copies == [{"kind": "copy", "iteration": 20, "from": "worker-0", "to": "worker-2", "received": True}]
     with pytest.raises(CheckpointError):
         simulate(config, data, str(tmp_path / "nothing"), progress=False, evaluation=quiet, resume="yes")
+
+
+def test_a_stop_request_checkpoints_at_the_next_boundary_and_below_min_workers_training_pauses(tmp_path):
+    from mdgan.cluster import Trainer, build_in_process_workers
+    from mdgan.data import load_all_shards
+    from mdgan.mdgan import GeneratorSide
+
+    config = TrainingConfig(workers=3, iterations=30, batch_size=10, swap_every=4).validate()
+    shards = load_all_shards(DataConfig("synthetic", num_shards=3))
+    workers = build_in_process_workers(config, shards, str(tmp_path / "state"))
+    saved = []
+    trainer = Trainer(config, GeneratorSide(config), workers, checkpoint_every=10,
+                      save_checkpoint=lambda t, ok: saved.append((t, ok)))
+
+    def on_iteration(record):
+        if record.iteration == 13:
+            trainer.stop_requested = True  # what SIGTERM does in mdgan-server
+
+    trainer.on_iteration = on_iteration
+    result = asyncio.run(trainer.run())
+    assert saved == [(10, True), (13, True)] and result.iterations == 13 and "signal" in result.stopped_early
+    assert CheckpointStore(str(tmp_path / "state" / "worker-2")).holding("worker") == [10, 13]
+
+    # --min-workers 3: one worker crashes, nobody comes back within the pause timeout: the run stops
+    workers = build_in_process_workers(config, shards)
+    roster = Roster(3, min_workers=3, pause_timeout=0.2)
+    for w in workers:
+        roster.arrive(w.shard_index, w.worker_id, w)
+    trainer = Trainer(config, GeneratorSide(config), roster=roster)
+    trainer.on_iteration = lambda r: workers[1].crash() if r.iteration == 5 else None
+    result = asyncio.run(trainer.run())
+    assert result.iterations == 6 and "fewer than --min-workers 3" in result.stopped_early
