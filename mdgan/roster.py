@@ -88,6 +88,9 @@ class Roster:
         holder = self.bindings.get(slot)
         if holder is not None and holder != identity:
             raise SlotRefused("taken_by_other", f"slot {slot} belongs to {holder!r} in this run, not to {identity!r}")
+        held = [s for s, who in self.bindings.items() if who == identity and s != slot]
+        if held:  # one identity, one slot: a worker cannot take a second shard's data into the run
+            raise SlotRefused("taken_by_other", f"{identity!r} holds slot {held[0]} in this run, not slot {slot}")
         if slot in self._alive:
             raise SlotRefused("busy", f"slot {slot} already has a connected worker")
         return slot

@@ -35,6 +35,8 @@ def test_a_slot_belongs_to_the_first_identity_that_holds_it():
     assert roster.claim(1, "site-a") == 1  # the same identity gets its slot back
     assert roster.claim(None, "site-a") == 1  # also when it does not say which
     assert roster.claim(None, "site-c") == 0  # a newcomer gets the lowest free slot
+    with pytest.raises(SlotRefused, match="holds slot 1"):
+        roster.claim(2, "site-a")  # one identity, one slot
     with pytest.raises(SlotRefused) as out:
         roster.claim(3, "site-d")
     assert out.value.kind == "out_of_range"
