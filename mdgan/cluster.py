@@ -293,6 +293,7 @@ class Trainer:
         self.swap_period: int | None = None
         self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
         self._last_checkpoint = 0
+        self.checkpoint_started = 0.0  # perf_counter() when the checkpoint under way began
 
     @property
     def active(self) -> list[WorkerHandle]:
@@ -463,6 +464,7 @@ class Trainer:
     async def checkpoint(self, t: int) -> bool:
         """Every member saves its state for boundary t, and the server its own (save_checkpoint);
         True when all of them wrote theirs (the checkpoint is complete)."""
+        self.checkpoint_started = time.perf_counter()
         members = self.roster.members()
         asked = asyncio.gather(*(with_deadline(w.checkpoint(t), self.checkpoint_timeout) for w in members),
                                return_exceptions=True)

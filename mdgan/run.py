@@ -349,9 +349,10 @@ class ServerCheckpoints:
         state = {"run_id": self.run_id, "iteration": iteration, "generator_side": generator_side.state_dict(),
                  "trainer": trainer.state_dict(), "recorder": recorder.state_dict()}
         self.store.save(iteration, "server", state)
-        if wrote_all:
+        if wrote_all:  # seconds: what this checkpoint cost the run, workers' writes included
             self.store.mark_complete(iteration, {"run_id": self.run_id,
-                                                 "workers": [w.worker_id for w in trainer.roster.members()]})
+                                                 "workers": [w.worker_id for w in trainer.roster.members()],
+                                                 "seconds": time.perf_counter() - trainer.checkpoint_started})
             log.info("checkpoint %d complete", iteration)
         else:
             log.warning("checkpoint %d incomplete: not every live worker saved its state", iteration)
