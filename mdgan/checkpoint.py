@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 COMPLETE = "COMPLETE"
-RUN_FILE = "run.json"  # a run directory's identity: {"run_id", "config", ...}
+RUN_FILE = "run_identity.json"  # a run directory's identity: {"run_id", "config", ...}
 _ITERATION_DIR = re.compile(r"^\d{9}$")
 
 

@@ -269,7 +269,7 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
 
 
 # ---------------------------------------------------------------------------------------------
-# durable runs: a run directory has an identity (run.json) and checkpoints (checkpoints/)
+# durable runs: a run directory has an identity (run_identity.json) and checkpoints (checkpoints/)
 
 RESUME_MODES = ("no", "yes", "auto")  # yes: there must be a run to resume; auto: resume one if there is
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -296,7 +296,7 @@ class RunStart:
 
 
 def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: str | None = None) -> RunStart:
-    """A new run in out_dir (run.json written, old checkpoints removed), or the one already there
+    """A new run in out_dir (run_identity.json written, old checkpoints removed), or the one already there
     continued from its last complete checkpoint (its saved config wins over the flags)."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"--resume must be one of {RESUME_MODES}, got {resume!r}")

@@ -126,7 +126,7 @@ def test_server_killed_and_resumed_ends_bit_for_bit_where_the_uninterrupted_run_
         summary["resumed_from"] == (killed_at // CHECKPOINT_EVERY - 1) * CHECKPOINT_EVERY  # a checkpoint may be in flight
     assert summary["workers_alive"] == N and summary["swaps"] == ITERATIONS // SWAP_EVERY
     _assert_history_whole(c.history())
-    run = read_json(os.path.join(c.out, "run.json"))
+    run = read_json(os.path.join(c.out, "run_identity.json"))
     assert summary["run_id"] == run["run_id"]
     assert summary["generator_sha256"] == _uninterrupted_sha(tmp_path)
 
