@@ -277,6 +277,7 @@ class Trainer:
             roster = Roster(config.workers)
             for w in workers or []:
                 roster.arrive(w.shard_index, w.worker_id, w)
+            roster.started = True
         self.roster = roster
         self.step_timeout = step_timeout
         self.swap_timeout = swap_timeout
