@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 
-from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
+from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
+from mdgan.sites import site_dir
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
                   "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2")
@@ -29,20 +30,39 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_simulate(args) -> int:
     from mdgan.run import simulate
-    from mdgan.settings import apply_threads, data_config, evaluation_options, training_config
+    from mdgan.settings import apply_threads, class_names, data_config, evaluation_options, training_config
 
     apply_threads(args.threads)
+    _resolve_workers(args)
     config = training_config(args)
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
-                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm)
+                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                       site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args))
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
 
 
+def _resolve_workers(args) -> None:
+    """--workers: the number of site folders with --site-dirs (which an explicit --workers must match), else 4."""
+    from mdgan.sites import count_sites
+
+    if args.site_dirs:
+        sites = count_sites(args.site_dirs)
+        if args.workers is not None and args.workers != sites:
+            raise ConfigError(f"--workers {args.workers}, but --site-dirs {args.site_dirs} holds {sites} sites")
+        args.workers = sites
+    elif args.workers is None:
+        args.workers = 4
+
+
 def _eval_root(args) -> str | None:
-    """Scores need the MNIST test set: only for MNIST runs."""
-    return args.data_root if args.dataset == "mnist" and args.eval_every >= 0 else None
+    """Scores need the MNIST test set: only for MNIST runs (with --site-dirs, --data-root may still hold it)."""
+    if args.dataset == "mnist" and args.eval_every >= 0 and not args.site_dirs:
+        return args.data_root
+    if args.eval_every >= 0 and args.site_dirs and os.path.isdir(os.path.join(args.data_root, "MNIST", "raw")):
+        return args.data_root
+    return None
 
 
 def _forwarded_training_flags(args) -> list[str]:
@@ -121,14 +141,19 @@ class LocalCluster:
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
-            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
+            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
+            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a)])
         port = _wait_for_file(port_file, server, 120)
         for index in range(a.workers):
             name = f"worker-{index}"
+            if a.site_dirs:  # a site: worker i is given its own folder, nothing else
+                data = ["--data-root", site_dir(os.path.abspath(a.site_dirs), index), "--bad-images", a.bad_images]
+            else:  # emulation: every worker is given the shared dataset and keeps shard i
+                data = ["--num-shards", str(a.workers), "--data-root", a.data_root, "--split-seed", str(a.split_seed),
+                        "--split", a.split, "--dirichlet-alpha", str(a.dirichlet_alpha)]
             self._spawn(name, [
                 "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
-                "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
+                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
                 *self._metrics_flags(name, metrics_ports[name])])
         return server
@@ -179,6 +204,7 @@ class LocalCluster:
 def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
+    _resolve_workers(args)
     training_config(args)  # fail here, with a clear message, rather than in a child process
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
@@ -206,6 +232,19 @@ def cmd_local(args) -> int:
         fh.write("\n")
     _print_summary(summary)
     print(f"run directory: {args.out}")
+    return 0
+
+
+def cmd_split(args) -> int:
+    from mdgan.config import DataConfig
+    from mdgan.sites import split_to_sites
+
+    data = DataConfig(args.dataset, args.data_root, args.workers, args.split_seed, split=args.split,
+                      dirichlet_alpha=args.alpha).validate()
+    sites = split_to_sites(data, args.out, samples=args.samples)
+    print(json.dumps(sites, indent=2))
+    print(f"{len(sites)} site folders in {args.out}: train on them with "
+          f"`mdgan local --dataset imagefolder --site-dirs {args.out}`", file=sys.stderr)
     return 0
 
 
@@ -248,8 +287,8 @@ def cmd_sample(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.run import ALGORITHMS
-    from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
-                                add_training_arguments)
+    from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
+                                add_threads_argument, add_training_arguments)
 
     parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -260,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="MD-GAN, or a baseline: FL-GAN (federated averaging of G and D every ceil(E*m/b) "
                             "iterations) or a standalone GAN on the whole dataset")
         add_training_arguments(p)
+        p.set_defaults(workers=None)  # 4, or the number of --site-dirs
         add_data_arguments(p)
+        add_site_arguments(p, launcher=True)
         add_evaluation_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
         # in-process run and the gRPC cluster agree bit for bit.
@@ -275,6 +316,20 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
     local.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
     local.set_defaults(func=cmd_local)
+    split_help = ("Cut a dataset into one folder per site (OUT/site-0, site-1, ...: an ImageFolder of PNG files, every "
+                  "class folder present), to try the real path, where every worker brings its own data, on one machine.")
+    split = sub.add_parser("split", help=split_help, description=split_help)
+    split.add_argument("dataset", choices=("mnist", "cifar10", "synthetic"), help="the dataset to cut")
+    split.add_argument("--workers", type=int, required=True, help="number of sites")
+    split.add_argument("--split", choices=SPLITS, default="iid",
+                       help="iid: equal random parts; dirichlet: per class, proportions over the sites ~ Dir(alpha) "
+                            "(sites of different sizes and label mixes)")
+    split.add_argument("--alpha", type=float, default=0.5, help="dirichlet concentration (smaller: more skewed)")
+    split.add_argument("--split-seed", type=int, default=0, help="seed of the split")
+    split.add_argument("--data-root", default="data", help="folder holding MNIST/raw or cifar-10-batches-py")
+    split.add_argument("--samples", type=int, default=None, help="use only the dataset's first N images (quick trials)")
+    split.add_argument("--out", required=True, help="folder to write site-0, site-1, ... into")
+    split.set_defaults(func=cmd_split)
     sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
     traffic = sub.add_parser("traffic", help="A run's measured traffic against the paper's Table III.")
     traffic.add_argument("run", help="run directory of `mdgan local`")

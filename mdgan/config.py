@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 GAN_KINDS = ("acgan", "gan")
 LOSSES = ("non-saturating", "saturating")
-DATASETS = ("mnist", "cifar10", "synthetic")
+DATASETS = ("mnist", "cifar10", "synthetic", "imagefolder")  # imagefolder: see mdgan/sites.py
 SPLITS = ("iid", "dirichlet")  # how a dataset is cut into shards (DataConfig.split)
 
 

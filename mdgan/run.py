@@ -22,6 +22,7 @@ from mdgan.cluster import IterationRecord, RunResult, Trainer, build_in_process_
 from mdgan.baselines import run_flgan, run_standalone
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
+from mdgan.sites import RunClasses, site_shards
 from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import image_shape
 
@@ -245,19 +246,30 @@ ALGORITHMS = ("mdgan", "flgan", "standalone")
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
              evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
-             crash_every: int | None = None) -> dict:
+             crash_every: int | None = None, site_dirs: str | None = None, bad_images: str = "refuse",
+             classes: tuple[str, ...] | None = None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
+    Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
+    SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
+    (mdgan.sites; classes: the run's class names, as the server's --classes).
     crash_every: MD-GAN only, the paper's crash experiment: every this many iterations one more
     worker fails (the last by rank), and its data leaves with it.
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
     if algorithm == "standalone":  # one G, one D, the whole dataset
+        if site_dirs:
+            raise ConfigError("a standalone GAN trains on one dataset: give it --data-root, not --site-dirs")
         config = replace(config, workers=1, kappa=1)
     config.validate()
-    shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
+    if site_dirs:
+        run_classes = RunClasses(classes, config.model.num_classes, config.model.conditional)
+        shards = site_shards(site_dirs, data.dataset, config.workers, config.model.sample_shape, run_classes,
+                             bad_images)
+    else:
+        shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
                                evaluation.reference)
@@ -282,4 +294,5 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     finally:
         wall = recorder.close(result.iterations if result else None)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
-                         {"algorithm": algorithm, "crash_every": crash_every}, scores=recorder.scores)
+                         {"algorithm": algorithm, "crash_every": crash_every,
+                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}, scores=recorder.scores)

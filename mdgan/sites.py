@@ -1,0 +1,402 @@
+"""A site's own data: what one worker holds when nobody else has it (the real deployment).
+
+A site is a folder. Its format is one of
+  * "imagefolder": torchvision's ImageFolder layout, one sub-folder per class (DIR/cat/001.png, ...),
+    or, for a plain GAN, unlabelled images directly in DIR;
+  * "mnist" / "cifar10": the dataset files in torchvision's layout (DIR/MNIST/raw, ...), here holding
+    this site's images only (all of them are its data: nothing is cut out of them).
+
+Loading is in two steps, because only the server knows the image size its model needs:
+  1. `load_site` reads and checks every image before the worker joins (so bad data fails early,
+     with the file named) and reports m, the classes and the images' shape;
+  2. `SiteData.conform` turns them into the model's samples once the run is known: channels
+     (grey or RGB), size (resized, bilinear, when the aspect ratio matches), float32 in [-1, 1]
+     (x / 127.5 - 1, exactly as mdgan.data's MNIST and CIFAR readers), flattened channel-first.
+Labels are mapped from the site's class names to the run's (`map_labels`), so two sites that hold
+different subsets of the classes still agree on what label 3 means.
+
+The emulation of the paper (every worker sees a shared dataset and keeps shard i of a seeded split)
+stays in mdgan.data; `split_to_sites` turns a dataset into per-site folders to try this path on one
+machine (`mdgan split`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mdgan.config import ConfigError, DataConfig
+
+log = logging.getLogger(__name__)
+
+# The formats a site folder may have (--dataset), and what to do with a file that is not a usable image.
+SITE_FORMATS = ("imagefolder", "mnist", "cifar10", "synthetic")
+BAD_IMAGE_POLICIES = ("refuse", "skip")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
+NUMERIC_CLASSES = 10  # MNIST, CIFAR-10 and the synthetic set label their samples 0..9
+SITE_PREFIX = "site-"  # `mdgan split` writes DIR/site-0, DIR/site-1, ...
+_NAMED = 5  # bad files named in an error message (then a count)
+
+
+@dataclass
+class SiteData:
+    """One site's samples as read from disk, before they are shaped for a model.
+
+    pixels: (m, C, H, W) uint8 (imagefolder: the images' own size; the others: already the model's
+    flat (m, d) float32 in [-1, 1], see `samples`). labels: (m,) int64, indices into class_names.
+    class_names: the site's class folders, sorted (imagefolder); None when the labels are the numbers
+    0..NUMERIC_CLASSES-1 of a known dataset; () for unlabelled images.
+    """
+
+    root: str
+    pixels: torch.Tensor | None
+    labels: torch.Tensor
+    class_names: tuple[str, ...] | None
+    samples: torch.Tensor | None = None  # numeric datasets: (m, d) float32 in [-1, 1]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of the images left out
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def labelled(self) -> bool:
+        return self.class_names is None or len(self.class_names) > 0
+
+    @property
+    def num_classes(self) -> int:
+        return NUMERIC_CLASSES if self.class_names is None else len(self.class_names)
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        """(C, H, W) of the images as stored (imagefolder), or the flat sample shape (the others)."""
+        return tuple(self.pixels.shape[1:]) if self.pixels is not None else tuple(self.samples.shape[1:])
+
+    def conform(self, sample_shape: tuple[int, ...]) -> torch.Tensor:
+        """The site's samples as the model takes them: (m, *sample_shape) float32 in [-1, 1]."""
+        d = math.prod(sample_shape)
+        if self.pixels is None:
+            if math.prod(self.samples.shape[1:]) != d:
+                raise ConfigError(f"the samples under {self.root!r} have shape {tuple(self.samples.shape[1:])}, "
+                                  f"which does not fit the model's {tuple(sample_shape)}")
+            return self.samples.reshape(-1, *sample_shape)
+        target = model_image_shape(sample_shape)
+        if not resizable(self.image_shape, target):
+            raise ConfigError(f"the images under {self.root!r} are {_geometry(self.image_shape)}; the model takes "
+                              f"{_geometry(target)}, another aspect ratio (crop or pad them first)")
+        pixels = _resize(self.pixels, target)  # (m, C', H', W') uint8
+        return pixels.reshape(len(self), -1).to(torch.float32).div_(127.5).sub_(1.0).reshape(-1, *sample_shape)
+
+
+def model_image_shape(sample_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(C, H, W) of the model's samples (flat ones are read as square grey or RGB images)."""
+    from mdgan.models import image_shape
+
+    if len(sample_shape) == 3:
+        return tuple(sample_shape)
+    try:
+        return image_shape(math.prod(sample_shape))
+    except ValueError as exc:
+        raise ConfigError(f"the model's samples {tuple(sample_shape)} are not images: {exc}") from None
+
+
+def resizable(image: tuple[int, ...], target: tuple[int, int, int]) -> bool:
+    """Images of shape (C, H, W) can become `target`: grey <-> RGB, and the same aspect ratio."""
+    return len(image) == 3 and image[0] in (1, 3) and image[1] * target[2] == image[2] * target[1]
+
+
+def _geometry(shape: tuple[int, ...]) -> str:
+    if len(shape) != 3:
+        return f"samples of shape {shape}"
+    return f"{shape[1]}x{shape[2]} {'grey' if shape[0] == 1 else 'RGB'}"
+
+
+def _resize(pixels: torch.Tensor, target: tuple[int, int, int]) -> torch.Tensor:
+    channels, height, width = target
+    if pixels.shape[1] != channels:  # ITU-R 601-2 luma, as PIL's convert("L"); grey -> RGB repeats the plane
+        if channels == 1:
+            weights = torch.tensor([299, 587, 114], dtype=torch.int32).view(1, 3, 1, 1)
+            pixels = ((pixels.to(torch.int32) * weights).sum(1, keepdim=True) + 500).div(1000, rounding_mode="floor")
+            pixels = pixels.clamp_(0, 255).to(torch.uint8)
+        else:
+            pixels = pixels.expand(-1, 3, -1, -1)
+    if tuple(pixels.shape[2:]) != (height, width):
+        from PIL import Image
+
+        out = np.empty((pixels.shape[0], channels, height, width), dtype=np.uint8)
+        for i, image in enumerate(pixels.numpy()):
+            for c in range(channels):  # per plane: the same bilinear filter for grey and RGB
+                plane = Image.fromarray(np.ascontiguousarray(image[c])).resize((width, height), Image.BILINEAR)
+                out[i, c] = np.asarray(plane)
+        pixels = torch.from_numpy(out)
+    return pixels.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a site folder
+
+def find_images(root: str) -> tuple[tuple[str, ...], list[tuple[str, int]]]:
+    """The class names and (path, class index) of every image file under root, in a fixed order.
+
+    Sub-folders of root are the classes (sorted by name, as torchvision's ImageFolder; a class
+    folder may be empty: this site has none of that class), searched recursively; with no
+    sub-folder the images directly in root are unlabelled (class_names ()). Hidden entries and
+    files without an image extension are ignored, as ImageFolder does.
+    """
+    if not os.path.isdir(root):
+        raise ConfigError(f"the data folder {root!r} does not exist")
+    entries = sorted(e for e in os.listdir(root) if not e.startswith("."))
+    classes = tuple(e for e in entries if os.path.isdir(os.path.join(root, e)))
+    found: list[tuple[str, int]] = []
+    if not classes:
+        found = [(os.path.join(root, e), 0) for e in entries if e.lower().endswith(IMAGE_EXTENSIONS)]
+    for index, name in enumerate(classes):
+        for folder, dirs, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found += [(os.path.join(folder, f), index) for f in sorted(files)
+                      if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+    if not found:
+        layout = f"class folders {', '.join(classes[:_NAMED])}" if classes else "no class folders"
+        raise ConfigError(f"no images under {root!r} ({layout}; looked for {', '.join(IMAGE_EXTENSIONS)}): a site "
+                          "folder holds one sub-folder of images per class, or the images themselves for a plain GAN")
+    return classes, found
+
+
+def _decode(path: str) -> np.ndarray:
+    """One image -> (C, H, W) uint8, C = 1 (grey) or 3 (RGB); raises OSError/ValueError if unreadable."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+        if image.mode in ("1", "L", "I;16", "I", "F", "LA") or (image.mode == "P" and _grey_palette(image)):
+            image = image.convert("L")
+            return np.array(image)[None]
+        image = image.convert("RGB")
+        return np.ascontiguousarray(np.array(image).transpose(2, 0, 1))
+
+
+def _grey_palette(image) -> bool:
+    palette = image.getpalette() or []
+    return all(palette[i] == palette[i + 1] == palette[i + 2] for i in range(0, len(palette) - 2, 3))
+
+
+def _bad(root: str, bad: list[tuple[str, str]], policy: str) -> None:
+    if not bad:
+        return
+    named = "; ".join(f"{os.path.relpath(p, root)}: {why}" for p, why in bad[:_NAMED])
+    more = f" (and {len(bad) - _NAMED} more)" if len(bad) > _NAMED else ""
+    if policy == "refuse":
+        raise ConfigError(f"{len(bad)} unusable image(s) under {root!r}: {named}{more}; fix or remove them, or "
+                          "pass --bad-images skip to train without them")
+    log.warning("skipping %d unusable image(s) under %s: %s%s", len(bad), root, named, more)
+
+
+def load_imagefolder(root: str, bad_images: str = "refuse") -> SiteData:
+    """Read and check every image of a site folder (see find_images).
+
+    An image is unusable when it cannot be decoded, or when its aspect ratio differs from the
+    site's (the most common (H, W)), so it could not be resized like the others. bad_images
+    "refuse" (default) raises ConfigError naming them; "skip" leaves them out, with a warning.
+    Images of another size with the same aspect ratio are resized to the most common size; grey
+    and RGB may mix (grey ones are promoted to RGB when the site has RGB images).
+    """
+    if bad_images not in BAD_IMAGE_POLICIES:
+        raise ConfigError(f"--bad-images must be one of {BAD_IMAGE_POLICIES}, got {bad_images!r}")
+    classes, found = find_images(root)
+    decoded: list[tuple[np.ndarray, int, str]] = []
+    bad: list[tuple[str, str]] = []
+    for path, label in found:
+        try:
+            decoded.append((_decode(path), label, path))
+        except Exception as exc:  # PIL raises many kinds (UnidentifiedImageError, OSError, SyntaxError...)
+            bad.append((path, f"unreadable ({type(exc).__name__}: {exc})"))
+    sizes = Counter(image.shape[1:] for image, _, _ in decoded)
+    if sizes:
+        (height, width), _ = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))
+        kept = []
+        for image, label, path in decoded:
+            h, w = image.shape[1:]
+            if h * width != w * height:
+                bad.append((path, f"{h}x{w}, not the {height}x{width} aspect ratio of the other images"))
+            else:
+                kept.append((image, label, path))
+        decoded = kept
+    _bad(root, bad, bad_images)
+    if not decoded:
+        raise ConfigError(f"no usable images under {root!r}: all {len(found)} were skipped")
+    channels = max(image.shape[0] for image, _, _ in decoded)
+    pixels = torch.stack([_resize(torch.from_numpy(image)[None], (channels, height, width))[0]
+                          for image, _, _ in decoded])  # (m, C, H, W) uint8
+    labels = torch.tensor([label for _, label, _ in decoded], dtype=torch.int64)
+    return SiteData(root, pixels, labels, classes, skipped=bad)
+
+
+def load_site(dataset: str, root: str, bad_images: str = "refuse") -> SiteData:
+    """All of a site's data (nothing is cut out of it), checked; see the module doc."""
+    if dataset == "imagefolder":
+        return load_imagefolder(root, bad_images)
+    if dataset not in SITE_FORMATS:
+        raise ConfigError(f"unknown site format {dataset!r}; choose from {SITE_FORMATS}")
+    from mdgan.data import load_dataset
+
+    images, labels = load_dataset(DataConfig(dataset, root, 1))
+    return SiteData(root, None, labels, None, samples=images)
+
+
+def map_labels(site: SiteData, run_classes: tuple[str, ...] | None) -> torch.Tensor:
+    """The site's labels as indices into the run's class names (None: numeric labels, kept)."""
+    if site.class_names is None or run_classes is None or not site.class_names:
+        return site.labels
+    index = {name: i for i, name in enumerate(run_classes)}
+    missing = [c for c in site.class_names if c not in index]
+    if missing:
+        raise ConfigError(f"the classes {', '.join(missing)} of {site.root!r} are not among the run's classes "
+                          f"({', '.join(run_classes)})")
+    table = torch.tensor([index[c] for c in site.class_names], dtype=torch.int64)
+    return table[site.labels]
+
+
+def check_classes(site_classes: tuple[str, ...] | None, site_count: int, run_classes: tuple[str, ...] | None,
+                  run_count: int, conditional: bool, exact: bool = False) -> str | None:
+    """Why a site's classes do not fit the run, or None. The server asks at join; simulate, per site.
+
+    A plain GAN ignores labels. An ACGAN needs labelled data: a site with numeric labels (MNIST,
+    CIFAR files) needs the run's number of classes; a site with class folders needs names among
+    run_classes (the run's --classes: a subset is fine; exact: the classes an earlier site set,
+    which every site must then have), or, while none are set, run_count of them.
+    """
+    if not conditional:
+        return None
+    if site_classes is not None and not site_classes:
+        return "the site's images are unlabelled (no class folders), and an ACGAN run needs labels: run --gan gan"
+    if site_classes is None:
+        if run_classes is not None and not exact:
+            return f"the site's labels are numbers, the run's classes are named ({', '.join(run_classes)})"
+        if site_count != run_count:
+            return f"the site has {site_count} classes, the run has {run_count}"
+        return None
+    if run_classes is None:
+        if len(site_classes) != run_count:
+            return (f"the site has {len(site_classes)} classes ({', '.join(site_classes)}), the run has {run_count}; "
+                    "give the server --classes to let each site hold a subset of them")
+        return None
+    if exact and tuple(site_classes) != tuple(run_classes):
+        return (f"the site's classes ({', '.join(site_classes)}) differ from the run's ({', '.join(run_classes)}); "
+                "give the server --classes to let each site hold a subset of them")
+    unknown = [c for c in site_classes if c not in run_classes]
+    if unknown:
+        return f"the site's classes {', '.join(unknown)} are not among the run's ({', '.join(run_classes)})"
+    return None
+
+
+class RunClasses:
+    """The run's classes as sites join: declared (--classes) or set by the first site with class
+    folders. The same rules for the server (at join) and for simulate (site by site)."""
+
+    def __init__(self, declared: tuple[str, ...] | None, count: int, conditional: bool):
+        self.declared = declared
+        self.fixed: tuple[str, ...] | None = None
+        self.count = count
+        self.conditional = conditional
+
+    @property
+    def names(self) -> tuple[str, ...] | None:
+        return self.declared or self.fixed
+
+    def check(self, site_classes: tuple[str, ...] | None, site_count: int) -> str | None:
+        """Why this site cannot join, or None (and then its classes may fix the run's)."""
+        if self.declared is not None:
+            return check_classes(site_classes, site_count, self.declared, self.count, self.conditional)
+        why = check_classes(site_classes, site_count, self.fixed, self.count, self.conditional, exact=True)
+        if why is None and self.conditional and site_classes and self.fixed is None:
+            self.fixed = tuple(site_classes)
+        return why
+
+
+def site_shards(site_dirs: str, fmt: str, workers: int, sample_shape: tuple[int, ...], run: RunClasses,
+                bad_images: str = "refuse") -> list:
+    """Every site of an in-process run (simulate): SITE_DIRS/site-i becomes worker i's shard, checked
+    and shaped exactly as a worker does it for the server."""
+    from mdgan.data import Shard
+
+    found = count_sites(site_dirs)
+    if found != workers:
+        raise ConfigError(f"{site_dirs!r} holds {found} site folders; the run has {workers} workers")
+    sites = [load_site(fmt, site_dir(site_dirs, i), bad_images) for i in range(workers)]
+    for i, site in enumerate(sites):
+        why = run.check(site.class_names, site.num_classes if site.labelled else 0)
+        if why:
+            raise ConfigError(f"{site_dir(site_dirs, i)}: {why}")
+    return [Shard(site.conform(sample_shape), map_labels(site, run.names), i, workers) for i, site in enumerate(sites)]
+
+
+def site_dir(site_dirs: str, index: int) -> str:
+    return os.path.join(site_dirs, f"{SITE_PREFIX}{index}")
+
+
+def count_sites(site_dirs: str) -> int:
+    """How many site-0, site-1, ... folders there are (consecutive from 0)."""
+    if not os.path.isdir(site_dirs):
+        raise ConfigError(f"--site-dirs {site_dirs!r} is not a folder")
+    n = 0
+    while os.path.isdir(site_dir(site_dirs, n)):
+        n += 1
+    if n == 0:
+        raise ConfigError(f"no {SITE_PREFIX}0 folder under {site_dirs!r} (`mdgan split` writes one per site)")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# mdgan split: a dataset -> one folder per site
+
+def split_to_sites(config: DataConfig, out_dir: str, fmt: str = "png", samples: int | None = None) -> list[dict]:
+    """Cut a dataset into config.num_shards sites (config.split: iid or dirichlet) and write each one
+    as OUT/site-i, an ImageFolder of PNG files (one folder per class, every class present, empty where
+    the site has none of it). Returns one {"site", "path", "size", "classes": {name: count}} per site.
+
+    samples: only the dataset's first `samples` images (quick trials). Existing site folders are
+    refused rather than mixed with new files.
+    """
+    from PIL import Image
+
+    from mdgan.data import load_dataset, shard_indices
+    from mdgan.models import image_shape
+
+    if fmt != "png":
+        raise ConfigError(f"unknown site format {fmt!r}: png")
+    images, labels = load_dataset(config.validate())
+    if samples is not None:
+        if samples < config.num_shards:
+            raise ConfigError(f"--samples {samples} cannot be cut into {config.num_shards} sites")
+        images, labels = images[:samples], labels[:samples]
+    pieces = shard_indices(labels, config)
+    channels, height, width = image_shape(images.shape[1])
+    # back to the bytes on disk: x = p / 127.5 - 1 exactly inverts for p in 0..255
+    pixels = images.add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8).reshape(-1, channels, height, width)
+    num_classes = int(labels.max()) + 1 if labels.numel() else 0
+    names = [str(c).zfill(len(str(num_classes - 1))) for c in range(num_classes)]
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for site, picked in enumerate(pieces):
+        root = site_dir(out_dir, site)
+        if os.path.exists(root):
+            raise ConfigError(f"{root!r} exists; choose an empty --out")
+        tmp = root + ".partial"
+        for name in names:
+            os.makedirs(os.path.join(tmp, name), exist_ok=True)
+        counts = Counter()
+        for i in picked.tolist():
+            label = int(labels[i])
+            plane = pixels[i].numpy()
+            image = Image.fromarray(plane[0]) if channels == 1 else Image.fromarray(plane.transpose(1, 2, 0))
+            image.save(os.path.join(tmp, names[label], f"{i:06d}.png"))
+            counts[names[label]] += 1
+        os.replace(tmp, root)  # a site folder appears whole or not at all
+        written.append({"site": site, "path": root, "size": len(picked),
+                        "classes": {n: counts.get(n, 0) for n in names}})
+    return written
