@@ -120,7 +120,12 @@ class TrainingConfig:
         return self
 
     def swap_period(self, shard_size: int) -> int:
-        """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11)."""
+        """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11).
+
+        With workers of different sizes (sites) the trainers pass the smallest m: no discriminator
+        then sees more than E epochs of the data it trains on between two swaps (with the mean, the
+        smallest site's D would see more and overfit it); FL-GAN rounds use the same S.
+        """
         if self.swap_every is not None:
             return self.swap_every
         return max(1, math.ceil(self.swap_epochs * shard_size / self.batch_size))
