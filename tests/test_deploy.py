@@ -145,7 +145,7 @@ def test_optional_servicemonitor_and_dashboard(tmp_path):
 
 
 def test_workers_replicas_is_the_one_scaling_value():
-    docs = render("--set", "workers.replicas=5")
+    docs = render("--set", "workers.replicas=5", "--set", "workers.data.mode=emulation", "--set", "global.dataset=mnist")
     [statefulset] = by_kind(docs, "StatefulSet")
     assert statefulset["spec"]["replicas"] == 5
     config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
@@ -153,11 +153,48 @@ def test_workers_replicas_is_the_one_scaling_value():
     assert config["mdgan-worker"]["MDGAN_NUM_SHARDS"] == "5"
     assert config["mdgan-worker"]["MDGAN_SHARD_INDEX"] == "auto"
     assert config["mdgan-server"]["MDGAN_DATASET"] == config["mdgan-worker"]["MDGAN_DATASET"] == "mnist"
+    # sites (the default): no shards, each worker's data is its own
+    sites = {c["metadata"]["name"]: c["data"] for c in by_kind(render("--set", "workers.replicas=5"), "ConfigMap")}
+    assert sites["mdgan-server"]["MDGAN_WORKERS"] == "5" and "MDGAN_NUM_SHARDS" not in sites["mdgan-worker"]
+    assert sites["mdgan-server"]["MDGAN_DATASET"] == sites["mdgan-worker"]["MDGAN_DATASET"] == "imagefolder"
     # the derived settings cannot be overridden out of step with workers.replicas
     for flag in ("server.settings.MDGAN_WORKERS=3", "workers.settings.MDGAN_NUM_SHARDS=3",
                  "workers.settings.MDGAN_DATASET=synthetic"):
         result = helm_template("--set", flag, check=False)
         assert result.returncode != 0 and "set by the chart" in result.stderr
+
+
+def test_each_worker_mounts_its_own_site_volume():
+    """Site mode (default): a claim per worker, read-only, no shared data volume, no download."""
+    [statefulset] = by_kind(render(), "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert "data" not in [v["name"] for v in pod["volumes"]]  # not one volume for every pod ...
+    [claim] = statefulset["spec"]["volumeClaimTemplates"]  # ... but one claim per pod
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data"]
+    assert mount["mountPath"] == "/data" and mount["readOnly"] is True
+    assert not by_kind(render(), "PersistentVolumeClaim")[1:]  # only the server's runs claim
+
+    # the sites' existing volumes, in worker order: claim data-<statefulset>-i bound to volume i, kept
+    docs = render("--set", "workers.replicas=3", "--set-json", 'workers.data.claim.existingVolumes=["pv-a","pv-b","pv-c"]')
+    claims = {c["metadata"]["name"]: c for c in by_kind(docs, "PersistentVolumeClaim")}
+    for i, volume in enumerate(["pv-a", "pv-b", "pv-c"]):
+        claim = claims[f"data-mdgan-worker-{i}"]
+        assert claim["spec"]["volumeName"] == volume
+        assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    result = validate(helm_template("--set-json", 'workers.data.claim.existingVolumes=["pv-a","pv-b"]').stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for bad, why in ((["--set-json", 'workers.data.claim.existingVolumes=["pv-a"]'], "1 volumes for 2 workers"),
+                     (["--set", "workers.data.download=true"], "needs workers.data.mode=emulation"),
+                     (["--set", "workers.data.mode=shared"], "must be site or emulation")):
+        result = helm_template(*bad, check=False)
+        assert result.returncode != 0 and why in result.stderr, result.stderr
+
+    # emulation: one shared volume source, the download init container only when asked (demos)
+    [emulated] = by_kind(render("--set", "workers.data.mode=emulation"), "StatefulSet")
+    assert "volumeClaimTemplates" not in emulated["spec"] and "initContainers" not in emulated["spec"]["template"]["spec"]
+    assert {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}} in emulated["spec"]["template"]["spec"]["volumes"]
 
 
 def test_pods_are_locked_down_and_probed():
@@ -226,6 +263,29 @@ def test_compose_config_is_valid():
     assert {"server", "worker", "prometheus", "grafana"} <= set(scaled)
     with_data = run([compose, "-f", COMPOSE_FILE, "--profile", "download", "config", "--services"]).stdout.split()
     assert "data" in with_data
+
+
+def test_compose_sites_override_mounts_only_each_sites_folder():
+    compose = tool("docker-compose")
+    sites_file = os.path.join(REPO, "docker-compose.sites.yml")
+    services = json.loads(run([compose, "-f", COMPOSE_FILE, "-f", sites_file, "config", "--format", "json"],
+                              env={"MDGAN_SITE_0": "/srv/paris", "MDGAN_SITE_1": "/srv/lyon"}).stdout)["services"]
+    sites = sorted(name for name in services if name.startswith("site-"))
+    assert sites == ["site-0", "site-1"]
+    assert services["worker"]["deploy"]["replicas"] == 0  # the emulation's workers are off
+    assert services["server"]["environment"]["MDGAN_WORKERS"] == str(len(sites))
+    assert services["server"]["environment"]["MDGAN_DATASET"] == "imagefolder"
+    sources = []
+    for i, name in enumerate(sites):
+        service = services[name]
+        [volume] = service["volumes"]  # one folder, its own, read-only, and nothing else
+        assert volume["type"] == "bind" and volume["target"] == "/data" and volume["read_only"] is True
+        sources.append(volume["source"])
+        env = service["environment"]
+        assert "MDGAN_NUM_SHARDS" not in env and env["MDGAN_DATA_ROOT"] == "/data"  # its own data, not a shard
+        assert env["MDGAN_SHARD_INDEX"] == str(i) and env["MDGAN_ADVERTISE_ADDRESS"] == f"{name}:50052"
+        assert "worker" in service["networks"]["default"]["aliases"]  # Prometheus' DNS discovery finds it
+    assert sources == ["/srv/paris", "/srv/lyon"]
 
 
 # ------------------------------------------------- the compose services, run as local processes
@@ -438,7 +498,8 @@ def test_data_download_commands_run(tmp_path):
         if IN_CI:
             pytest.fail(f"MNIST missing under {SHARED_DATA}")
         pytest.skip(f"MNIST not found under {SHARED_DATA}")
-    [statefulset] = by_kind(render(), "StatefulSet")
+    [statefulset] = by_kind(render("--set", "workers.data.mode=emulation", "--set", "workers.data.download=true",
+                                   "--set", "global.dataset=mnist"), "StatefulSet")
     [init] = statefulset["spec"]["template"]["spec"]["initContainers"]
     with open(COMPOSE_FILE) as fh:
         data_service = interpolate(yaml.safe_load(fh), {})["services"]["data"]
