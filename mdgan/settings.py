@@ -116,9 +116,12 @@ def class_names(args: argparse.Namespace) -> tuple[str, ...] | None:
     raw = getattr(args, "classes", None)
     if not raw:
         return None
+    from mdgan.sites import check_class_names
+
     names = tuple(n.strip() for n in raw.split(","))
-    if any(not n for n in names) or len(set(names)) != len(names):
-        raise ConfigError(f"--classes must be distinct non-empty names separated by commas, got {raw!r}")
+    malformed = check_class_names(names)
+    if malformed:
+        raise ConfigError(f"--classes must be distinct names separated by commas ({malformed}), got {raw[:200]!r}")
     return names
 
 

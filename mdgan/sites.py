@@ -107,7 +107,29 @@ def model_image_shape(sample_shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 def resizable(image: tuple[int, ...], target: tuple[int, int, int]) -> bool:
     """Images of shape (C, H, W) can become `target`: grey <-> RGB, and the same aspect ratio."""
-    return len(image) == 3 and image[0] in (1, 3) and image[1] * target[2] == image[2] * target[1]
+    return (len(image) == 3 and image[0] in (1, 3) and image[1] > 0 and image[2] > 0
+            and image[1] * target[2] == image[2] * target[1])
+
+
+MAX_CLASSES = 10_000  # class names a join may carry (each at most MAX_CLASS_NAME characters)
+MAX_CLASS_NAME = 255
+
+
+def check_class_names(names: tuple[str, ...]) -> str | None:
+    """Why a list of class names (from a join, or --classes) is malformed, or None."""
+    if len(names) > MAX_CLASSES:
+        return f"{len(names)} class names (at most {MAX_CLASSES})"
+    if any(not n or len(n) > MAX_CLASS_NAME for n in names):
+        return f"class names must have 1 to {MAX_CLASS_NAME} characters"
+    if len(set(names)) != len(names):
+        return "class names repeat"
+    return None
+
+
+def _list(names) -> str:
+    """Names for a message: the first few, then a count."""
+    names = list(names)
+    return ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
 
 
 def _geometry(shape: tuple[int, ...]) -> str:
@@ -255,8 +277,8 @@ def map_labels(site: SiteData, run_classes: tuple[str, ...] | None) -> torch.Ten
     index = {name: i for i, name in enumerate(run_classes)}
     missing = [c for c in site.class_names if c not in index]
     if missing:
-        raise ConfigError(f"the classes {', '.join(missing)} of {site.root!r} are not among the run's classes "
-                          f"({', '.join(run_classes)})")
+        raise ConfigError(f"the classes {_list(missing)} of {site.root!r} are not among the run's classes "
+                          f"({_list(run_classes)})")
     table = torch.tensor([index[c] for c in site.class_names], dtype=torch.int64)
     return table[site.labels]
 
@@ -276,21 +298,21 @@ def check_classes(site_classes: tuple[str, ...] | None, site_count: int, run_cla
         return "the site's images are unlabelled (no class folders), and an ACGAN run needs labels: run --gan gan"
     if site_classes is None:
         if run_classes is not None and not exact:
-            return f"the site's labels are numbers, the run's classes are named ({', '.join(run_classes)})"
+            return f"the site's labels are numbers, the run's classes are named ({_list(run_classes)})"
         if site_count != run_count:
             return f"the site has {site_count} classes, the run has {run_count}"
         return None
     if run_classes is None:
         if len(site_classes) != run_count:
-            return (f"the site has {len(site_classes)} classes ({', '.join(site_classes)}), the run has {run_count}; "
+            return (f"the site has {len(site_classes)} classes ({_list(site_classes)}), the run has {run_count}; "
                     "give the server --classes to let each site hold a subset of them")
         return None
     if exact and tuple(site_classes) != tuple(run_classes):
-        return (f"the site's classes ({', '.join(site_classes)}) differ from the run's ({', '.join(run_classes)}); "
+        return (f"the site's classes ({_list(site_classes)}) differ from the run's ({_list(run_classes)}); "
                 "give the server --classes to let each site hold a subset of them")
     unknown = [c for c in site_classes if c not in run_classes]
     if unknown:
-        return f"the site's classes {', '.join(unknown)} are not among the run's ({', '.join(run_classes)})"
+        return f"the site's classes {_list(unknown)} are not among the run's ({_list(run_classes)})"
     return None
 
 

@@ -195,6 +195,13 @@ def test_the_server_checks_what_a_site_brings_at_join():
     assert code == grpc.StatusCode.OK and welcome.shard_index == 0 and list(welcome.spec.class_names) == digits
     code, detail = status(_join(image_shape=[1, 28, 40], num_classes=10, class_names=digits))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot be resized" in detail
+    for shape in ([1, 0, 0], [2, 28, 28], [28, 28]):
+        code, detail = status(_join(image_shape=shape, num_classes=10, class_names=digits))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot be resized" in detail, shape
+    for names, why in ((["a", "a"] + digits[2:], "repeat"), ([""] + digits[1:], "characters"),
+                       (["x" * 300] + digits[1:], "characters"), ([str(i) for i in range(20_000)], "at most")):
+        code, detail = status(_join(image_shape=[1, 28, 28], num_classes=len(names), class_names=names))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and why in detail, detail[:200]
     code, detail = status(_join(image_shape=[1, 28, 28], num_classes=3, class_names=["a", "b", "c"]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the site has 3 classes" in detail and "--classes" in detail
     code, detail = status(_join(image_shape=[1, 28, 28], num_classes=0))

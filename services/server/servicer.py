@@ -17,7 +17,7 @@ from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
-from mdgan.sites import RunClasses, model_image_shape, resizable
+from mdgan.sites import RunClasses, check_class_names, model_image_shape, resizable
 from mdgan.mdgan import StepResult, WorkerBatch
 from services.common import codec
 from services.common.telemetry import Telemetry
@@ -346,6 +346,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def _check_data(self, join: pb.Join) -> None:
         """The worker's samples fit the model: the same flat shape, or images it can resize to the model's."""
         model = self.config.model
+        malformed = check_class_names(tuple(join.class_names))
+        if malformed:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad class names: {malformed}")
         if join.image_shape:
             image = tuple(join.image_shape)
             try:

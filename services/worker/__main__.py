@@ -84,9 +84,6 @@ async def serve(args) -> str:
     data = data_config(args, 1 if own_data else args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
     index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
-    if not own_data and data.dataset == "imagefolder":
-        raise ConfigError("an image folder is a site's own data: leave --num-shards unset (shards of a shared "
-                          "dataset are an emulation, for mnist, cifar10 or synthetic)")
     if own_data:  # a site: all of its data is this worker's, whatever its size
         site = load_site(data.dataset, data.data_root, args.bad_images)
         source = {"site": site, "slot": index}
