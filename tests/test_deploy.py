@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import yaml
 
@@ -356,10 +357,28 @@ def scrape(port: int) -> str | None:
         return None
 
 
+def write_site_folders(root, sizes: list[int]) -> list[str]:
+    """Small image folders (10 classes of random 28x28 grey PNGs), one per site, of different sizes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folders = []
+    for site, per_class in enumerate(sizes):
+        folder = os.path.join(root, f"site-{site}")
+        for label in range(10):
+            os.makedirs(os.path.join(folder, str(label)))
+            for i in range(per_class):
+                pixels = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+                Image.fromarray(pixels).save(os.path.join(folder, str(label), f"{i}.png"))
+        folders.append(folder)
+    return folders
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
+@pytest.mark.parametrize("dataset", ["synthetic", "mnist", "sites"])
 def test_compose_services_run_as_local_processes(tmp_path, dataset):
-    """Runs the compose file's own service commands and environment as local processes (no containers)."""
+    """Runs the compose file's own service commands and environment as local processes (no containers).
+    "sites": with the docker-compose.sites.yml override, every site's worker on its own folder."""
     if dataset == "mnist" and not os.path.isdir(os.path.join(SHARED_DATA, "MNIST", "raw")):
         if IN_CI:
             pytest.fail(f"MNIST missing under {SHARED_DATA}")
@@ -370,9 +389,20 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
     knobs = {"MDGAN_WORKERS": str(workers), "MDGAN_ITERATIONS": str(iterations), "MDGAN_DATASET": dataset,
              "MDGAN_BATCH_SIZE": "10", "MDGAN_SWAP_EPOCHS": "0.02" if dataset == "synthetic" else "0.0005",
              "MDGAN_DATA_DIR": SHARED_DATA if dataset == "mnist" else ""}
+    if dataset == "sites":  # 30 and 50 images: S = ceil(0.5 * 30 / 10) = 2
+        sites = write_site_folders(tmp_path / "sites", [3, 5])
+        knobs.update(MDGAN_DATASET="", MDGAN_SWAP_EPOCHS="0.5", MDGAN_SITE_0=sites[0], MDGAN_SITE_1=sites[1])
     with open(COMPOSE_FILE) as fh:
         compose = interpolate(yaml.safe_load(fh), knobs)
     services = compose["services"]
+    worker_services = ["worker"] * int(services["worker"]["deploy"]["replicas"])
+    if dataset == "sites":  # the override, merged as compose does for these keys
+        with open(os.path.join(REPO, "docker-compose.sites.yml")) as fh:
+            override = interpolate(yaml.safe_load(fh), knobs)["services"]
+        services["server"]["environment"].update(override["server"]["environment"])
+        assert override["worker"]["deploy"]["replicas"] == 0
+        worker_services = sorted(name for name in override if name.startswith("site-"))
+        services.update({name: override[name] for name in worker_services})
 
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MDGAN_")}
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), console_script_shims(tmp_path),
@@ -443,19 +473,23 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
         if has_metrics:
             scraped["server"] = scrape(server_metrics)
 
-        replicas = int(services["worker"]["deploy"]["replicas"])
-        assert replicas == workers
+        assert len(worker_services) == workers
         worker_metrics = []
-        for i in range(replicas):
+        for i, service in enumerate(worker_services):
             grpc_port, metrics_port = free_port(), free_port()
-            env = environment("worker", grpc_port, metrics_port)
-            # a container advertises its IP on the compose network; here that is loopback
+            # a container advertises its IP (or its service name) on the compose network; here that is loopback
+            network[f"{service}:50052"] = f"127.0.0.1:{grpc_port}"
+            env = environment(service, grpc_port, metrics_port)
             env["MDGAN_ADVERTISE_ADDRESS"] = f"127.0.0.1:{grpc_port}"
             assert env["MDGAN_SERVER"] == f"127.0.0.1:{server_port}"
-            assert env["MDGAN_NUM_SHARDS"] == str(workers) and env["MDGAN_SHARD_INDEX"] == "assign"
+            if dataset == "sites":  # its own folder, nothing else: no shards
+                assert "MDGAN_NUM_SHARDS" not in env and env["MDGAN_SHARD_INDEX"] == str(i)
+                assert env["MDGAN_DATA_ROOT"] == sites[i] and env["MDGAN_DATASET"] == "imagefolder"
+            else:
+                assert env["MDGAN_NUM_SHARDS"] == str(workers) and env["MDGAN_SHARD_INDEX"] == "assign"
             if dataset == "mnist":
                 assert env["MDGAN_DATA_ROOT"] == SHARED_DATA
-            procs.append(Proc(f"worker-{i}", argv("worker"), str(logs / f"worker-{i}.log"), env=env, cwd=str(logs)))
+            procs.append(Proc(f"worker-{i}", argv(service), str(logs / f"worker-{i}.log"), env=env, cwd=str(logs)))
             worker_metrics.append(metrics_port)
 
         deadline = time.monotonic() + 300
@@ -483,6 +517,8 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
     assert summary["iterations"] == iterations
     assert summary["workers"] == workers and summary["workers_alive"] == workers
     assert summary["swaps"] >= 1, summary  # peer to peer, at the addresses the workers advertised
+    if dataset == "sites":
+        assert summary["worker_sizes"] == {"worker-0": 30, "worker-1": 50}
     for name in ("history.jsonl", "samples.png", "checkpoint.pt"):
         assert os.path.isfile(os.path.join(out, name)), name
     if has_metrics:
