@@ -308,3 +308,25 @@ def test_three_sites_over_grpc_each_worker_reads_only_its_own_folder(tmp_path, m
         assert sum(p.endswith(".png") for p in paths) == sizes[int(site[-1])]  # every image of its own, once
         strangers = [p for p in paths if p != own and not p.startswith(own + os.sep)]
         assert not strangers, f"{site}'s worker opened other sites' files: {strangers[:5]}"
+
+
+def test_unlabelled_sites_train_a_plain_gan_and_the_swap_period_follows_the_smallest_site(tmp_path):
+    rng = np.random.default_rng(1)
+    for site, count in enumerate((20, 30)):  # images directly in the folder: no classes
+        os.makedirs(tmp_path / "sites" / f"site-{site}")
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8)).save(
+                tmp_path / "sites" / f"site-{site}" / f"{i}.png")
+    site = load_imagefolder(str(tmp_path / "sites" / "site-0"))
+    assert site.class_names == () and not site.labelled and int(site.labels.abs().sum()) == 0
+    data = DataConfig("imagefolder", str(tmp_path), 2)
+    plain = TrainingConfig(workers=2, iterations=4, batch_size=10, swap_epochs=1.0, model=ModelSpec(gan="gan"))
+    summary = simulate(plain.validate(), data, str(tmp_path / "gan"), progress=False, evaluation=NO_EVAL,
+                       site_dirs=str(tmp_path / "sites"))
+    # S = ceil(E * min(m) / b) = ceil(1 * 20 / 10) = 2 (the mean, 25, would give 3)
+    assert summary["worker_sizes"] == {"worker-0": 20, "worker-1": 30} and summary["swap_period"] == 2
+    assert summary["swaps"] == 2
+    acgan = TrainingConfig(workers=2, iterations=4, batch_size=10).validate()
+    with pytest.raises(ConfigError, match=r"site-0.*unlabelled.*--gan gan"):
+        simulate(acgan, data, str(tmp_path / "acgan"), progress=False, evaluation=NO_EVAL,
+                 site_dirs=str(tmp_path / "sites"))
