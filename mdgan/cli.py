@@ -16,7 +16,6 @@ import sys
 import time
 
 from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
-from mdgan.sites import site_dir
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
                   "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2")
@@ -122,6 +121,8 @@ class LocalCluster:
                 "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
 
     def start(self) -> subprocess.Popen:
+        from mdgan.sites import site_dir
+
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
