@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -409,6 +410,8 @@ def split_to_sites(config: DataConfig, out_dir: str, fmt: str = "png", samples: 
         if os.path.exists(root):
             raise ConfigError(f"{root!r} exists; choose an empty --out")
         tmp = root + ".partial"
+        if os.path.exists(tmp):  # left by an interrupted split: not to be mixed with this one
+            shutil.rmtree(tmp)
         for name in names:
             os.makedirs(os.path.join(tmp, name), exist_ok=True)
         counts = Counter()
