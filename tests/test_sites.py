@@ -330,3 +330,18 @@ def test_unlabelled_sites_train_a_plain_gan_and_the_swap_period_follows_the_smal
     with pytest.raises(ConfigError, match=r"site-0.*unlabelled.*--gan gan"):
         simulate(acgan, data, str(tmp_path / "acgan"), progress=False, evaluation=NO_EVAL,
                  site_dirs=str(tmp_path / "sites"))
+
+
+def test_site_flags_are_checked_before_anything_starts(tmp_path, capsys):
+    from mdgan.cli import main
+
+    for site in range(2):
+        os.makedirs(tmp_path / "sites" / f"site-{site}" / "0")
+    for argv, why in ((["local", "--site-dirs", str(tmp_path / "sites"), "--workers", "3"], "holds 2 sites"),
+                      (["simulate", "--site-dirs", str(tmp_path / "nowhere")], "is not a folder"),
+                      (["simulate", "--site-dirs", str(tmp_path)], "no site-0 folder"),
+                      (["simulate", "--site-dirs", str(tmp_path / "sites"), "--classes", "a,a"], "repeat"),
+                      (["split", "synthetic", "--workers", "2", "--out", str(tmp_path / "sites")], "exists")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and why in capsys.readouterr().err, argv
