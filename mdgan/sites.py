@@ -47,19 +47,22 @@ _NAMED = 5  # bad files named in an error message (then a count)
 
 @dataclass
 class SiteData:
-    """One site's samples as read from disk, before they are shaped for a model.
+    """One site's data as found on disk, before it is shaped for a model.
 
-    pixels: (m, C, H, W) uint8 (imagefolder: the images' own size; the others: already the model's
-    flat (m, d) float32 in [-1, 1], see `samples`). labels: (m,) int64, indices into class_names.
-    class_names: the site's class folders, sorted (imagefolder); None when the labels are the numbers
-    0..NUMERIC_CLASSES-1 of a known dataset; () for unlabelled images.
+    Image folders: `files` (path per sample, checked at load) and `shape`, the (C, H, W) the site
+    reports (most common size; RGB if any image is). Their pixels are read again by `conform`, once
+    the model's size is known, so a site of large photos never sits in memory at full size.
+    Known datasets (MNIST, CIFAR files): `samples`, already (m, d) float32 in [-1, 1].
+    labels: (m,) int64, indices into class_names. class_names: the site's class folders, sorted; None
+    when the labels are the numbers 0..NUMERIC_CLASSES-1 of a known dataset; () for unlabelled images.
     """
 
     root: str
-    pixels: torch.Tensor | None
     labels: torch.Tensor
     class_names: tuple[str, ...] | None
-    samples: torch.Tensor | None = None  # numeric datasets: (m, d) float32 in [-1, 1]
+    files: list[str] | None = None
+    shape: tuple[int, int, int] | None = None
+    samples: torch.Tensor | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of the images left out
 
     def __len__(self) -> int:
@@ -75,14 +78,13 @@ class SiteData:
 
     @property
     def image_shape(self) -> tuple[int, ...]:
-        """(C, H, W) of the images as stored (imagefolder), or the flat sample shape (the others)."""
-        return tuple(self.pixels.shape[1:]) if self.pixels is not None else tuple(self.samples.shape[1:])
+        """(C, H, W) of the images (image folders), or the flat sample shape (known datasets)."""
+        return tuple(self.shape) if self.files is not None else tuple(self.samples.shape[1:])
 
     def conform(self, sample_shape: tuple[int, ...]) -> torch.Tensor:
         """The site's samples as the model takes them: (m, *sample_shape) float32 in [-1, 1]."""
-        d = math.prod(sample_shape)
-        if self.pixels is None:
-            if math.prod(self.samples.shape[1:]) != d:
+        if self.files is None:
+            if math.prod(self.samples.shape[1:]) != math.prod(sample_shape):
                 raise ConfigError(f"the samples under {self.root!r} have shape {tuple(self.samples.shape[1:])}, "
                                   f"which does not fit the model's {tuple(sample_shape)}")
             return self.samples.reshape(-1, *sample_shape)
@@ -90,8 +92,18 @@ class SiteData:
         if not resizable(self.image_shape, target):
             raise ConfigError(f"the images under {self.root!r} are {_geometry(self.image_shape)}; the model takes "
                               f"{_geometry(target)}, another aspect ratio (crop or pad them first)")
-        pixels = _resize(self.pixels, target)  # (m, C', H', W') uint8
-        return pixels.reshape(len(self), -1).to(torch.float32).div_(127.5).sub_(1.0).reshape(-1, *sample_shape)
+        pixels = np.empty((len(self.files), *target), dtype=np.uint8)
+        for i, path in enumerate(self.files):
+            try:
+                image = _decode(path)
+            except Exception as exc:
+                raise ConfigError(f"{path} was read at load but cannot be now ({type(exc).__name__}: {exc}): "
+                                  "did the site's folder change?") from None
+            if not resizable(image.shape, target):
+                raise ConfigError(f"{path} is now {_geometry(image.shape)}: did the site's folder change?")
+            pixels[i] = _shape_image(image, target)
+        flat = torch.from_numpy(pixels).reshape(len(self.files), -1)
+        return flat.to(torch.float32).div_(127.5).sub_(1.0).reshape(-1, *sample_shape)
 
 
 def model_image_shape(sample_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -139,25 +151,22 @@ def _geometry(shape: tuple[int, ...]) -> str:
     return f"{shape[1]}x{shape[2]} {'grey' if shape[0] == 1 else 'RGB'}"
 
 
-def _resize(pixels: torch.Tensor, target: tuple[int, int, int]) -> torch.Tensor:
-    channels, height, width = target
-    if pixels.shape[1] != channels:  # ITU-R 601-2 luma, as PIL's convert("L"); grey -> RGB repeats the plane
-        if channels == 1:
-            weights = torch.tensor([299, 587, 114], dtype=torch.int32).view(1, 3, 1, 1)
-            pixels = ((pixels.to(torch.int32) * weights).sum(1, keepdim=True) + 500).div(1000, rounding_mode="floor")
-            pixels = pixels.clamp_(0, 255).to(torch.uint8)
-        else:
-            pixels = pixels.expand(-1, 3, -1, -1)
-    if tuple(pixels.shape[2:]) != (height, width):
-        from PIL import Image
+def _shape_image(image: np.ndarray, target: tuple[int, int, int]) -> np.ndarray:
+    """One (C, H, W) uint8 image -> `target` (C', H', W'): grey <-> RGB, then bilinear resizing."""
+    from PIL import Image
 
-        out = np.empty((pixels.shape[0], channels, height, width), dtype=np.uint8)
-        for i, image in enumerate(pixels.numpy()):
-            for c in range(channels):  # per plane: the same bilinear filter for grey and RGB
-                plane = Image.fromarray(np.ascontiguousarray(image[c])).resize((width, height), Image.BILINEAR)
-                out[i, c] = np.asarray(plane)
-        pixels = torch.from_numpy(out)
-    return pixels.contiguous()
+    channels, height, width = target
+    if image.shape[0] != channels:
+        if channels == 1:  # ITU-R 601-2 luma, as PIL's convert("L")
+            luma = (image.astype(np.int32) * np.array([299, 587, 114], dtype=np.int32).reshape(3, 1, 1)).sum(0)
+            image = ((luma + 500) // 1000).clip(0, 255).astype(np.uint8)[None]
+        else:
+            image = np.repeat(image, 3, axis=0)
+    if image.shape[1:] != (height, width):  # per plane: the same bilinear filter for grey and RGB
+        image = np.stack([np.asarray(Image.fromarray(np.ascontiguousarray(plane)).resize((width, height),
+                                                                                         Image.BILINEAR))
+                          for plane in image])
+    return image
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,43 +229,38 @@ def _bad(root: str, bad: list[tuple[str, str]], policy: str) -> None:
 
 
 def load_imagefolder(root: str, bad_images: str = "refuse") -> SiteData:
-    """Read and check every image of a site folder (see find_images).
+    """Read and check every image of a site folder (see find_images); keep their paths, not their pixels.
 
     An image is unusable when it cannot be decoded, or when its aspect ratio differs from the
-    site's (the most common (H, W)), so it could not be resized like the others. bad_images
-    "refuse" (default) raises ConfigError naming them; "skip" leaves them out, with a warning.
-    Images of another size with the same aspect ratio are resized to the most common size; grey
-    and RGB may mix (grey ones are promoted to RGB when the site has RGB images).
+    site's (that of the most common (H, W)), so it could not be resized like the others.
+    bad_images "refuse" (default) raises ConfigError naming them; "skip" leaves them out, with a
+    warning. Sizes may differ (all are resized to the model's), grey and RGB may mix.
     """
     if bad_images not in BAD_IMAGE_POLICIES:
         raise ConfigError(f"--bad-images must be one of {BAD_IMAGE_POLICIES}, got {bad_images!r}")
     classes, found = find_images(root)
-    decoded: list[tuple[np.ndarray, int, str]] = []
+    readable: list[tuple[str, int, tuple[int, int, int]]] = []
     bad: list[tuple[str, str]] = []
     for path, label in found:
         try:
-            decoded.append((_decode(path), label, path))
+            readable.append((path, label, _decode(path).shape))
         except Exception as exc:  # PIL raises many kinds (UnidentifiedImageError, OSError, SyntaxError...)
             bad.append((path, f"unreadable ({type(exc).__name__}: {exc})"))
-    sizes = Counter(image.shape[1:] for image, _, _ in decoded)
+    kept = []
+    sizes = Counter(shape[1:] for _, _, shape in readable)
     if sizes:
         (height, width), _ = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))
-        kept = []
-        for image, label, path in decoded:
-            h, w = image.shape[1:]
+        for path, label, (_, h, w) in readable:
             if h * width != w * height:
                 bad.append((path, f"{h}x{w}, not the {height}x{width} aspect ratio of the other images"))
             else:
-                kept.append((image, label, path))
-        decoded = kept
+                kept.append((path, label, _))
     _bad(root, bad, bad_images)
-    if not decoded:
+    if not kept:
         raise ConfigError(f"no usable images under {root!r}: all {len(found)} were skipped")
-    channels = max(image.shape[0] for image, _, _ in decoded)
-    pixels = torch.stack([_resize(torch.from_numpy(image)[None], (channels, height, width))[0]
-                          for image, _, _ in decoded])  # (m, C, H, W) uint8
-    labels = torch.tensor([label for _, label, _ in decoded], dtype=torch.int64)
-    return SiteData(root, pixels, labels, classes, skipped=bad)
+    channels = max(shape[0] for _, _, shape in readable if shape[1] * width == shape[2] * height)
+    return SiteData(root, torch.tensor([label for _, label, _ in kept], dtype=torch.int64), classes,
+                    files=[path for path, _, _ in kept], shape=(channels, height, width), skipped=bad)
 
 
 def load_site(dataset: str, root: str, bad_images: str = "refuse") -> SiteData:
@@ -268,7 +272,7 @@ def load_site(dataset: str, root: str, bad_images: str = "refuse") -> SiteData:
     from mdgan.data import load_dataset
 
     images, labels = load_dataset(DataConfig(dataset, root, 1))
-    return SiteData(root, None, labels, None, samples=images)
+    return SiteData(root, labels, None, samples=images)
 
 
 def map_labels(site: SiteData, run_classes: tuple[str, ...] | None) -> torch.Tensor:

@@ -137,6 +137,10 @@ def test_bad_site_folders_are_named_at_load(tmp_path):
     skipped = load_imagefolder(str(tmp_path / "site"), bad_images="skip")
     assert len(skipped) == 3 and skipped.class_names == ("0", "1")  # class 1 is kept, empty at this site
     assert sorted(os.path.basename(p) for p, _ in skipped.skipped) == ["broken.png", "wide.png"]
+    # pixels are read again for the model once the run is known: a file broken since then is named
+    (tmp_path / "site" / "0" / "1.png").write_bytes(b"truncated")
+    with pytest.raises(ConfigError, match=r"0/1.png was read at load but cannot be now.*folder change"):
+        skipped.conform((784,))
     with pytest.raises(ConfigError, match="no usable images"):
         os.makedirs(tmp_path / "only-bad" / "x")
         (tmp_path / "only-bad" / "x" / "a.png").write_bytes(b"junk")

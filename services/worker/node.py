@@ -201,7 +201,7 @@ class WorkerNode:
                            class_names=site.class_names or ())
             if self.slot is not None:
                 join.shard_index = self.slot
-            if site.pixels is not None:  # images: resized to the model's once its spec is known
+            if site.files is not None:  # images: shaped for the model once its spec is known
                 join.image_shape.extend(site.image_shape)
             else:
                 join.sample_shape.extend(site.image_shape)
