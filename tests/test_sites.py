@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -309,7 +310,10 @@ def test_three_sites_over_grpc_each_worker_reads_only_its_own_folder(tmp_path, m
     real_sites = os.path.realpath(sites)
     for site, paths in worker_reads.items():
         own = os.path.join(real_sites, site)
-        assert sum(p.endswith(".png") for p in paths) == sizes[int(site[-1])]  # every image of its own, once
+        images = {os.path.join(folder, f) for folder, _, files in os.walk(own) for f in files}
+        assert len(images) == sizes[int(site[-1])]
+        # every image of its own, read at load (checked) and again for the model's samples
+        assert Counter(p for p in paths if p.endswith(".png")) == Counter({p: 2 for p in images})
         strangers = [p for p in paths if p != own and not p.startswith(own + os.sep)]
         assert not strangers, f"{site}'s worker opened other sites' files: {strangers[:5]}"
 
