@@ -294,20 +294,22 @@ def test_three_sites_over_grpc_each_worker_reads_only_its_own_folder(tmp_path, m
     assert local["generator_sha256"] == simulated["generator_sha256"]
 
     # What every process opened under the sites' folder (logged by tests/site_audit/sitecustomize.py).
-    opened = {}
+    # `mdgan local` forks its services from one fork server: a worker is the process that opened its
+    # own RUN/logs/worker-i.log (worker i is given SITE_DIRS/site-i).
+    real_sites = os.path.realpath(sites)
+    worker_reads, others = {}, []
     for name in os.listdir(audit):
         with open(audit / name) as fh:
-            _, argv, *paths = fh.read().splitlines()
-        opened[" ".join(json.loads(argv))] = paths
-    worker_reads = {}
-    for argv, paths in opened.items():
-        if "services.worker" in argv:
-            site = argv.split("--data-root ")[1].split()[0]
-            worker_reads[os.path.basename(site)] = paths
-        else:  # the launcher and the server read no site's data
-            assert not [p for p in paths if p.endswith(".png")], (argv, paths[:5])
-    assert sorted(worker_reads) == ["site-0", "site-1", "site-2"]
-    real_sites = os.path.realpath(sites)
+            argv, *paths = fh.read().splitlines()
+        images = [p for p in paths if p.startswith(real_sites + os.sep)]
+        logs = [os.path.basename(p)[:-4] for p in paths if p.endswith(".log") and "/logs/worker-" in p]
+        if images and logs:
+            assert logs[0] not in worker_reads, logs
+            worker_reads[f"site-{logs[0].split('-')[1]}"] = images
+        else:  # the launcher, its fork server, the server: they read no site's data
+            assert not images, (argv, images[:5])
+            others.append(argv)
+    assert sorted(worker_reads) == ["site-0", "site-1", "site-2"] and others
     for site, paths in worker_reads.items():
         own = os.path.join(real_sites, site)
         images = {os.path.join(folder, f) for folder, _, files in os.walk(own) for f in files}
