@@ -20,7 +20,8 @@ import urllib.request
 from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
-                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2")
+                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
+                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm", "sync", "quorum", "max_staleness")
 
 
 def _print_summary(summary: dict) -> None:
@@ -38,7 +39,8 @@ def cmd_simulate(args) -> int:
     config = training_config(args)
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
                        evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
-                       site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args))
+                       site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
+                       byzantine=args.byzantine, attack=args.attack)
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
@@ -185,6 +187,7 @@ class LocalCluster:
                 "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
 
     def start(self) -> multiprocessing.Process:
+        from mdgan.attacks import attackers
         from mdgan.sites import site_dir
 
         a = self.args
@@ -210,6 +213,7 @@ class LocalCluster:
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
             *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a)])
         port = self._wait_for_port(port_file, 120)
+        attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
             name = f"worker-{index}"
             if a.site_dirs:  # a site: worker i is given its own folder, nothing else
@@ -221,6 +225,7 @@ class LocalCluster:
                 "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
+                *(["--attack", a.attack] if index in attacking else []),
                 *self._metrics_flags(name, metrics_ports[name])])
         return server
 
@@ -321,6 +326,12 @@ def cmd_local(args) -> int:
 
     _resolve_workers(args)
     training_config(args)  # fail here, with a clear message, rather than in a child process
+    if bool(args.byzantine) != bool(args.attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if args.byzantine:
+        from mdgan.attacks import attackers
+
+        attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
     cluster = LocalCluster(args)
@@ -412,6 +423,7 @@ def cmd_sample(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
                                 add_threads_argument, add_training_arguments)
@@ -434,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_threads_argument(p, default=1)
         p.add_argument("--out", default=f"runs/{name}", help="run directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        g = p.add_argument_group("emulated Byzantine workers (experiments)")
+        g.add_argument("--byzantine", type=int, default=0,
+                       help="K: the last K workers by rank send wrong feedback (needs --attack)")
+        g.add_argument("--attack", choices=ATTACKS, default=None,
+                       help="what they send: sign-flip (-F), scale (10 F), noise (10x F's RMS), free-ride (zeros)")
         return p
 
     run_parser("simulate", "Train in one process: every worker is an object.").set_defaults(func=cmd_simulate)

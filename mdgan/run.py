@@ -246,8 +246,8 @@ ALGORITHMS = ("mdgan", "flgan", "standalone")
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
              evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
-             crash_every: int | None = None, site_dirs: str | None = None, bad_images: str = "refuse",
-             classes: tuple[str, ...] | None = None) -> dict:
+             crash_every: int | None = None, byzantine: int = 0, attack: str | None = None,
+             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
@@ -256,9 +256,21 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     (mdgan.sites; classes: the run's class names, as the server's --classes).
     crash_every: MD-GAN only, the paper's crash experiment: every this many iterations one more
     worker fails (the last by rank), and its data leaves with it.
+    byzantine, attack: MD-GAN only, the last `byzantine` workers by rank send wrong feedback
+    (mdgan/attacks.py), to measure the robust aggregation rules.
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
+    if bool(byzantine) != bool(attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if byzantine and algorithm != "mdgan":
+        raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
+    if byzantine:
+        from mdgan.attacks import ATTACKS, attackers
+
+        attackers(config.workers, byzantine)  # refuses K outside [0, N)
+        if attack not in ATTACKS:
+            raise ConfigError(f"unknown attack {attack!r}; choose from {ATTACKS}")
     if algorithm == "standalone":  # one G, one D, the whole dataset
         if site_dirs:
             raise ConfigError("a standalone GAN trains on one dataset: give it --data-root, not --site-dirs")
@@ -277,7 +289,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     result = None
     try:
         if algorithm == "mdgan":
-            workers = build_in_process_workers(config, shards)
+            workers = build_in_process_workers(config, shards, byzantine, attack)
             on_iteration = recorder
             if crash_every:
                 def on_iteration(record: IterationRecord) -> None:
@@ -295,4 +307,6 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
         wall = recorder.close(result.iterations if result else None)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
                          {"algorithm": algorithm, "crash_every": crash_every,
-                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}, scores=recorder.scores)
+                          "byzantine": byzantine, "attack": attack,
+                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}},
+                         scores=recorder.scores)

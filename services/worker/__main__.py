@@ -15,6 +15,7 @@ import sys
 
 import grpc
 
+from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
@@ -51,6 +52,13 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level")
     add_threads_argument(parser, default=0)
     add_data_arguments(parser)
+    g = parser.add_argument_group("emulation, for experiments and tests only")
+    g.add_argument("--attack", choices=ATTACKS, default=None,
+                   help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), noise (10x F's RMS) "
+                        "or zero (free-ride) feedback instead of F (mdgan/attacks.py)")
+    g.add_argument("--slow-factor", type=float, default=1.0,
+                   help="behave as a straggler: every iteration takes this many times as long (waits "
+                        "(F - 1) x the time its compute took before answering)")
     return parser
 
 
@@ -83,6 +91,8 @@ async def serve(args) -> str:
     own_data = args.num_shards is None
     data = data_config(args, 1 if own_data else args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
+    if not args.slow_factor >= 1:
+        raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
     index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
     if own_data:  # a site: all of its data is this worker's, whatever its size
         site = load_site(data.dataset, data.data_root, args.bad_images)
@@ -107,7 +117,8 @@ async def serve(args) -> str:
     telemetry.serve(args.metrics_port, args.metrics_address)
     server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
-                      telemetry=telemetry, device=args.device, **source)
+                      telemetry=telemetry, device=args.device, attack=args.attack, slow_factor=args.slow_factor,
+                      **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = server.add_insecure_port(args.listen)
