@@ -29,6 +29,7 @@ from mdgan.baselines import run_flgan, run_standalone
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.mdgan import DiscriminatorSide, GeneratorSide, derive_seed
+from mdgan.sites import RunClasses, site_shards
 from mdgan.models import image_shape
 from mdgan.roster import Roster
 
@@ -393,27 +394,50 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
              crash_every: int | None = None, churn: list[tuple[int, str, int]] | None = None,
              checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
-             run_id: str | None = None) -> dict:
+             run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
+             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
+    Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
+    SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
+    (mdgan.sites; classes: the run's class names, as the server's --classes).
     crash_every: MD-GAN only, the paper's crash experiment: every this many iterations one more
     worker fails (the last by rank), and its data leaves with it.
     churn: MD-GAN only, [(iteration, "leave" | "join", slot)]: at that iteration boundary the worker
     of that slot leaves, or comes back (with its saved state if it has one, else a copy of a live
     peer's discriminator), through the same roster as over gRPC.
     checkpoint_every / resume: as for the server; each worker keeps its state in OUT/workers/worker-K.
+    byzantine, attack: MD-GAN only, the last `byzantine` workers by rank send wrong feedback
+    (mdgan/attacks.py), to measure the robust aggregation rules.
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
+    if bool(byzantine) != bool(attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if byzantine and algorithm != "mdgan":
+        raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
+    if byzantine:
+        from mdgan.attacks import ATTACKS, attackers
+
+        attackers(config.workers, byzantine)  # refuses K outside [0, N)
+        if attack not in ATTACKS:
+            raise ConfigError(f"unknown attack {attack!r}; choose from {ATTACKS}")
     if algorithm == "standalone":  # one G, one D, the whole dataset
+        if site_dirs:
+            raise ConfigError("a standalone GAN trains on one dataset: give it --data-root, not --site-dirs")
         config = replace(config, workers=1, kappa=1)
     if algorithm != "mdgan" and (churn or checkpoint_every or resume != "no"):
         raise ConfigError("--churn, --checkpoint-every and --resume work with --algorithm mdgan only")
     config.validate()
     run = open_run(out_dir, config, resume, run_id) if algorithm == "mdgan" else RunStart(run_id or "", config)
     config = run.config
-    shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
+    if site_dirs:
+        run_classes = RunClasses(classes, config.model.num_classes, config.model.conditional)
+        shards = site_shards(site_dirs, data.dataset, config.workers, config.model.sample_shape, run_classes,
+                             bad_images)
+    else:
+        shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
                                evaluation.reference)
@@ -422,7 +446,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     try:
         if algorithm == "mdgan":
             result = asyncio.run(_simulate_mdgan(config, shards, generator_side, recorder, out_dir, run, crash_every,
-                                                 churn or [], checkpoint_every, keep_checkpoints))
+                                                 churn or [], checkpoint_every, keep_checkpoints, byzantine, attack))
         elif algorithm == "standalone":
             result = run_standalone(config, generator_side, shards[0], on_iteration=recorder)
         else:
@@ -431,13 +455,15 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
         wall = recorder.close(result.iterations if result else None)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
                          {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
-                          "resumed_from": run.resumed_from}, scores=recorder.scores)
+                          "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
+                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}},
+                         scores=recorder.scores)
 
 
 async def _simulate_mdgan(config, shards, generator_side, recorder, out_dir, run: RunStart, crash_every, churn,
-                          checkpoint_every, keep) -> RunResult:
+                          checkpoint_every, keep, byzantine: int = 0, attack: str | None = None) -> RunResult:
     state_root = os.path.join(out_dir, "workers", run.run_id)
-    workers = build_in_process_workers(config, shards, state_root, keep)
+    workers = build_in_process_workers(config, shards, state_root, keep, byzantine, attack)
     by_slot = {w.shard_index: w for w in workers}
     roster = Roster(config.workers, pause_timeout=0)
     saver = ServerCheckpoints(out_dir, run.run_id, keep)
@@ -478,7 +504,7 @@ async def _simulate_mdgan(config, shards, generator_side, recorder, out_dir, run
                 log.info("churn: worker-%d leaves at iteration %d", slot, t)
             elif action == "join" and roster.slot_of(current) is None:
                 fresh = type(current)(DiscriminatorSide(config, current.side.sampler.shard), current.board,
-                                      current.swap_timeout, state=current.state)
+                                      current.swap_timeout, state=current.state, attack=current.attack)
                 by_slot[slot] = fresh
                 arrive(fresh)
                 log.info("churn: worker-%d joins at iteration %d (%s)", slot, t,

@@ -19,8 +19,8 @@ from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.roster import Roster
 from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluator, open_run, write_outputs
-from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_threads_argument, add_training_arguments,
-                            apply_threads, training_config)
+from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_site_arguments, add_threads_argument,
+                            add_training_arguments, apply_threads, class_names, training_config)
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -74,6 +74,7 @@ def build_parser() -> EnvArgumentParser:
                          help="on SIGTERM, how long to wait for the iteration under way to end and be checkpointed (s)")
     add_threads_argument(parser, default=0)
     add_training_arguments(parser)
+    add_site_arguments(parser, launcher=False)
     add_evaluation_arguments(parser)
     return parser
 
@@ -124,7 +125,7 @@ async def serve(args) -> dict:
     coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
                               swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
                               model_layouts=layouts, roster=roster, run_id=run.run_id,
-                              swap_round=lambda: trainer.swaps)
+                              swap_round=lambda: trainer.swaps, class_names=class_names(args))
     server = grpc.aio.server(options=rpc.options())
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
@@ -169,6 +170,7 @@ async def serve(args) -> dict:
             "algorithm": args.algorithm,
             "run_id": run.run_id,
             "resumed_from": run.resumed_from,
+            "worker_sizes": {w.worker_id: w.shard_size for w in coordinator.workers.values()},  # each worker's m
             "message_bytes": {
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",
@@ -205,6 +207,8 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
         telemetry.discriminator_loss.set(record.disc_loss)
         telemetry.discriminator_accuracy.labels("real").set(record.real_accuracy)
         telemetry.discriminator_accuracy.labels("generated").set(record.fake_accuracy)
+    if record.late:
+        telemetry.late_feedback.inc(record.late)
     telemetry.workers_alive.set(alive)
     telemetry.last_iteration.set_to_current_time()
 

@@ -13,10 +13,12 @@ import time
 import grpc
 import torch
 
+from mdgan import compression
 from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
+from mdgan.sites import RunClasses, check_class_names, model_image_shape, resizable
 from mdgan.mdgan import StepResult, WorkerBatch
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from services.common import codec
@@ -36,13 +38,18 @@ def _kind(message) -> str:
     return {"batches": "batches", "feedback": "feedback"}.get(body, "control")
 
 
+def tensor_payload(tensor) -> int:
+    """What a tensor costs on the wire: its values, and its int8 scales when compressed."""
+    return len(tensor.data) + len(tensor.scales)
+
+
 def _payload(message) -> int:
     """Bytes of the tensors Table III counts: X_g and X_d down, F_n up (labels are not in it); FL-GAN: models."""
     body = message.WhichOneof("body")
     if body == "batches":
-        return len(message.batches.generated.data) + len(message.batches.discriminated.data)
+        return tensor_payload(message.batches.generated) + tensor_payload(message.batches.discriminated)
     if body == "feedback":
-        return len(message.feedback.gradient.data)
+        return tensor_payload(message.feedback.gradient)
     if body == "model_part":
         return len(message.model_part.data)
     return 0
@@ -55,12 +62,15 @@ class BatchEncoder:
         self._iteration = -1
         self._encoded: dict[int, tuple[torch.Tensor, tensor_pb2.Tensor]] = {}
 
-    def encode(self, iteration: int, tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    def encode(self, iteration: int, tensor: torch.Tensor, wire_dtype: str | None = None) -> tensor_pb2.Tensor:
+        """`wire_dtype`: a float tensor in the run's wire form (mdgan/compression.py); None: as it is."""
         if iteration != self._iteration:
             self._iteration, self._encoded = iteration, {}
         hit = self._encoded.get(id(tensor))
         if hit is None or hit[0] is not tensor:
-            hit = self._encoded[id(tensor)] = (tensor, codec.encode_tensor(tensor))  # holding it pins its id
+            encoded = codec.encode_tensor(tensor) if wire_dtype is None else \
+                codec.encode_packed(compression.pack(tensor, wire_dtype))
+            hit = self._encoded[id(tensor)] = (tensor, encoded)  # holding it pins its id
         return hit[1]
 
 
@@ -109,11 +119,11 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.telemetry.count("server_to_worker", _kind(message), "sender", message, _payload(message))
 
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
-        encode = self.encoder.encode
+        encode, wire = self.encoder.encode, self.config.wire_dtype
         message = pb.ServerMessage(batches=pb.Batches(
             iteration=iteration,
-            generated=encode(iteration, batch.generated),
-            discriminated=encode(iteration, batch.discriminated),
+            generated=encode(iteration, batch.generated, wire),
+            discriminated=encode(iteration, batch.discriminated, wire),
             generated_labels=None if batch.generated_labels is None else encode(iteration, batch.generated_labels),
             discriminated_labels=None if batch.discriminated_labels is None
             else encode(iteration, batch.discriminated_labels)))
@@ -242,8 +252,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         try:
             if not feedback.HasField("gradient"):
                 raise codec.InvalidTensor("missing", "feedback without gradient")
-            gradient = codec.decode_tensor(feedback.gradient, shape=shape, dtype=torch.float32,
-                                           max_bytes=4 * torch.Size(shape).numel(), field="gradient")
+            gradient = codec.decode_packed(feedback.gradient, shape=shape, wire_dtype=self.config.wire_dtype,
+                                           field="gradient")
         except codec.InvalidTensor as exc:
             await self._reject(feedback.iteration, exc.reason, str(exc))
             future.set_exception(InputRejected(exc.reason, str(exc)))
@@ -310,8 +320,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
                  algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
-                 run_id: str = "", swap_round=lambda: 0):
+                 run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None):
         self.config = config
+        # The run's class names: declared (--classes) or set by the first site with class folders.
+        self.classes = RunClasses(class_names, config.model.num_classes, config.model.conditional)
         self.algorithm = algorithm
         self.model_layouts = model_layouts
         self.telemetry = telemetry or Telemetry("server")
@@ -353,10 +365,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 f"point it at its own run's server, or empty its --state-dir to join run {self.run_id!r}"))
         if self.algorithm == "flgan" and self.roster.started:
             raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "an FL-GAN run takes no workers once it started")
-        if tuple(join.sample_shape) != tuple(cfg.model.sample_shape) or join.num_classes != cfg.model.num_classes:
-            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
-                f"data of shape {tuple(join.sample_shape)} with {join.num_classes} classes does not fit the model "
-                f"({tuple(cfg.model.sample_shape)}, {cfg.model.num_classes} classes)"))
+        self._check_data(join)
         if cfg.workers > 1 and not join.peer_address:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap")
         taken = {self.roster.slot_of(w) for w in self.roster.alive()}
@@ -368,11 +377,14 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             free = [i for i in range(cfg.workers) if i not in taken]
             if not free:
                 raise JoinRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {cfg.workers} shards have a worker")
-            if join.dataset_size < cfg.workers:
+            if join.own_data:  # a site: its slot is the lowest free one, its m is all of its data
+                index, size = free[0], join.shard_size
+            elif join.dataset_size < cfg.workers:
                 raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"a dataset of {join.dataset_size} samples cannot "
                                                                     f"be cut into {cfg.workers} shards")
-            index = free[0]
-            size = shard_sizes(join.dataset_size, cfg.workers)[index]
+            else:
+                index = free[0]
+                size = shard_sizes(join.dataset_size, cfg.workers)[index]
         if size < cfg.batch_size:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard of {size} samples < batch size {cfg.batch_size}")
         identity = self._identity(join, context, index)
@@ -382,11 +394,40 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             code = {"taken_by_other": grpc.StatusCode.PERMISSION_DENIED, "busy": grpc.StatusCode.ALREADY_EXISTS,
                     "full": grpc.StatusCode.RESOURCE_EXHAUSTED}.get(refused.kind, grpc.StatusCode.INVALID_ARGUMENT)
             raise JoinRefused(code, f"shard {index}: {refused}") from None
+        classes = tuple(join.class_names) if join.class_names else (() if join.own_data and not join.num_classes
+                                                                    else None)
+        why = self.classes.check(classes, join.num_classes)  # last: a refused join must not fix the run's classes
+        if why:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"this worker's classes do not fit the run: {why}")
         # Only what this run saved counts as the worker's state.
         same_run = bool(join.run_id) and join.run_id == self.run_id
         plan = self.roster.rejoin_plan(list(join.checkpoints) if same_run else [],
                                        join.trained_iteration if same_run else 0)
         return index, size, identity, plan
+
+    def _check_data(self, join: pb.Join) -> None:
+        """The worker's samples fit the model: the same flat shape, or images it can resize to the model's."""
+        model = self.config.model
+        malformed = check_class_names(tuple(join.class_names))
+        if malformed:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad class names: {malformed}")
+        if join.image_shape:
+            image = tuple(join.image_shape)
+            try:
+                target = model_image_shape(model.sample_shape)
+            except ValueError as exc:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if not resizable(image, target):
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"this worker's images of shape {image} (C, H, W) cannot be resized to the model's {target}: "
+                    "not 1 or 3 channels, or another aspect ratio"))
+        elif tuple(join.sample_shape) != tuple(model.sample_shape):
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data of shape {tuple(join.sample_shape)} does not fit the model's samples "
+                f"{tuple(model.sample_shape)}"))
+        if not join.own_data and join.num_classes != model.num_classes:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data with {join.num_classes} classes does not fit the model ({model.num_classes} classes)"))
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -414,12 +455,15 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.address_book[worker.worker_id] = join.peer_address
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
-        log.info("%s joined from %s (shard of %d, peer %s)%s", worker.worker_id, context.peer(), size,
-                 join.peer_address, f": restores its state of iteration {plan.restore}" if plan.restore
+        log.info("%s joined from %s (%s of %d samples, peer %s)%s", worker.worker_id, context.peer(),
+                 "its own data" if join.own_data else "a shard", size, join.peer_address,
+                 f": restores its state of iteration {plan.restore}" if plan.restore
                  else ": takes a copy of a peer's discriminator" if plan.copy else "")
+        spec = codec.spec_from_config(self.config, self.algorithm)
+        spec.class_names.extend(self.classes.names or ())
         try:
             await worker.send(pb.ServerMessage(welcome=pb.Welcome(
-                worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config, self.algorithm),
+                worker_id=worker.worker_id, shard_index=index, spec=spec,
                 heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000),
                 run_id=self.run_id, swap_round=self.swap_round(), restore_iteration=plan.restore, copy=plan.copy)))
         except WorkerLost:

@@ -1,4 +1,8 @@
-"""mdgan-worker: loads its data shard, serves the Peer service, joins the server and trains."""
+"""mdgan-worker: loads its data, serves the Peer service, joins the server and trains.
+
+Its data is either the site's own (the default: everything under --data-root is this worker's,
+whatever its size) or, to emulate sites from one shared dataset as in the paper (--num-shards N),
+shard --shard-index of N cut from it."""
 
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ import uuid
 
 import grpc
 
+from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
+from mdgan.sites import load_site
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
 from services.common import rpc
 from services.common.proto import peer_pb2_grpc
@@ -35,10 +41,13 @@ def build_parser() -> EnvArgumentParser:
                         help="HOST or HOST:PORT peers use to reach this worker (default: this host's name; the port "
                              "defaults to the bound one)")
     parser.add_argument("--shard-index", default="auto",
-                        help="which shard of the data this worker holds: a number; 'auto', the trailing number of "
-                             "the host name (a StatefulSet pod's ordinal); or 'assign', the lowest free shard, "
-                             "chosen by the server")
-    parser.add_argument("--num-shards", type=int, default=1, help="number of shards the data is split into (N)")
+                        help="this worker's slot (rank), and with --num-shards N > 1 the shard of the shared data it "
+                             "keeps: a number; 'auto', the trailing number of the host name (a StatefulSet pod's "
+                             "ordinal); or 'assign', the lowest free slot, chosen by the server")
+    parser.add_argument("--num-shards", type=int, default=None,
+                        help="emulation: --data-root is a dataset shared by N workers, cut into N shards (--split, "
+                             "--split-seed), and this worker keeps one; unset (default): all of --data-root is this "
+                             "site's own data")
     parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
     parser.add_argument("--server-timeout", type=float, default=120.0,
                         help="leave when no server of our run has been heard for this long (s): a broken stream "
@@ -55,11 +64,21 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level")
     add_threads_argument(parser, default=0)
     add_data_arguments(parser)
+    g = parser.add_argument_group("emulation, for experiments and tests only")
+    g.add_argument("--attack", choices=ATTACKS, default=None,
+                   help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), noise (10x F's RMS) "
+                        "or zero (free-ride) feedback instead of F (mdgan/attacks.py)")
+    g.add_argument("--slow-factor", type=float, default=1.0,
+                   help="behave as a straggler: every iteration takes this many times as long (waits "
+                        "(F - 1) x the time its compute took before answering)")
     return parser
 
 
-def resolve_shard_index(value: str) -> int | None:
-    """The shard index, or None when the server is to assign one."""
+def resolve_shard_index(value: str, ordinal_required: bool = True) -> int | None:
+    """The shard index (a site's: its slot), or None when the server is to assign one.
+
+    'auto' without a trailing number in the host name: an error for a shard of a shared dataset,
+    'assign' for a site (whose data does not depend on its slot)."""
     if value == "assign":
         return None
     if value != "auto":
@@ -68,6 +87,8 @@ def resolve_shard_index(value: str) -> int | None:
         except ValueError:
             raise ConfigError(f"--shard-index must be a number or 'auto', got {value!r}") from None
     match = re.search(r"-(\d+)$", socket.gethostname())
+    if not match and not ordinal_required:
+        return None
     if not match:
         raise ConfigError(f"--shard-index auto: host name {socket.gethostname()!r} does not end in -<number>")
     return int(match.group(1))
@@ -116,9 +137,12 @@ def advertise_address(value: str | None, bound_port: int) -> str:
 
 
 async def serve(args) -> str:
-    data = data_config(args, args.num_shards)
+    own_data = args.num_shards is None
+    data = data_config(args, 1 if own_data else args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
-    index = resolve_shard_index(args.shard_index)
+    if not args.slow_factor >= 1:
+        raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
+    index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
     if args.state_dir and index is None:
         # Replicas without an ordinal share one state volume: each locks a folder of its own in it,
         # and one restarted after a crash takes back the folder (and the shard) of an unfinished run.
@@ -126,10 +150,17 @@ async def serve(args) -> str:
         if saved.get("shard_index") is not None and not saved.get("finished"):
             index = int(saved["shard_index"])
             log.info("state %s: back in run %s with shard %d", args.state_dir, saved.get("run_id"), index)
-    if index is None and data.split != "iid":
+    if own_data:  # a site: all of its data is this worker's, whatever its size
+        site = load_site(data.dataset, data.data_root, args.bad_images)
+        source = {"site": site, "slot": index}
+        classes = (f"{len(site.class_names)} classes" if site.class_names else "unlabelled") \
+            if site.class_names is not None else f"{site.num_classes} numbered classes"
+        log.info("this site holds %d samples (%s, %s)%s", len(site), classes, site.image_shape,
+                 f"; {len(site.skipped)} unusable images skipped" if site.skipped else "")
+    elif index is None and data.split != "iid":
         raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
                           "assigns from the i.i.d. split); give each worker its --shard-index")
-    if index is None:
+    elif index is None:
         images, labels = load_stored_dataset(data)  # uint8 where stored so: 4x less until the shard is cut
         source = {"dataset": (images, labels, data)}
         log.info("loaded %d samples; the server will assign a shard", images.shape[0])
@@ -143,7 +174,8 @@ async def serve(args) -> str:
     server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
                       telemetry=telemetry, device=args.device, state_dir=args.state_dir,
-                      keep_checkpoints=args.keep_checkpoints, run_id=args.run_id, **source)
+                      keep_checkpoints=args.keep_checkpoints, run_id=args.run_id, attack=args.attack,
+                      slow_factor=args.slow_factor, **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = server.add_insecure_port(args.listen)

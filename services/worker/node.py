@@ -15,10 +15,12 @@ import torch
 
 from dataclasses import replace
 
-from mdgan import checkpoint
+from mdgan import checkpoint, compression
+from mdgan.attacks import FeedbackAttack
 from mdgan.checkpoint import CheckpointError, CheckpointStore
-from mdgan.config import DataConfig
+from mdgan.config import ConfigError, DataConfig
 from mdgan.data import Shard, take_shard
+from mdgan.sites import NUMERIC_CLASSES, SiteData, map_labels
 from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
 from mdgan.cluster import RUN_FINISHED
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
@@ -143,7 +145,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     async def PushDiscriminator(self, request_iterator, context: grpc.aio.ServicerContext) -> peer_pb2.PushAck:
         side, telemetry = self.node.side, self.node.telemetry
-        assembler = codec.StateAssembler(side.state_layout()) if side is not None else None
+        assembler = codec.StateAssembler(compression.wire_layout(side.state_layout(), side.config.wire_dtype)) \
+            if side is not None else None
         # Refusing mid-stream while the peer still writes can surface as INTERNAL on its side, so a
         # refused stream is drained (up to a bound, discarding) and refused once the peer is done.
         refusal: tuple[grpc.StatusCode, str] | None = None
@@ -179,25 +182,42 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if refusal is not None:
             log.warning("refused a discriminator from %s: %s", context.peer(), refusal[1])
             await context.abort(*refusal)
+        try:
+            state = compression.unpack_state(state, side.state_layout(), side.config.wire_dtype)
+        except compression.PackingError as exc:
+            telemetry.rejected.labels(exc.reason).inc()
+            log.warning("refused a discriminator from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         mailbox.deliver(assembler.header.round, assembler.header.sender_worker, state)
         return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)
 
 
 class WorkerNode:
-    """Holds either its shard (index chosen by the operator) or the whole dataset it will cut its
-    shard from once the server assigns an index."""
+    """Holds one of: its site's own data (shaped for the model once the server's spec arrives; its
+    slot chosen by the operator or by the server), its shard of a shared dataset (emulation; index
+    chosen by the operator), or the whole shared dataset it will cut its shard from once the server
+    assigns an index."""
 
     def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
                  dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
+                 site: SiteData | None = None, slot: int | None = None,
                  connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
                  telemetry: Telemetry | None = None, device: str = "cpu", state_dir: str | None = None,
-                 keep_checkpoints: int = 3, run_id: str | None = None, reconnect: bool = True):
-        if (shard is None) == (dataset is None):
-            raise ValueError("give a shard, or a dataset to take the assigned shard from")
+                 keep_checkpoints: int = 3, run_id: str | None = None, reconnect: bool = True,
+                 attack: str | None = None, slow_factor: float = 1.0):
+        if sum(x is not None for x in (shard, dataset, site)) != 1:
+            raise ValueError("give a site's data, a shard, or a dataset to take the assigned shard from")
         self.shard = shard
         self.dataset = dataset
+        self.site = site
+        self._site_join: pb.Join | None = None  # a site's data facts, sent again on every rejoin
+        self.slot = slot  # sites: the slot (rank) asked for; None: the server assigns one
         self.telemetry = telemetry or Telemetry("worker")
         self.device = device  # this worker's own choice; the run's spec does not carry one
+        # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
+        self.attack_kind = attack
+        self.attack = None  # built once the run's seed is known (welcome)
+        self.slow_factor = slow_factor
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout
@@ -260,7 +280,7 @@ class WorkerNode:
             await call.write(message)
         body = message.WhichOneof("body")
         if body == "feedback":
-            kind, payload = "feedback", len(message.feedback.gradient.data)
+            kind, payload = "feedback", len(message.feedback.gradient.data) + len(message.feedback.gradient.scales)
         elif body == "model_part":
             kind, payload = message.model_part.model, len(message.model_part.data)
         else:
@@ -278,7 +298,7 @@ class WorkerNode:
         if message.WhichOneof("body") == "batches":
             b = message.batches
             self.telemetry.count("server_to_worker", "batches", "receiver", message,
-                                 len(b.generated.data) + len(b.discriminated.data))
+                                 sum(len(t.data) + len(t.scales) for t in (b.generated, b.discriminated)))
         elif message.WhichOneof("body") == "model_part":
             part = message.model_part
             self.telemetry.count("server_to_worker", part.model if part.model in ("generator", "discriminator")
@@ -288,15 +308,33 @@ class WorkerNode:
         return message
 
     def _join_message(self) -> pb.WorkerMessage:
-        if self.shard is not None:
+        if self.site is not None or self._site_join is not None:
+            if self._site_join is None:  # what the site tells the server about its data, kept for rejoins
+                site = self.site
+                self._site_join = pb.Join(own_data=True, shard_size=len(site),
+                                          num_classes=site.num_classes if site.labelled else 0,
+                                          class_names=site.class_names or ())
+                if site.files is not None:  # images: shaped for the model once its spec is known
+                    self._site_join.image_shape.extend(site.image_shape)
+                else:
+                    self._site_join.sample_shape.extend(site.image_shape)
+            join = pb.Join()
+            join.CopyFrom(self._site_join)
+            if self.shard is not None:  # back after a break: the slot this site held
+                join.shard_index = self.shard.index
+            elif self.slot is not None:
+                join.shard_index = self.slot
+        elif self.shard is not None:
             images, labels = self.shard.images, self.shard.labels
             join = pb.Join(shard_index=self.shard.index, shard_size=len(self.shard))
         else:
             images, labels, _ = self.dataset
             join = pb.Join(dataset_size=images.shape[0])
+        if not join.own_data:
+            join.sample_shape.extend(images.shape[1:])
+            # the dataset's classes, not the shard's: a non-i.i.d. shard may lack the last ones
+            join.num_classes = max(NUMERIC_CLASSES, int(labels.max()) + 1)
         join.peer_address = self.advertise_address
-        join.sample_shape.extend(images.shape[1:])
-        join.num_classes = int(labels.max()) + 1
         if self.run_id:
             join.run_id = self.run_id
             join.checkpoints.extend(self._held())
@@ -379,7 +417,17 @@ class WorkerNode:
             # Back in the same run: keep our discriminator unless the server says to restore a saved one.
             await self._restore(welcome)
             return
-        if self.shard is None:
+        if self.site is not None:
+            site, classes = self.site, tuple(welcome.spec.class_names) or None
+            try:
+                images, labels = site.conform(config.model.sample_shape), map_labels(site, classes)
+            except ConfigError as exc:
+                raise ServerGone(f"this site's data does not fit the run: {exc}") from exc
+            self.shard = Shard(images, labels, welcome.shard_index, config.workers)
+            self.site = None  # keep only the shaped samples
+            log.info("slot %d of %d: this site's %d samples, shaped %s", welcome.shard_index, config.workers,
+                     len(self.shard), tuple(config.model.sample_shape))
+        elif self.shard is None:
             images, labels, data = self.dataset
             data = replace(data, num_shards=config.workers)
             self.shard = take_shard(images, labels, welcome.shard_index, data, config.model.sample_shape)
@@ -395,6 +443,9 @@ class WorkerNode:
             self.gan = make_flgan_worker_gan(config, self.shard)
         elif welcome.spec.algorithm in ("", "mdgan"):
             self.side = DiscriminatorSide(config, self.shard)
+            if self.attack_kind:
+                self.attack = FeedbackAttack(self.attack_kind, config.seed, self.shard.index)
+                log.warning("emulating a Byzantine worker: %s feedback", self.attack_kind)
         else:
             raise ServerGone(f"the server runs {welcome.spec.algorithm!r}, which this worker does not know")
         log.info("joined run %s as %s: %s, b=%d, L=%d", self.run_id or "(no id)", self.worker_id,
@@ -476,12 +527,13 @@ class WorkerNode:
         config = self.side.config
         shape = (config.batch_size, *config.model.sample_shape)
         classes, conditional = config.model.num_classes, config.model.conditional
+        wire = config.wire_dtype
         try:  # the server's input is checked like anyone's
             batch = WorkerBatch(
-                generated=codec.decode_tensor(batches.generated, shape=shape, dtype=torch.float32, field="generated"),
+                generated=codec.decode_packed(batches.generated, shape=shape, wire_dtype=wire, field="generated"),
                 generated_labels=codec.decode_labels(batches.generated_labels, shape[0], classes, "generated_labels")
                 if conditional else None,
-                discriminated=codec.decode_tensor(batches.discriminated, shape=shape, dtype=torch.float32,
+                discriminated=codec.decode_packed(batches.discriminated, shape=shape, wire_dtype=wire,
                                                   field="discriminated"),
                 discriminated_labels=codec.decode_labels(batches.discriminated_labels, shape[0], classes,
                                                          "discriminated_labels") if conditional else None,
@@ -494,8 +546,11 @@ class WorkerNode:
         # heartbeats wait at most one step; the server sends nothing else until this feedback.
         result = self.side.step(batch)
         self.trained_iteration = batches.iteration
+        if self.slow_factor > 1:  # an emulated straggler
+            await asyncio.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
+        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
         await self._write(call, pb.WorkerMessage(feedback=pb.Feedback(
-            iteration=batches.iteration, gradient=codec.encode_tensor(result.feedback),
+            iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(feedback, wire)),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
                                real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy))))
         t = self.telemetry
@@ -575,7 +630,8 @@ class WorkerNode:
         if order.kind == "copy":
             return await self._copy(order)
         started = time.perf_counter()
-        state = self.side.export_state()  # snapshot before anything arrives in our place
+        # a snapshot before anything arrives in our place, in its wire form
+        state = compression.pack_state(self.side.export_state(), self.side.config.wire_dtype)
         sent, sent_payload, sent_messages, errors = False, 0, 0, []
         try:
             sent_payload, sent_messages = await self._push(order, state)
