@@ -299,6 +299,7 @@ class Trainer:
             roster = Roster(config.workers)
             for w in workers or []:
                 roster.arrive(w.shard_index, w.worker_id, w)
+            roster.at_boundary(0)  # all of them members from the first iteration
             roster.started = True
         self.roster = roster
         self.step_timeout = step_timeout
@@ -314,6 +315,8 @@ class Trainer:
         self.rejections = 0
         self.completed = 0  # iterations done (the boundary the run stands at)
         self.swap_period: int | None = None
+        if workers:  # a fixed set: each worker's own m_n is known now (S from the smallest, see swap_period)
+            self.swap_period = config.swap_period(min(w.shard_size for w in workers))
         self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
         self._last_checkpoint = 0
         self.checkpoint_started = 0.0  # perf_counter() when the checkpoint under way began
