@@ -11,13 +11,14 @@ import importlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
 import time
 import urllib.request
 
-from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
+from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
                   "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
@@ -32,21 +33,46 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_simulate(args) -> int:
     from mdgan.run import simulate
-    from mdgan.settings import apply_threads, data_config, evaluation_options, training_config
+    from mdgan.settings import apply_threads, class_names, data_config, evaluation_options, training_config
+
+    from mdgan.run import parse_churn
 
     apply_threads(args.threads)
+    _resolve_workers(args)
     config = training_config(args)
+    if args.resume:
+        args.out = args.resume
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
                        evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                       churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
+                       keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
+                       run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
                        byzantine=args.byzantine, attack=args.attack)
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
 
 
+def _resolve_workers(args) -> None:
+    """--workers: the number of site folders with --site-dirs (which an explicit --workers must match), else 4."""
+    from mdgan.sites import count_sites
+
+    if args.site_dirs:
+        sites = count_sites(args.site_dirs)
+        if args.workers is not None and args.workers != sites:
+            raise ConfigError(f"--workers {args.workers}, but --site-dirs {args.site_dirs} holds {sites} sites")
+        args.workers = sites
+    elif args.workers is None:
+        args.workers = 4
+
+
 def _eval_root(args) -> str | None:
-    """Scores need the MNIST test set: only for MNIST runs."""
-    return args.data_root if args.dataset == "mnist" and args.eval_every >= 0 else None
+    """Scores need the MNIST test set: only for MNIST runs (with --site-dirs, --data-root may still hold it)."""
+    if args.dataset == "mnist" and args.eval_every >= 0 and not args.site_dirs:
+        return args.data_root
+    if args.eval_every >= 0 and args.site_dirs and os.path.isdir(os.path.join(args.data_root, "MNIST", "raw")):
+        return args.data_root
+    return None
 
 
 def _forwarded_training_flags(args) -> list[str]:
@@ -183,14 +209,19 @@ class LocalCluster:
 
     def start(self) -> multiprocessing.Process:
         from mdgan.attacks import attackers
+        from mdgan.sites import site_dir
 
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         security = self.security_flags()
         port_file = os.path.join(self.out, "server.port")
-        for stale in ("server.port", "history.jsonl", "swaps.jsonl", "summary.json"):  # from an earlier run here
-            if os.path.exists(os.path.join(self.out, stale)):
-                os.remove(os.path.join(self.out, stale))
+        # from an earlier run here (a resumed run keeps its history: the server truncates it to the checkpoint)
+        stale = ("server.port",) if a.resume else ("server.port", "history.jsonl", "swaps.jsonl", "summary.json")
+        for name in stale:
+            if os.path.exists(os.path.join(self.out, name)):
+                os.remove(os.path.join(self.out, name))
+        if not a.resume:  # the workers' states of an earlier run here would tie them to that run
+            shutil.rmtree(os.path.join(self.out, "workers"), ignore_errors=True)
         metrics_ports = {name: _free_port() for name in ["server", *(f"worker-{i}" for i in range(a.workers))]}
         self.metrics_ports = metrics_ports
         # Prometheus file_sd targets, so a Prometheus can scrape this cluster while it runs.
@@ -205,17 +236,25 @@ class LocalCluster:
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
+            "--checkpoint-every", str(a.checkpoint_every), "--keep-checkpoints", str(a.keep_checkpoints),
+            *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
             *security["server"],
-            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
+            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
+            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a)])
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
             name = f"worker-{index}"
+            if a.site_dirs:  # a site: worker i is given its own folder, nothing else
+                data = ["--data-root", site_dir(os.path.abspath(a.site_dirs), index), "--bad-images", a.bad_images]
+            else:  # emulation: every worker is given the shared dataset and keeps shard i
+                data = ["--num-shards", str(a.workers), "--data-root", a.data_root, "--split-seed", str(a.split_seed),
+                        "--split", a.split, "--dirichlet-alpha", str(a.dirichlet_alpha)]
             self._spawn(name, [
                 "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
-                "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
+                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
+                "--state-dir", os.path.join(self.out, "workers", name),
                 *(["--attack", a.attack] if index in attacking else []),
                 *security[name], *self._metrics_flags(name, metrics_ports[name])])
         return server
@@ -315,7 +354,18 @@ def _raise_terminated(signum, frame):
 def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
+    _resolve_workers(args)
     training_config(args)  # fail here, with a clear message, rather than in a child process
+    if args.resume:  # the run's own settings, from its run directory
+        from mdgan.checkpoint import RUN_FILE, read_json
+
+        args.out = args.resume
+        try:
+            saved = read_json(os.path.join(args.resume, RUN_FILE))
+        except FileNotFoundError:
+            raise ConfigError(f"--resume {args.resume}: no run to resume there (no {RUN_FILE})") from None
+        args.workers = saved["config"]["workers"]
+        args.iterations = saved["config"]["iterations"]
     if bool(args.byzantine) != bool(args.attack):
         raise ConfigError("--byzantine K and --attack go together")
     if args.byzantine:
@@ -380,6 +430,19 @@ def cmd_certs(args) -> int:
     return 0
 
 
+def cmd_split(args) -> int:
+    from mdgan.config import DataConfig
+    from mdgan.sites import split_to_sites
+
+    data = DataConfig(args.dataset, args.data_root, args.workers, args.split_seed, split=args.split,
+                      dirichlet_alpha=args.alpha).validate()
+    sites = split_to_sites(data, args.out, samples=args.samples)
+    print(json.dumps(sites, indent=2))
+    print(f"{len(sites)} site folders in {args.out}: train on them with "
+          f"`mdgan local --dataset imagefolder --site-dirs {args.out}`", file=sys.stderr)
+    return 0
+
+
 def cmd_models(args) -> int:
     from mdgan.models import ARCHITECTURES, parameter_report
 
@@ -420,8 +483,8 @@ def cmd_sample(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
-    from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
-                                add_training_arguments)
+    from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
+                                add_threads_argument, add_training_arguments)
 
     parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -432,13 +495,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="MD-GAN, or a baseline: FL-GAN (federated averaging of G and D every ceil(E*m/b) "
                             "iterations) or a standalone GAN on the whole dataset")
         add_training_arguments(p)
+        p.set_defaults(workers=None)  # 4, or the number of --site-dirs
         add_data_arguments(p)
+        add_site_arguments(p, launcher=True)
         add_evaluation_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
         # in-process run and the gRPC cluster agree bit for bit.
         add_threads_argument(p, default=1)
         p.add_argument("--out", default=f"runs/{name}", help="run directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        durable = p.add_argument_group("durable runs (MD-GAN)")
+        durable.add_argument("--checkpoint-every", type=int, default=0,
+                             help="checkpoint every this many iterations (0: never); workers keep theirs in "
+                                  "OUT/workers/")
+        durable.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
+        durable.add_argument("--resume", metavar="RUN", default=None,
+                             help="continue the run in directory RUN from its last complete checkpoint (its own "
+                                  "settings; the training flags are ignored)")
+        durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
         g = p.add_argument_group("emulated Byzantine workers (experiments)")
         g.add_argument("--byzantine", type=int, default=0,
                        help="K: the last K workers by rank send wrong feedback (needs --attack)")
@@ -446,7 +520,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what they send: sign-flip (-F), scale (10 F), noise (10x F's RMS), free-ride (zeros)")
         return p
 
-    run_parser("simulate", "Train in one process: every worker is an object.").set_defaults(func=cmd_simulate)
+    simulate = run_parser("simulate", "Train in one process: every worker is an object.")
+    simulate.add_argument("--churn", default=None, metavar="EVENTS",
+                          help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
+                               "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
+                               "state or a copy of a live peer's discriminator)")
+    simulate.set_defaults(func=cmd_simulate)
     local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
     local.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
     local.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
@@ -477,6 +556,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--days", type=int, default=365, help="validity in days")
         p.add_argument("--overwrite", action="store_true", help="replace existing files")
     certs.set_defaults(func=cmd_certs)
+
+    split_help = ("Cut a dataset into one folder per site (OUT/site-0, site-1, ...: an ImageFolder of PNG files, every "
+                  "class folder present), to try the real path, where every worker brings its own data, on one machine.")
+    split = sub.add_parser("split", help=split_help, description=split_help)
+    split.add_argument("dataset", choices=("mnist", "cifar10", "synthetic"), help="the dataset to cut")
+    split.add_argument("--workers", type=int, required=True, help="number of sites")
+    split.add_argument("--split", choices=SPLITS, default="iid",
+                       help="iid: equal random parts; dirichlet: per class, proportions over the sites ~ Dir(alpha) "
+                            "(sites of different sizes and label mixes)")
+    split.add_argument("--alpha", type=float, default=0.5, help="dirichlet concentration (smaller: more skewed)")
+    split.add_argument("--split-seed", type=int, default=0, help="seed of the split")
+    split.add_argument("--data-root", default="data", help="folder holding MNIST/raw or cifar-10-batches-py")
+    split.add_argument("--samples", type=int, default=None, help="use only the dataset's first N images (quick trials)")
+    split.add_argument("--out", required=True, help="folder to write site-0, site-1, ... into")
+    split.set_defaults(func=cmd_split)
     sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
     traffic = sub.add_parser("traffic", help="A run's measured traffic against the paper's Table III.")
     traffic.add_argument("run", help="run directory of `mdgan local`")

@@ -18,8 +18,10 @@ from typing import Callable
 import torch
 
 from mdgan import compression
+from mdgan.checkpoint import CheckpointStore
 from mdgan.config import TrainingConfig
 from mdgan.mdgan import DiscriminatorSide, GeneratorSide, StepResult, WorkerBatch, derangement
+from mdgan.roster import Roster
 from mdgan.synchrony import PartialSync
 
 log = logging.getLogger(__name__)
@@ -38,11 +40,18 @@ class InputRejected(Exception):
         self.detail = detail
 
 
+SWAP, COPY = "swap", "copy"
+
+
 @dataclass(frozen=True)
 class SwapOrder:
+    """A swap (send yours to send_to, take receive_from's), or a one-way copy to a late joiner
+    (kind COPY: the donor has only send_to, the joiner only receive_from; round = the iteration)."""
+
     swap_round: int
-    send_to: str  # worker id that receives this worker's discriminator
-    receive_from: str  # worker id whose discriminator this worker takes
+    send_to: str  # worker id that receives this worker's discriminator ("" : send nothing)
+    receive_from: str  # worker id whose discriminator this worker takes ("" : take nothing)
+    kind: str = SWAP
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,15 @@ class WorkerHandle(abc.ABC):
     async def stop(self, reason: str) -> None:
         """The run is over (or this worker is dropped from it)."""
 
+    # A late joiner without usable state of its own waits for a copy of a live peer's D (set by the
+    # transport from the roster's RejoinPlan when it admits the worker).
+    needs_copy: bool = False
+
+    async def checkpoint(self, iteration: int) -> str | None:
+        """Save D, its Adam state and the sampler's state for `iteration` where this worker keeps its
+        state; None when written, else why not. Raises WorkerLost."""
+        return "this worker keeps no state"
+
 
 # ---------------------------------------------------------------------------------------------
 
@@ -104,6 +122,7 @@ class InProcessSwapBoard:
 
 class InProcessWorker(WorkerHandle):
     def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
+                 state: CheckpointStore | None = None,
                  attack: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.side = side
         self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
@@ -113,6 +132,7 @@ class InProcessWorker(WorkerHandle):
         self.worker_id = f"worker-{side.shard_index}"
         self.shard_size = len(side.sampler.shard)
         self.crashed = False
+        self.state = state  # where this worker saves its checkpoints (its own state dir)
 
     def crash(self) -> None:
         """Emulate the paper's crash experiment: the worker and its data leave the run."""
@@ -131,11 +151,10 @@ class InProcessWorker(WorkerHandle):
     async def swap(self, order: SwapOrder) -> SwapReport:
         if self.crashed:
             raise WorkerLost(f"{self.worker_id} crashed")
-        wire = self.side.config.wire_dtype
-        packed = compression.pack_state(self.side.export_state(), wire)
-        self.board.deliver(order.swap_round, order.send_to, self.worker_id,
-                           compression.unpack_state(packed, self.side.state_layout(), wire))
-        sent = compression.state_nbytes(packed)
+        if order.kind == COPY:
+            return await self._copy(order)
+        state, sent = self._outgoing_state()
+        self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
         try:
             sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
         except asyncio.TimeoutError:
@@ -145,8 +164,39 @@ class InProcessWorker(WorkerHandle):
         self.side.import_state(incoming)
         return SwapReport(order.swap_round, True, True, sent)
 
+    def _outgoing_state(self) -> tuple[dict[str, torch.Tensor], int]:
+        """This worker's D as its receiver gets it (rounded to the wire dtype, as over gRPC), and the
+        payload bytes that travel."""
+        wire = self.side.config.wire_dtype
+        packed = compression.pack_state(self.side.export_state(), wire)
+        return compression.unpack_state(packed, self.side.state_layout(), wire), compression.state_nbytes(packed)
+
+    async def _copy(self, order: SwapOrder) -> SwapReport:
+        key = -order.swap_round  # copies have their own mailboxes, apart from swap rounds
+        if order.send_to:
+            state, sent = self._outgoing_state()
+            self.board.deliver(key, order.send_to, self.worker_id, state)
+            return SwapReport(order.swap_round, True, False, sent)
+        try:
+            sender, incoming = await self.board.collect(key, self.worker_id, self.swap_timeout)
+        except asyncio.TimeoutError:
+            return SwapReport(order.swap_round, False, False, 0, "no discriminator arrived")
+        if sender != order.receive_from or incoming is None:
+            return SwapReport(order.swap_round, False, False, 0, f"nothing usable from {sender}")
+        self.side.adopt(incoming)
+        return SwapReport(order.swap_round, False, True, 0)
+
     async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
         self.board.deliver(swap_round, self.worker_id, sender, None)
+
+    async def checkpoint(self, iteration: int) -> str | None:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
+        if self.state is None:
+            return "this worker keeps no state"
+        self.state.save(iteration, "worker", self.side.state_dict())
+        self.state.prune(marker=None)
+        return None
 
     async def stop(self, reason: str) -> None:
         return None
@@ -198,6 +248,7 @@ class RunResult:
     traffic: Traffic
     last: IterationRecord | None
     stopped_early: str | None = None
+    alive: list[str] | None = None  # worker ids connected at the end
 
 
 async def with_deadline(awaitable, timeout: float | None):
@@ -227,27 +278,82 @@ def _wire_nbytes(t: torch.Tensor, wire_dtype: str) -> int:
 
 
 class Trainer:
-    """Runs I global iterations of MD-GAN against worker handles."""
+    """Runs I global iterations of MD-GAN against worker handles.
 
-    def __init__(self, config: TrainingConfig, generator: GeneratorSide, workers: list[WorkerHandle], *,
-                 step_timeout: float | None = None, swap_timeout: float | None = None,
+    Membership comes from a Roster, asked at each iteration boundary: a worker that arrived since
+    the last boundary starts now (after a copy of a live peer's discriminator if it has no state
+    of its own), one that left is gone. With `checkpoint_every`, at every such boundary the
+    workers save their state and `save_checkpoint(iteration, wrote_all)` saves the server's.
+    """
+
+    def __init__(self, config: TrainingConfig, generator: GeneratorSide, workers: list[WorkerHandle] | None = None, *,
+                 roster: Roster | None = None, step_timeout: float | None = None, swap_timeout: float | None = None,
                  on_iteration: Callable[[IterationRecord], None] | None = None,
-                 on_swap: Callable[[dict], None] | None = None):
+                 on_swap: Callable[[dict], None] | None = None,
+                 on_boundary: Callable[[int], None] | None = None,
+                 checkpoint_every: int = 0, checkpoint_timeout: float | None = None,
+                 save_checkpoint: Callable[[int, bool], None] | None = None):
         self.config = config
         self.generator = generator
-        self.workers = sorted(workers, key=lambda w: w.shard_index)
-        self.active = list(self.workers)
+        if roster is None:  # a fixed set of workers, all present from the start
+            roster = Roster(config.workers)
+            for w in workers or []:
+                roster.arrive(w.shard_index, w.worker_id, w)
+            roster.at_boundary(0)  # all of them members from the first iteration
+            roster.started = True
+        self.roster = roster
         self.step_timeout = step_timeout
         self.swap_timeout = swap_timeout
         self.on_iteration = on_iteration
         self.on_swap = on_swap
+        self.on_boundary = on_boundary
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_timeout = checkpoint_timeout or swap_timeout
+        self.save_checkpoint = save_checkpoint
         self.traffic = Traffic()
         self.swaps = 0
         self.rejections = 0
-        shard_size = min((w.shard_size for w in self.workers), default=0)
-        self.swap_period = config.swap_period(shard_size)
+        self.completed = 0  # iterations done (the boundary the run stands at)
+        self.swap_period: int | None = None
+        if workers:  # a fixed set: each worker's own m_n is known now (S from the smallest, see swap_period)
+            self.swap_period = config.swap_period(min(w.shard_size for w in workers))
+        self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
+        self._last_checkpoint = 0
+        self.checkpoint_started = 0.0  # perf_counter() when the checkpoint under way began
         # --sync quorum|async: the exchange of an iteration lives in mdgan/synchrony.py
         self.partial = PartialSync(config) if config.sync != "all" else None
+
+    @property
+    def active(self) -> list[WorkerHandle]:
+        return self.roster.members()
+
+    # -- durable state -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"completed": self.completed, "swaps": self.swaps, "rejections": self.rejections,
+                "swap_period": self.swap_period, "payload_bytes": dict(self.traffic.payload_bytes),
+                "label_bytes": self.traffic.label_bytes, "roster": self.roster.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.completed = self._last_checkpoint = int(state["completed"])
+        self.swaps, self.rejections = int(state["swaps"]), int(state["rejections"])
+        self.swap_period = int(state["swap_period"])
+        self.traffic.payload_bytes.update(state["payload_bytes"])
+        self.traffic.label_bytes = int(state["label_bytes"])
+        self.roster.load_state_dict(state["roster"], self.completed)
+
+    # -- membership --------------------------------------------------------------------------
+    async def wait_to_start(self, timeout: float | None) -> None:
+        """Until the start quorum is in: M workers (--min-workers), else all N, or on resume every
+        worker alive at the checkpoint (after `timeout`, whoever is in, if at least the quorum)."""
+        roster = self.roster
+        if not await roster.wait_for(roster.start_quorum, timeout, roster.expected if roster.min_workers is None else None):
+            alive = len(roster.alive())
+            if roster.expected and alive >= roster.keep_quorum:
+                log.warning("resuming with %d workers: not every worker of the checkpoint came back within %.0f s "
+                            "(the run goes on, no longer bit for bit the uninterrupted one)", alive, timeout)
+            else:
+                raise TimeoutError(f"{alive} of {roster.start_quorum} workers joined within {timeout:.0f} s")
+        roster.started = True
 
     def count_batch(self, batch: WorkerBatch) -> None:
         """Traffic of one worker's batches, as they travel."""
@@ -260,16 +366,60 @@ class Trainer:
         self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
 
     async def _drop(self, worker: WorkerHandle, why: str) -> None:
-        if worker in self.active:
+        if self.roster.depart(worker):
             log.warning("dropping %s: %s", worker.worker_id, why)
-            self.active.remove(worker)
             await tell_to_stop(worker, why)
 
+    async def _pause(self, t: int) -> bool:
+        """Fewer than the quorum alive: wait for workers to come back; False when giving up."""
+        roster = self.roster
+        timeout = roster.pause_timeout
+        log.warning("paused after iteration %d: %d workers alive, %d needed; waiting %s", t, len(roster.alive()),
+                    roster.keep_quorum, "indefinitely" if timeout is None else f"up to {timeout:.0f} s")
+        if not timeout and timeout is not None:
+            return len(roster.alive()) >= roster.keep_quorum
+        return await roster.wait_for(roster.keep_quorum, timeout)
+
+    async def _admit(self, newcomers: list[WorkerHandle], t: int) -> None:
+        """Late joiners that hold no usable state take a copy of a live peer's discriminator (tried
+        again at the next boundary if it fails)."""
+        donors = [w for w in self.roster.members() if not w.needs_copy]
+        for i, joiner in enumerate(newcomers):
+            if not donors:
+                log.warning("%s joins with a fresh discriminator: no live peer has one to copy", joiner.worker_id)
+                joiner.needs_copy = False
+                continue
+            donor = donors[i % len(donors)]
+            give = SwapOrder(t, joiner.worker_id, "", COPY)
+            take = SwapOrder(t, "", donor.worker_id, COPY)
+            reports = await asyncio.gather(with_deadline(donor.swap(give), self.swap_timeout),
+                                           with_deadline(joiner.swap(take), self.swap_timeout), return_exceptions=True)
+            for worker, report in zip((donor, joiner), reports):
+                if isinstance(report, (WorkerLost, asyncio.TimeoutError)):
+                    await self._drop(worker, str(report) or "missed its copy deadline")
+                elif isinstance(report, BaseException):
+                    raise report
+                else:
+                    self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
+            received = isinstance(reports[1], SwapReport) and reports[1].received
+            if received:
+                joiner.needs_copy = False
+                log.info("%s took a copy of %s's discriminator before iteration %d", joiner.worker_id,
+                         donor.worker_id, t + 1)
+            elif self.roster.slot_of(joiner) is not None:
+                detail = reports[1].error if isinstance(reports[1], SwapReport) else ""
+                log.warning("%s: no copy from %s (%s); it waits for the next boundary", joiner.worker_id,
+                            donor.worker_id, detail or "donor lost")
+            if self.on_swap is not None:
+                self.on_swap({"kind": COPY, "iteration": t, "from": donor.worker_id, "to": joiner.worker_id,
+                              "received": received})
+
+    # -- one iteration -----------------------------------------------------------------------
     async def iteration(self, t: int) -> IterationRecord:
         if self.partial is not None:
             return await self._partial_iteration(t)
         started = time.perf_counter()
-        active = list(self.active)
+        active = [w for w in self.roster.members() if not w.needs_copy]
         batches = self.generator.generate(min(self.config.kappa, len(active)))
         sent = [batches.for_worker(rank) for rank in range(len(active))]
         generated = time.perf_counter()
@@ -297,7 +447,7 @@ class Trainer:
         updated = time.perf_counter()
 
         swap_round = None
-        if t % self.swap_period == 0 and len(self.active) >= 2:
+        if t % self.swap_period == 0 and len(self.roster.members()) >= 2:
             swap_round, lost_in_swap = await self.swap(t)
             lost += lost_in_swap
         finished = time.perf_counter()
@@ -330,7 +480,7 @@ class Trainer:
     async def swap(self, t: int) -> tuple[int, int]:
         """One swap round over the active workers, along a random derangement; (round, workers lost)."""
         swap_round = self.swaps + 1
-        participants = list(self.active)
+        participants = [w for w in self.roster.members() if not w.needs_copy]
         plan = derangement([w.worker_id for w in participants], self.config.seed, swap_round)
         receive_from = {dst: src for src, dst in plan.items()}
         orders = [SwapOrder(swap_round, plan[w.worker_id], receive_from[w.worker_id]) for w in participants]
@@ -368,30 +518,81 @@ class Trainer:
             self.on_swap({"round": swap_round, "iteration": t, "plan": plan, "workers": outcome})
         return swap_round, sum(1 for r in reports if isinstance(r, (WorkerLost, asyncio.TimeoutError)))
 
+    # -- checkpoints -------------------------------------------------------------------------
+    async def checkpoint(self, t: int) -> bool:
+        """Every member saves its state for boundary t, and the server its own (save_checkpoint);
+        True when all of them wrote theirs (the checkpoint is complete)."""
+        self.checkpoint_started = time.perf_counter()
+        members = self.roster.members()
+        asked = asyncio.gather(*(with_deadline(w.checkpoint(t), self.checkpoint_timeout) for w in members),
+                               return_exceptions=True)
+        wrote_all = True
+        for worker, reply in zip(members, await asked):
+            if isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
+                await self._drop(worker, str(reply) or "missed its checkpoint deadline")
+            elif isinstance(reply, BaseException) or reply is not None:
+                wrote_all = False
+                log.warning("checkpoint %d: %s did not save its state: %s", t, worker.worker_id, reply)
+        if self.save_checkpoint is not None:
+            self.save_checkpoint(t, wrote_all)
+        self._last_checkpoint = t
+        return wrote_all
+
+    # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> RunResult:
+        if not self.roster.started:
+            await self.wait_to_start(None)
+        if self.swap_period is None:
+            shard_size = min((w.shard_size for w in self.roster.alive()), default=0)
+            self.swap_period = self.config.swap_period(shard_size)
         last, stopped = None, None
-        for t in range(1, self.config.iterations + 1):
-            if not self.active:
-                stopped = f"no workers left after iteration {t - 1}"
+        t = self.completed
+        while t < self.config.iterations:
+            if self.on_boundary is not None:
+                self.on_boundary(t)
+            if self.stop_requested:
+                stopped = f"stopped by a signal after iteration {t}"
+                if self.checkpoint_every and self._last_checkpoint != t:
+                    await self.checkpoint(t)
+                break
+            members, _ = self.roster.at_boundary(t)
+            if len(members) < self.roster.keep_quorum:
+                if await self._pause(t):
+                    continue
+                stopped = f"no workers left after iteration {t}" if not members else \
+                    f"only {len(members)} workers after iteration {t}, fewer than --min-workers {self.roster.keep_quorum}"
                 log.error(stopped)
                 break
+            waiting = [w for w in members if w.needs_copy]
+            if waiting:
+                await self._admit(waiting, t)
+            if not [w for w in self.roster.members() if not w.needs_copy]:
+                continue  # every member was lost while admitting: pause or stop at the boundary
+            t += 1
             last = await self.iteration(t)
+            self.completed = t
             if self.on_iteration is not None:
                 self.on_iteration(last)
-        for worker in list(self.active):
-            await tell_to_stop(worker, RUN_FINISHED, 10.0)
-        return RunResult(iterations=last.iteration if last else 0,
-                         workers=len(self.workers), workers_alive=len(self.active), swaps=self.swaps,
-                         rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last, stopped_early=stopped)
+            if self.checkpoint_every and t % self.checkpoint_every == 0 and t < self.config.iterations:
+                await self.checkpoint(t)
+        alive = self.roster.alive()
+        if not self.stop_requested:  # a stopped server leaves its workers to reconnect to its successor
+            for worker in alive:
+                await tell_to_stop(worker, RUN_FINISHED, 10.0)
+        return RunResult(iterations=t, workers=self.roster.slots, workers_alive=len(alive), swaps=self.swaps,
+                         rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last,
+                         stopped_early=stopped, alive=[w.worker_id for w in alive])
 
 
-def build_in_process_workers(config: TrainingConfig, shards, byzantine: int = 0,
-                             attack: str | None = None) -> list[InProcessWorker]:
-    """One worker per shard; the last `byzantine` by rank replace their feedback by `attack`."""
+def build_in_process_workers(config: TrainingConfig, shards, state_root: str | None = None, keep: int = 3,
+                             byzantine: int = 0, attack: str | None = None) -> list[InProcessWorker]:
+    """One in-process worker per shard; with state_root, worker k keeps its state in state_root/worker-k;
+    the last `byzantine` by rank replace their feedback by `attack`."""
     from mdgan.attacks import FeedbackAttack, attackers
 
     bad = set(attackers(len(shards), byzantine)) if attack else set()
     board = InProcessSwapBoard()
     return [InProcessWorker(DiscriminatorSide(config, shard), board,
+                            state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
                             attack=FeedbackAttack(attack, config.seed, shard.index) if shard.index in bad else None)
             for shard in shards]

@@ -204,6 +204,11 @@ def load_stored_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]
         return load_mnist_uint8(config.data_root)
     if config.dataset == "cifar10":
         return load_cifar10_uint8(config.data_root)
+    if config.dataset == "imagefolder":  # one folder of images, cut into shards like the others (emulation)
+        from mdgan.sites import load_imagefolder
+
+        site = load_imagefolder(config.data_root)
+        return site.conform((math.prod(site.image_shape),)), site.labels
     return make_synthetic()
 
 
@@ -347,3 +352,15 @@ class ShardSampler:
         picked = self._order[self._position:self._position + self.batch_size]
         self._position += self.batch_size
         return self.shard.images[picked], self.shard.labels[picked]
+
+    def state_dict(self) -> dict:
+        """Where the sampler stands (RNG, this epoch's order, position): restoring it draws the same batches."""
+        return {"rng": self._rng.get_state(), "order": self._order.clone(), "position": self._position}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["order"].shape != (len(self.shard),):
+            raise ValueError(f"sampler state for a shard of {state['order'].shape[0]} samples, "
+                             f"this shard has {len(self.shard)}")
+        self._rng.set_state(state["rng"])
+        self._order = state["order"].clone()
+        self._position = int(state["position"])

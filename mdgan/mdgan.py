@@ -146,6 +146,17 @@ class GeneratorSide:
         self.accumulate(batches, feedback)
         self.optimizer.step()
 
+    def state_dict(self) -> dict:
+        """G, its Adam state and the noise generator: everything the server's side of an iteration uses."""
+        return {"generator": self.generator.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "noise_rng": self._noise.get_state(), "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.load_state_dict(state["generator"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._noise.set_state(state["noise_rng"])
+        torch.set_rng_state(state["torch_rng"])
+
     @torch.no_grad()
     def sample(self, z: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """G(z, labels) in eval mode, returned on the CPU."""
@@ -212,6 +223,25 @@ class DiscriminatorSide:
         (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
         return StepResult(feedback, disc_loss.item(), gen_loss.item(), real_acc, fake_acc,
                           trained - started, time.perf_counter() - trained)
+
+    # -- durable state (a checkpoint, kept on the worker) ------------------------------------------
+    def state_dict(self) -> dict:
+        """D, its Adam state and the shard sampler's state."""
+        return {"discriminator": self.discriminator.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "sampler": self.sampler.state_dict(), "shard_index": self.shard_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["shard_index"]) != self.shard_index:
+            raise ValueError(f"saved state of shard {state['shard_index']}, this worker holds shard {self.shard_index}")
+        self.discriminator.load_state_dict(state["discriminator"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+
+    def adopt(self, state: dict[str, torch.Tensor]) -> None:
+        """Take a copy of a live peer's discriminator (a late joiner, as in the paper): weights only,
+        Adam starts afresh."""
+        self.discriminator.load_state_dict({n: state[n] for n in self.discriminator.state_dict()})
+        self.optimizer.state.clear()
 
     # -- swap ------------------------------------------------------------------------------------
     def export_state(self) -> dict[str, torch.Tensor]:

@@ -9,21 +9,32 @@ import asyncio
 import copy
 import hashlib
 import json
+import logging
 import math
 import os
+import re
+import shutil
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm import tqdm
 
+from mdgan import checkpoint
+from mdgan.checkpoint import CheckpointError, CheckpointStore
 from mdgan.cluster import IterationRecord, RunResult, Trainer, build_in_process_workers
 from mdgan.baselines import run_flgan, run_standalone
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
-from mdgan.mdgan import GeneratorSide, derive_seed
+from mdgan.mdgan import DiscriminatorSide, GeneratorSide, derive_seed
+from mdgan.sites import RunClasses, site_shards
 from mdgan.models import image_shape
+from mdgan.roster import Roster
+
+
+log = logging.getLogger(__name__)
 
 
 def generator_sha256(generator: torch.nn.Module) -> str:
@@ -61,6 +72,7 @@ class PeriodicEvaluator:
         self.noise = evaluation_samples(generator_side, samples)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdgan-eval")
         self._pending: list[tuple[int, Future]] = []
+        self._ready: list[dict] = []  # finished, not yet on a history line (carried across a checkpoint)
         self.latest: dict | None = None
 
     def _score(self, generator: torch.nn.Module) -> dict:
@@ -78,13 +90,25 @@ class PeriodicEvaluator:
     def collect(self) -> list[dict]:
         """Every evaluation ({"eval_iteration", scores...}) finished since last asked, oldest first;
         in order, so one still running holds back those started after it."""
-        found = []
+        found, self._ready = self._ready, []
         while self._pending and self._pending[0][1].done():
             iteration, future = self._pending.pop(0)
             found.append({"eval_iteration": iteration, **future.result()})
         if found:
             self.latest = found[-1]
         return found
+
+    def state_dict(self) -> dict:
+        """The schedule's state at a checkpoint: evaluations still running are waited for and kept
+        for the next history line, which is then the same whether or not the run was resumed."""
+        wait([future for _, future in self._pending])
+        self._ready += [{"eval_iteration": i, **future.result()} for i, future in self._pending]
+        self._pending = []
+        return {"ready": list(self._ready), "latest": self.latest}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ready = list(state["ready"])
+        self.latest = state["latest"]
 
     def finish(self, iteration: int) -> list[dict]:
         """Waits for the periodic evaluations still running, then scores the final G: all of them,
@@ -112,15 +136,24 @@ class RunRecorder:
     """Writes history.jsonl and swaps.jsonl line by line (so `tail -f` works); drives the progress bar."""
 
     def __init__(self, out_dir: str, total: int, progress: bool = True, description: str = "mdgan",
-                 evaluator: PeriodicEvaluator | None = None):
+                 evaluator: PeriodicEvaluator | None = None, resume_at: int | None = None):
+        """resume_at: continue a run from its checkpoint at this iteration: the lines written after
+        it (by the run that was interrupted) are dropped, so history has no gap and no duplicate."""
         os.makedirs(out_dir, exist_ok=True)
         self.evaluator = evaluator
         self.total = total
         self._final_done = False
         self._eval_seconds = 0.0  # the final evaluation runs inline: kept out of the wall time
-        self._history = open(os.path.join(out_dir, "history.jsonl"), "w", encoding="utf-8")
-        self._swaps = open(os.path.join(out_dir, "swaps.jsonl"), "w", encoding="utf-8")
-        self._bar = tqdm(total=total, desc=description, unit="it", disable=not progress, dynamic_ncols=True)
+        history, swaps = os.path.join(out_dir, "history.jsonl"), os.path.join(out_dir, "swaps.jsonl")
+        mode = "w"
+        if resume_at is not None:
+            checkpoint.truncate_jsonl(history, lambda r: r.get("iteration", 0) <= resume_at)
+            checkpoint.truncate_jsonl(swaps, lambda r: r.get("iteration", 0) <= resume_at)
+            mode = "a"
+        self._history = open(history, mode, encoding="utf-8")
+        self._swaps = open(swaps, mode, encoding="utf-8")
+        self._bar = tqdm(total=total, initial=resume_at or 0, desc=description, unit="it", disable=not progress,
+                         dynamic_ncols=True)
         self.started = time.perf_counter()
 
     def __call__(self, record: IterationRecord) -> None:
@@ -144,6 +177,13 @@ class RunRecorder:
         """One line per swap round: the plan (sender -> receiver) and what each worker reported."""
         self._swaps.write(json.dumps(record) + "\n")
         self._swaps.flush()
+
+    def state_dict(self) -> dict:
+        return {"evaluator": self.evaluator.state_dict() if self.evaluator is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.evaluator is not None and state.get("evaluator") is not None:
+            self.evaluator.load_state_dict(state["evaluator"])
 
     def _finish(self, iteration: int) -> list[dict]:
         started = time.perf_counter()
@@ -196,9 +236,11 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
     last = result.last
     summary = {
         "mode": mode,
+        "run_id": (extra or {}).get("run_id"),
         "iterations": result.iterations,
         "workers": result.workers,
         "workers_alive": result.workers_alive,
+        "alive": result.alive,
         "wall_seconds": wall_seconds,
         "seconds_per_iteration": wall_seconds / result.iterations if result.iterations else None,
         "generator_sha256": generator_sha256(generator_side.generator),
@@ -219,14 +261,119 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
     }
     summary.update(extra or {})
     save_sample_grid(generator_side, os.path.join(out_dir, "samples.png"))
-    torch.save({"generator": generator_side.generator.state_dict(),
-                "optimizer": generator_side.optimizer.state_dict(),
-                "config": config.to_dict(), "iterations": result.iterations},
-               os.path.join(out_dir, "checkpoint.pt"))
-    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=2)
-        fh.write("\n")
+    checkpoint.atomic_save({"generator": generator_side.generator.state_dict(),
+                            "optimizer": generator_side.optimizer.state_dict(),
+                            "config": config.to_dict(), "iterations": result.iterations},
+                           os.path.join(out_dir, "checkpoint.pt"))
+    checkpoint.atomic_write_json(os.path.join(out_dir, "summary.json"), summary)
     return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# durable runs: a run directory has an identity (run_identity.json) and checkpoints (checkpoints/)
+
+RESUME_MODES = ("no", "yes", "auto")  # yes: there must be a run to resume; auto: resume one if there is
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise ConfigError(f"--run-id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
+    return run_id
+
+
+@dataclass
+class RunStart:
+    """How a run starts: its id, its config, and (resuming) the checkpoint it continues from."""
+
+    run_id: str
+    config: TrainingConfig
+    resumed_from: int | None = None  # None: from iteration 0
+    state: dict | None = None  # the server's state at resumed_from
+
+    @property
+    def resuming(self) -> bool:
+        return self.resumed_from is not None
+
+
+def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: str | None = None) -> RunStart:
+    """A new run in out_dir (run_identity.json written, old checkpoints removed), or the one already there
+    continued from its last complete checkpoint (its saved config wins over the flags)."""
+    if resume not in RESUME_MODES:
+        raise ConfigError(f"--resume must be one of {RESUME_MODES}, got {resume!r}")
+    if run_id is not None:
+        check_run_id(run_id)
+    path = os.path.join(out_dir, checkpoint.RUN_FILE)
+    store = CheckpointStore(os.path.join(out_dir, "checkpoints"))
+    finished = os.path.exists(os.path.join(out_dir, "summary.json"))
+    if resume == "yes" and finished:
+        raise CheckpointError(f"--resume: the run in {out_dir} has finished (summary.json); nothing to resume")
+    if resume != "no" and os.path.exists(path) and not finished:
+        saved = checkpoint.read_json(path)
+        if run_id is not None and run_id != saved["run_id"]:
+            raise CheckpointError(f"{out_dir} holds run {saved['run_id']!r}, not run {run_id!r}")
+        saved_config = replace(TrainingConfig.from_dict(saved["config"]), device=config.device)
+        if saved_config != replace(config, device=config.device):
+            log.info("resuming with the run's saved configuration, not the flags given")
+        latest = store.latest_complete()
+        if latest is None:  # stopped before its first complete checkpoint: the same run, from the start
+            log.warning("run %s has no complete checkpoint: starting it again from iteration 0", saved["run_id"])
+            return RunStart(saved["run_id"], saved_config, 0, None)
+        state = store.load(latest, "server")
+        if state.get("run_id") != saved["run_id"]:
+            raise CheckpointError(f"checkpoint {latest} in {out_dir} belongs to run {state.get('run_id')!r}")
+        log.info("resuming run %s from its checkpoint at iteration %d", saved["run_id"], latest)
+        return RunStart(saved["run_id"], saved_config, latest, state)
+    if resume == "yes":
+        raise CheckpointError(f"--resume: {out_dir} holds no run to resume (no {checkpoint.RUN_FILE})")
+    os.makedirs(out_dir, exist_ok=True)
+    run_id = run_id or uuid.uuid4().hex[:12]
+    if finished:
+        log.info("the run in %s has finished: starting a new one there", out_dir)
+    shutil.rmtree(store.root, ignore_errors=True)  # an earlier run's checkpoints must never be resumed into this one
+    if finished:  # a new run: a crash before its end must not look like the old run's end
+        os.remove(os.path.join(out_dir, "summary.json"))
+    checkpoint.atomic_write_json(path, {"run_id": run_id, "config": config.to_dict()})
+    return RunStart(run_id, config)
+
+
+class ServerCheckpoints:
+    """The server's part of each checkpoint: G, Adam, RNGs, the loop's counters and membership,
+    the evaluator's schedule (history position = the iteration), in OUT/checkpoints."""
+
+    def __init__(self, out_dir: str, run_id: str, keep: int = 3):
+        self.store = CheckpointStore(os.path.join(out_dir, "checkpoints"), keep)
+        self.run_id = run_id
+
+    def save(self, iteration: int, wrote_all: bool, generator_side: GeneratorSide, trainer: Trainer,
+             recorder: "RunRecorder") -> None:
+        state = {"run_id": self.run_id, "iteration": iteration, "generator_side": generator_side.state_dict(),
+                 "trainer": trainer.state_dict(), "recorder": recorder.state_dict()}
+        self.store.save(iteration, "server", state)
+        if wrote_all:  # seconds: what this checkpoint cost the run, workers' writes included
+            self.store.mark_complete(iteration, {"run_id": self.run_id,
+                                                 "workers": [w.worker_id for w in trainer.roster.members()],
+                                                 "seconds": time.perf_counter() - trainer.checkpoint_started})
+            log.info("checkpoint %d complete", iteration)
+        else:
+            log.warning("checkpoint %d incomplete: not every live worker saved its state", iteration)
+
+    @staticmethod
+    def restore(state: dict, generator_side: GeneratorSide, trainer: Trainer, recorder: "RunRecorder") -> None:
+        generator_side.load_state_dict(state["generator_side"])
+        trainer.load_state_dict(state["trainer"])
+        recorder.load_state_dict(state["recorder"])
+
+
+def parse_churn(text: str | None) -> list[tuple[int, str, int]]:
+    """--churn "leave:300:2,join:450:2": (iteration boundary, leave|join, slot), in order."""
+    events = []
+    for item in filter(None, (text or "").replace(" ", "").split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("leave", "join") or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ConfigError(f"--churn: {item!r} is not leave:ITERATION:SLOT or join:ITERATION:SLOT")
+        events.append((int(parts[1]), parts[0], int(parts[2])))
+    return sorted(events)
 
 
 @dataclass(frozen=True)
@@ -245,12 +392,22 @@ ALGORITHMS = ("mdgan", "flgan", "standalone")
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
              evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
-             crash_every: int | None = None, byzantine: int = 0, attack: str | None = None) -> dict:
+             crash_every: int | None = None, churn: list[tuple[int, str, int]] | None = None,
+             checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
+             run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
+             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
+    Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
+    SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
+    (mdgan.sites; classes: the run's class names, as the server's --classes).
     crash_every: MD-GAN only, the paper's crash experiment: every this many iterations one more
     worker fails (the last by rank), and its data leaves with it.
+    churn: MD-GAN only, [(iteration, "leave" | "join", slot)]: at that iteration boundary the worker
+    of that slot leaves, or comes back (with its saved state if it has one, else a copy of a live
+    peer's discriminator), through the same roster as over gRPC.
+    checkpoint_every / resume: as for the server; each worker keeps its state in OUT/workers/worker-K.
     byzantine, attack: MD-GAN only, the last `byzantine` workers by rank send wrong feedback
     (mdgan/attacks.py), to measure the robust aggregation rules.
     """
@@ -267,26 +424,29 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
         if attack not in ATTACKS:
             raise ConfigError(f"unknown attack {attack!r}; choose from {ATTACKS}")
     if algorithm == "standalone":  # one G, one D, the whole dataset
+        if site_dirs:
+            raise ConfigError("a standalone GAN trains on one dataset: give it --data-root, not --site-dirs")
         config = replace(config, workers=1, kappa=1)
+    if algorithm != "mdgan" and (churn or checkpoint_every or resume != "no"):
+        raise ConfigError("--churn, --checkpoint-every and --resume work with --algorithm mdgan only")
     config.validate()
-    shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
+    run = open_run(out_dir, config, resume, run_id) if algorithm == "mdgan" else RunStart(run_id or "", config)
+    config = run.config
+    if site_dirs:
+        run_classes = RunClasses(classes, config.model.num_classes, config.model.conditional)
+        shards = site_shards(site_dirs, data.dataset, config.workers, config.model.sample_shape, run_classes,
+                             bad_images)
+    else:
+        shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
                                evaluation.reference)
-    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator)
+    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from)
     result = None
     try:
         if algorithm == "mdgan":
-            workers = build_in_process_workers(config, shards, byzantine, attack)
-            on_iteration = recorder
-            if crash_every:
-                def on_iteration(record: IterationRecord) -> None:
-                    recorder(record)
-                    alive = [w for w in workers if not w.crashed]
-                    if record.iteration % crash_every == 0 and alive:
-                        alive[-1].crash()
-            trainer = Trainer(config, generator_side, workers, on_iteration=on_iteration, on_swap=recorder.swap)
-            result = asyncio.run(trainer.run())
+            result = asyncio.run(_simulate_mdgan(config, shards, generator_side, recorder, out_dir, run, crash_every,
+                                                 churn or [], checkpoint_every, keep_checkpoints, byzantine, attack))
         elif algorithm == "standalone":
             result = run_standalone(config, generator_side, shards[0], on_iteration=recorder)
         else:
@@ -294,6 +454,62 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     finally:
         wall = recorder.close(result.iterations if result else None)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
-                         {"algorithm": algorithm, "crash_every": crash_every,
-                          "byzantine": byzantine, "attack": attack},
+                         {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
+                          "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
+                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}},
                          scores=recorder.scores)
+
+
+async def _simulate_mdgan(config, shards, generator_side, recorder, out_dir, run: RunStart, crash_every, churn,
+                          checkpoint_every, keep, byzantine: int = 0, attack: str | None = None) -> RunResult:
+    state_root = os.path.join(out_dir, "workers", run.run_id)
+    workers = build_in_process_workers(config, shards, state_root, keep, byzantine, attack)
+    by_slot = {w.shard_index: w for w in workers}
+    roster = Roster(config.workers, pause_timeout=0)
+    saver = ServerCheckpoints(out_dir, run.run_id, keep)
+    trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
+                      save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder))
+    if run.state is not None:
+        ServerCheckpoints.restore(run.state, generator_side, trainer, recorder)
+
+    def arrive(worker) -> None:
+        plan = roster.rejoin_plan(worker.state.holding("worker"), trained=0)
+        if plan.restore:
+            worker.side.load_state_dict(worker.state.load(plan.restore, "worker"))
+        worker.needs_copy = plan.copy
+        roster.arrive(worker.shard_index, worker.worker_id, worker)
+
+    alive_at_start = roster.expected if roster.expected is not None else set(by_slot)
+    for slot in sorted(alive_at_start):
+        arrive(by_slot[slot])
+
+    def on_iteration(record: IterationRecord) -> None:
+        recorder(record)
+        alive = [w for w in roster.alive() if not w.crashed]
+        if crash_every and record.iteration % crash_every == 0 and alive:
+            alive[-1].crash()
+
+    def on_boundary(t: int) -> None:
+        for _ in range(len(churn)):
+            if churn[0][0] > t:
+                break
+            at, action, slot = churn.pop(0)
+            if at < t:
+                continue  # before the checkpoint this run resumed from
+            if slot not in by_slot:
+                raise ConfigError(f"--churn: no slot {slot} in a run of {config.workers} workers")
+            current = by_slot[slot]
+            if action == "leave" and roster.depart(current):
+                current.crash()
+                log.info("churn: worker-%d leaves at iteration %d", slot, t)
+            elif action == "join" and roster.slot_of(current) is None:
+                fresh = type(current)(DiscriminatorSide(config, current.side.sampler.shard), current.board,
+                                      current.swap_timeout, state=current.state, attack=current.attack)
+                by_slot[slot] = fresh
+                arrive(fresh)
+                log.info("churn: worker-%d joins at iteration %d (%s)", slot, t,
+                         "copy" if fresh.needs_copy else "own state")
+
+    trainer.on_iteration = on_iteration
+    trainer.on_boundary = on_boundary
+    return await trainer.run()

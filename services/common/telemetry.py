@@ -80,6 +80,10 @@ class Telemetry:
         self.last_iteration = Gauge("mdgan_last_iteration_timestamp_seconds",
                                     "Unix time of the last completed iteration", registry=r)
         self.run_iterations = Gauge("mdgan_run_iterations", "Iterations the run is configured for", registry=r)
+        self.run_info = Gauge("mdgan_run_info", "The run this process is in (1, labelled by its id)", ["run_id"],
+                              registry=r)
+        self.checkpoints = Counter("mdgan_checkpoints_total", "Checkpoints taken, by outcome (complete: the server "
+                                   "and every live worker saved their state)", ["outcome"], registry=r)
         self._prime()
 
     def _prime(self) -> None:
@@ -95,6 +99,8 @@ class Telemetry:
             self.discriminator_accuracy.labels(data)
         for outcome in ("complete", "incomplete"):
             self.swaps.labels(outcome)
+            if self.role == "server":
+                self.checkpoints.labels(outcome)
 
     # -- wire accounting ---------------------------------------------------------------------
     def count(self, direction: str, kind: str, side: str, message, payload: int = 0) -> None:

@@ -8,16 +8,19 @@ import math
 import os
 import signal
 import sys
+import time
 
 
+from mdgan.checkpoint import CheckpointError
 from mdgan.config import DATASETS, ConfigError
 from mdgan.baselines import FederatedTrainer
 from mdgan.cluster import IterationRecord, Trainer
 from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
-from mdgan.run import RunRecorder, make_evaluator, write_outputs
-from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_threads_argument, add_training_arguments,
-                            apply_threads, training_config)
+from mdgan.roster import Roster
+from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluator, open_run, write_outputs
+from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_site_arguments, add_threads_argument,
+                            add_training_arguments, apply_threads, class_names, training_config)
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -56,8 +59,26 @@ def build_parser() -> EnvArgumentParser:
                         help="comma-separated identities (certificate names) that may join; default: any worker "
                              "certificate the run's CA signed")
     tls.add_tls_arguments(parser)
+    durable = parser.add_argument_group("durable, elastic runs")
+    durable.add_argument("--run-id", default=None, help="the run's id (default: a new random one, or the resumed run's)")
+    durable.add_argument("--resume", nargs="?", const="yes", default="no", choices=RESUME_MODES,
+                         help="continue the run in --out from its last complete checkpoint: 'yes' (bare --resume) "
+                              "fails if there is none, 'auto' starts a new run then (for restart policies), 'no' "
+                              "always starts a new run")
+    durable.add_argument("--checkpoint-every", type=int, default=0,
+                         help="checkpoint every this many iterations, and on SIGTERM (server and workers at the same "
+                              "iteration boundary; 0: never)")
+    durable.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints kept in OUT/checkpoints")
+    durable.add_argument("--min-workers", type=int, default=None,
+                         help="start once this many workers joined, go on while this many are alive, pause below "
+                              "(default: start with all, go on while one is alive)")
+    durable.add_argument("--pause-timeout", type=float, default=600.0,
+                         help="give up after this long paused below --min-workers (s)")
+    durable.add_argument("--stop-grace", type=float, default=20.0,
+                         help="on SIGTERM, how long to wait for the iteration under way to end and be checkpointed (s)")
     add_threads_argument(parser, default=0)
     add_training_arguments(parser)
+    add_site_arguments(parser, launcher=False)
     add_evaluation_arguments(parser)
     return parser
 
@@ -72,19 +93,55 @@ def message_limits(config) -> tuple[int, int]:
 
 
 async def serve(args) -> dict:
-    config = training_config(args)
     credentials = tls.from_args(args, "mdgan-server")
     allowed = [n.strip() for n in (args.allowed_workers or "").split(",") if n.strip()] or None
+    run = open_run(args.out, training_config(args), args.resume, args.run_id)
+    config = run.config
+    log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
+    if args.algorithm == "flgan" and (args.checkpoint_every or run.state is not None):
+        raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")
+    telemetry.run_info.labels(run.run_id).set(1)
     telemetry.serve(args.metrics_port, args.metrics_address)
     initial_discriminator = build_discriminator(config.model, derive_seed(config.seed, "discriminator-init"))
     generator = GeneratorSide(config)
     layouts = {"generator": codec.layout_of(generator.generator.state_dict()),
                "discriminator": codec.layout_of(initial_discriminator.state_dict())}
+    try:
+        roster = Roster(config.workers, args.min_workers, args.pause_timeout)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    evaluator = make_evaluator(generator, args.eval_data_root, args.eval_every, args.eval_samples, args.eval_reference)
+    recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server", evaluator,
+                           resume_at=run.resumed_from)
+    saver = ServerCheckpoints(args.out, run.run_id, args.keep_checkpoints)
+
+    def on_iteration(record: IterationRecord) -> None:
+        recorder(record)
+        observe_iteration(telemetry, record, len(trainer.active))
+        observe_scores(telemetry, recorder.scores)
+
+    def on_swap(record: dict) -> None:
+        recorder.swap(record)
+        if "round" in record:
+            complete = all(w["sent"] and w["received"] for w in record["workers"].values())
+            telemetry.swaps.labels("complete" if complete else "incomplete").inc()
+
+    def save_checkpoint(iteration: int, wrote_all: bool) -> None:
+        saver.save(iteration, wrote_all, generator, trainer, recorder)
+        telemetry.checkpoints.labels("complete" if wrote_all else "incomplete").inc()
+
+    trainer = Trainer(config, generator, roster=roster, step_timeout=args.step_timeout,
+                      swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=on_iteration, on_swap=on_swap,
+                      checkpoint_every=args.checkpoint_every, save_checkpoint=save_checkpoint)
+    if run.state is not None:
+        ServerCheckpoints.restore(run.state, generator, trainer, recorder)
     coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
                               swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
-                              model_layouts=layouts, authenticated=credentials is not None, allowed_workers=allowed)
+                              model_layouts=layouts, roster=roster, run_id=run.run_id,
+                              swap_round=lambda: trainer.swaps, class_names=class_names(args),
+                              authenticated=credentials is not None, allowed_workers=allowed)
     receive, send = message_limits(config)
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)
@@ -94,7 +151,7 @@ async def serve(args) -> dict:
     await server.start()
     await rpc.set_serving(health, [SERVICE], True)
     log.info("serving %s on port %d (%s); waiting for %d workers", SERVICE, port,
-             "mutual TLS" if credentials else "PLAINTEXT", config.workers)
+             "mutual TLS" if credentials else "PLAINTEXT", roster.start_quorum)
     if args.port_file:
         with open(args.port_file + ".tmp", "w") as fh:
             fh.write(str(port))
@@ -104,52 +161,50 @@ async def serve(args) -> dict:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    result = None
     try:
-        workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
-        evaluator = make_evaluator(generator, args.eval_data_root, args.eval_every, args.eval_samples,
-                                   args.eval_reference)
-        recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server", evaluator)
-
-        def on_iteration(record: IterationRecord) -> None:
-            recorder(record)
-            observe_iteration(telemetry, record, len(trainer.active))
-            observe_scores(telemetry, recorder.scores)
-
-        def on_swap(record: dict) -> None:
-            recorder.swap(record)
-            complete = all(w["sent"] and w["received"] for w in record["workers"].values())
-            telemetry.swaps.labels("complete" if complete else "incomplete").inc()
-
         if args.algorithm == "flgan":
+            workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
+            recorder.started = time.perf_counter()
             trainer = FederatedTrainer(config, generator, workers, initial_discriminator.state_dict(),
                                        round_timeout=args.round_timeout, on_iteration=on_iteration,
                                        on_round=recorder.swap)
+            try:
+                result = await _until(trainer.run(), stopping)
+            finally:
+                wall = recorder.close(result.iterations if result else None)
         else:
-            trainer = Trainer(config, generator, workers, step_timeout=args.step_timeout,
-                              swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=on_iteration,
-                              on_swap=on_swap)
-        result = None
-        try:
-            result = await _until(trainer.run(), stopping)
-        finally:
-            wall = recorder.close(result.iterations if result else None)
+            await _until(trainer.wait_to_start(args.join_timeout), stopping)
+            recorder.started = time.perf_counter()  # the run's wall time starts with its first iteration
+            try:
+                result = await _until(trainer.run(), stopping, lambda: setattr(trainer, "stop_requested", True),
+                                      args.stop_grace)
+            finally:
+                wall = recorder.close(result.iterations if result else None)
+            if result.stopped_early and trainer.stop_requested:
+                log.info("stopped at iteration %d by a signal; resume with --resume", result.iterations)
+                raise SystemExit("terminated by signal")
         observe_scores(telemetry, recorder.scores)
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
             "algorithm": args.algorithm,
+            "run_id": run.run_id,
+            "resumed_from": run.resumed_from,
+            "worker_sizes": {w.worker_id: w.shard_size for w in coordinator.workers.values()},  # each worker's m
             "message_bytes": {
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",
                                                   side="receiver"),
-                "worker_to_worker": sum(w.swap_message_bytes for w in coordinator.workers.values()),
+                "worker_to_worker": coordinator.departed_swap_bytes
+                + sum(w.swap_message_bytes for w in coordinator.workers.values()),
             },
         })
-        log.info("done: %d iterations, %d/%d workers alive, generator %s", result.iterations, result.workers_alive,
-                 result.workers, summary["generator_sha256"][:16])
+        log.info("done: run %s, %d iterations, %d/%d workers alive, generator %s", run.run_id, result.iterations,
+                 result.workers_alive, result.workers, summary["generator_sha256"][:16])
         return summary
     finally:
         telemetry.dump(args.metrics_dump or os.path.join(args.out, "metrics", "server.prom"))
         await rpc.set_serving(health, [SERVICE], False)
-        await server.stop(grace=5)
+        await server.stop(grace=5 if result is not None and not getattr(trainer, "stop_requested", False) else 0)
 
 
 def observe_scores(telemetry: Telemetry, scores: dict | None) -> None:
@@ -178,14 +233,21 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
 
 
 
-async def _until(work, stopping: asyncio.Event):
-    """Run `work`, or give up when a termination signal arrives."""
+async def _until(work, stopping: asyncio.Event, ask_to_stop=None, grace: float = 0.0):
+    """Run `work`, or give up when a termination signal arrives. With ask_to_stop, the signal first
+    asks the work to end by itself (the trainer checkpoints at the next boundary), for up to `grace` s."""
     task = asyncio.ensure_future(work)
     stop = asyncio.ensure_future(stopping.wait())
     done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
         stop.cancel()
         return task.result()
+    if ask_to_stop is not None:
+        ask_to_stop()
+        done, _ = await asyncio.wait({task}, timeout=grace)
+        if task in done:
+            return task.result()
+        log.warning("the iteration under way did not end within %.0f s: stopping without a checkpoint", grace)
     task.cancel()
     raise SystemExit("terminated by signal")
 
@@ -197,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(args.threads)
     try:
         rpc.run(serve(args))
-    except (ConfigError, TimeoutError) as exc:
+    except (ConfigError, TimeoutError, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
     return 0

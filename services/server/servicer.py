@@ -18,7 +18,9 @@ from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
+from mdgan.sites import RunClasses, check_class_names, model_image_shape, resizable
 from mdgan.mdgan import StepResult, WorkerBatch
+from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from services.common import codec, pki
 from services.common.rpc import MalformedMessage, RateLimitedWarnings
 from services.common.telemetry import Telemetry
@@ -99,7 +101,11 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.lost_reason: str | None = None
         self._write_lock = asyncio.Lock()
         self._steps: dict[int, asyncio.Future] = {}
+        # Swap rounds and copy boundaries share this map: a copy happens before an iteration and a
+        # swap after it, each awaited to the end, so their numbers are never pending at once.
         self._swaps: dict[int, asyncio.Future] = {}
+        self._checkpoints: dict[int, asyncio.Future] = {}
+        self.run_id = ""
         self.address_book: dict[str, str] = {}  # worker id -> peer address, filled by the Coordinator
         self.identity_book: dict[str, str] = {}  # worker id -> identity, filled by the Coordinator
         # FL-GAN: the models coming back in the current round, checked against these layouts
@@ -148,10 +154,19 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
                 round=order.swap_round, send_to_worker=order.send_to,
                 send_to_address=self.address_book.get(order.send_to, ""), receive_from_worker=order.receive_from,
                 receive_from_identity=self.identity_book.get(order.receive_from, ""),
-                send_to_identity=self.identity_book.get(order.send_to, ""))))
+                send_to_identity=self.identity_book.get(order.send_to, ""), kind=order.kind)))
             return await future
         finally:
             self._swaps.pop(order.swap_round, None)
+
+    async def checkpoint(self, iteration: int) -> str | None:
+        future = asyncio.get_running_loop().create_future()
+        self._checkpoints[iteration] = future
+        try:
+            await self.send(pb.ServerMessage(checkpoint=pb.CheckpointOrder(iteration=iteration, run_id=self.run_id)))
+            return await future
+        finally:
+            self._checkpoints.pop(iteration, None)
 
     async def local_round(self, round_: int, first_iteration: int, iterations: int,
                           generator: dict[str, torch.Tensor], discriminator: dict[str, torch.Tensor]) -> LocalRoundResult:
@@ -189,7 +204,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
             self.lost_reason = reason
             self.telemetry.departures.labels("disconnected").inc()
             log.warning("%s lost: %s", self.worker_id, reason)
-        for future in [*self._steps.values(), *self._swaps.values(), *self._rounds.values()]:
+        for future in [*self._steps.values(), *self._swaps.values(), *self._rounds.values(),
+                       *self._checkpoints.values()]:
             if not future.done():
                 future.set_exception(WorkerLost(f"{self.worker_id}: {reason}"))
         self.closed.set()
@@ -223,6 +239,13 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
                 await self._on_model_part(message.model_part)
             elif kind == "local_round_done":
                 await self._on_local_round_done(message.local_round_done)
+            elif kind == "checkpoint_done":
+                done = message.checkpoint_done
+                future = self._checkpoints.get(done.iteration)
+                if future is None or future.done():
+                    await self._reject(done.iteration, "iteration", f"no checkpoint pending for {done.iteration}")
+                else:
+                    future.set_result(None if done.ok else (done.error or "the worker could not save its state"))
             elif kind == "heartbeat":
                 continue
             else:
@@ -307,55 +330,28 @@ class JoinRefused(Exception):
         self.detail = detail
 
 
-class ShardBindings:
-    """Which identity holds which shard: the first identity to hold a shard keeps it; anyone else
-    asking for it is refused (PERMISSION_DENIED); the same identity coming back gets it back.
-
-    Kept here until the roster (mdgan/roster.py, "Durable, elastic runs") lands on main; then this
-    binding moves into the roster, its one home.
-    """
-
-    def __init__(self) -> None:
-        self._owner: dict[int, str] = {}  # shard index -> identity
-        self._shard: dict[str, int] = {}  # identity -> shard index
-
-    def owner(self, index: int) -> str | None:
-        return self._owner.get(index)
-
-    def shard_of(self, identity: str) -> int | None:
-        return self._shard.get(identity)
-
-    def check(self, index: int, identity: str) -> None:
-        owner, held = self._owner.get(index), self._shard.get(identity)
-        if owner is not None and owner != identity:
-            raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED, f"shard {index} is bound to another identity")
-        if held is not None and held != index:
-            raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED, f"{identity!r} holds shard {held}, not {index}")
-
-    def bind(self, index: int, identity: str) -> None:
-        self.check(index, identity)
-        self._owner[index] = identity
-        self._shard[identity] = index
-
-
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """Admits up to `config.workers` workers, one per shard, until the run starts.
+    """Admits workers into the roster's slots, at any time (they take part from the next iteration
+    boundary), and refuses those of another run or another identity.
 
     Under mutual TLS (`authenticated`) a worker's identity is the name in its client certificate,
     which gRPC has verified against the run's CA; it must be a worker certificate (or be on
-    `allowed_workers`). With --insecure it is the name the worker claims in its Join.
+    `allowed_workers`). With --insecure it is the name the worker claims in its Join. The roster
+    binds each slot to the first identity that holds it.
     """
 
     def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
-                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, authenticated: bool = False,
-                 allowed_workers: list[str] | None = None):
+                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
+                 run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
+                 authenticated: bool = False, allowed_workers: list[str] | None = None):
         self.config = config
         self.authenticated = authenticated
         self.allowed_workers = set(allowed_workers) if allowed_workers else None
-        self.bindings = ShardBindings()
         self._pending_joins = 0
         self.warnings = RateLimitedWarnings(log)  # a flood of bad joins makes a few lines, not a flood
+        # The run's class names: declared (--classes) or set by the first site with class folders.
+        self.classes = RunClasses(class_names, config.model.num_classes, config.model.conditional)
         self.algorithm = algorithm
         self.model_layouts = model_layouts
         self.telemetry = telemetry or Telemetry("server")
@@ -365,34 +361,24 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.swap_timeout = swap_timeout
         self.liveness_timeout = liveness_timeout
         self.join_read_timeout = join_read_timeout
-        self.workers: dict[int, GrpcWorker] = {}  # shard index -> handle
+        self.roster = roster or Roster(config.workers)
+        self.run_id = run_id
+        self.swap_round = swap_round  # swap rounds done so far (the Trainer's count)
+        self.workers: dict[int, GrpcWorker] = {}  # slot -> the latest handle (for the summary's byte counts)
+        self.address_book: dict[str, str] = {}  # worker id -> peer address, shared by every handle
+        self.identity_book: dict[str, str] = {}  # worker id -> identity, shared by every handle
+        self.departed_swap_bytes = 0  # swap bytes reported by handles since replaced
         self.encoder = BatchEncoder()
-        self.started = False
-        self._changed = asyncio.Event()
 
     async def wait_for_workers(self, timeout: float) -> list[GrpcWorker]:
-        """Block until every shard has a live worker; then no one else is admitted."""
-        deadline = time.monotonic() + timeout
-        while len(self._live()) < self.config.workers:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-        self.started = True
-        handles = sorted(self._live(), key=lambda w: w.shard_index)
-        book = {w.worker_id: w.peer_address for w in handles}
-        identities = {w.worker_id: w.identity for w in handles}
-        for w in handles:
-            w.address_book = book
-            w.identity_book = identities
-        return handles
+        """Block until every slot has a live worker (FL-GAN, whose rounds take a fixed set)."""
+        if not await self.roster.wait_for(self.config.workers, timeout):
+            raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
+        self.roster.started = True
+        return self._live()
 
     def _live(self) -> list[GrpcWorker]:
-        return [w for w in self.workers.values() if not w.closed.is_set()]
+        return self.roster.alive()
 
     def identify(self, join: pb.Join, context: grpc.aio.ServicerContext) -> str | None:
         """The joining worker's identity; None: unnamed (insecure mode only; named after its shard)."""
@@ -412,85 +398,142 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                               f"(OU={pki.ROLE_WORKER}); or list it in --allowed-workers")
         return identity
 
-    def _admit(self, join: pb.Join, identity: str | None = None) -> tuple[int, int]:
-        """(shard index, shard size) for a joining worker; raises JoinRefused."""
+    def _admit(self, join: pb.Join, identity: str | None) -> tuple[int, int, str, RejoinPlan]:
+        """(slot, shard size, identity, how it gets its discriminator) for a joining worker; raises JoinRefused."""
         cfg = self.config
-        if self.started:
-            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "the run has started; it takes no new workers")
-        if len(join.peer_address) > MAX_ADDRESS_CHARS or len(join.sample_shape) > 8 \
+        if join.run_id and self.run_id and join.run_id != self.run_id:
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"this worker belongs to run {join.run_id!r}, but this server runs run {self.run_id!r}; "
+                f"point it at its own run's server, or empty its --state-dir to join run {self.run_id!r}"))
+        if self.algorithm == "flgan" and self.roster.started:
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "an FL-GAN run takes no workers once it started")
+        if len(join.peer_address) > MAX_ADDRESS_CHARS or len(join.sample_shape) > 8 or len(join.image_shape) > 8 \
                 or join.shard_size > MAX_SAMPLES or join.dataset_size > MAX_SAMPLES:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "absurd join: address, shape or sizes out of bounds")
-        if tuple(join.sample_shape) != tuple(cfg.model.sample_shape) or join.num_classes != cfg.model.num_classes:
-            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
-                f"data of shape {tuple(join.sample_shape)} with {join.num_classes} classes does not fit the model "
-                f"({tuple(cfg.model.sample_shape)}, {cfg.model.num_classes} classes)"))
+        self._check_data(join)
         if cfg.workers > 1 and not join.peer_address:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap")
-        taken = {i for i, w in self.workers.items() if not w.closed.is_set()}
         if join.HasField("shard_index"):
             index, size = join.shard_index, join.shard_size
             if index >= cfg.workers:
                 raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard index {index} >= workers {cfg.workers}")
-            if identity is not None:
-                self.bindings.check(index, identity)
-            if index in taken:
-                raise JoinRefused(grpc.StatusCode.ALREADY_EXISTS, f"shard {index} already has a worker")
         else:
-            held = self.bindings.shard_of(identity) if identity is not None else None
-            if held is not None and held in taken:
-                raise JoinRefused(grpc.StatusCode.ALREADY_EXISTS, f"{identity!r} already serves shard {held}")
+            held = self.roster.slot_bound_to(identity) if identity is not None else None
+            taken = {self.roster.slot_of(w) for w in self.roster.alive()}
+
             def unbound(i: int) -> bool:  # (unnamed workers cannot be told apart: any may take an unnamed one's)
-                owner = self.bindings.owner(i)
+                owner = self.roster.bindings.get(i)
                 return owner is None or (identity is None and owner == f"worker-{i}")
 
-            # an identity coming back gets its own shard; others get the lowest shard nobody holds
+            # an identity coming back gets its own slot; others get the lowest slot nobody holds
             free = [held] if held is not None else [i for i in range(cfg.workers) if i not in taken and unbound(i)]
             if not free:
                 raise JoinRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {cfg.workers} shards have a worker")
-            if join.dataset_size < cfg.workers:
+            index = free[0]
+            if join.own_data:  # a site: its m is all of its data
+                size = join.shard_size
+            elif join.dataset_size < cfg.workers:
                 raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"a dataset of {join.dataset_size} samples cannot "
                                                                     f"be cut into {cfg.workers} shards")
-            index = free[0]
-            size = shard_sizes(join.dataset_size, cfg.workers)[index]
+            else:
+                size = shard_sizes(join.dataset_size, cfg.workers)[index]
         if size < cfg.batch_size:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard of {size} samples < batch size {cfg.batch_size}")
-        return index, size
+        identity = identity or f"worker-{index}"  # an unnamed worker (--insecure) is named after its slot
+        try:
+            self.roster.claim(index, identity)
+        except SlotRefused as refused:
+            code = {"taken_by_other": grpc.StatusCode.PERMISSION_DENIED, "busy": grpc.StatusCode.ALREADY_EXISTS,
+                    "full": grpc.StatusCode.RESOURCE_EXHAUSTED}.get(refused.kind, grpc.StatusCode.INVALID_ARGUMENT)
+            raise JoinRefused(code, f"shard {index}: {refused}") from None
+        classes = tuple(join.class_names) if join.class_names else (() if join.own_data and not join.num_classes
+                                                                    else None)
+        why = self.classes.check(classes, join.num_classes)  # last: a refused join must not fix the run's classes
+        if why:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"this worker's classes do not fit the run: {why}")
+        # Only what this run saved counts as the worker's state.
+        same_run = bool(join.run_id) and join.run_id == self.run_id
+        plan = self.roster.rejoin_plan(list(join.checkpoints) if same_run else [],
+                                       join.trained_iteration if same_run else 0)
+        return index, size, identity, plan
+
+    def _check_data(self, join: pb.Join) -> None:
+        """The worker's samples fit the model: the same flat shape, or images it can resize to the model's."""
+        model = self.config.model
+        malformed = check_class_names(tuple(join.class_names))
+        if malformed:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad class names: {malformed}")
+        if join.image_shape:
+            image = tuple(join.image_shape)
+            try:
+                target = model_image_shape(model.sample_shape)
+            except ValueError as exc:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if not resizable(image, target):
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"this worker's images of shape {image} (C, H, W) cannot be resized to the model's {target}: "
+                    "not 1 or 3 channels, or another aspect ratio"))
+        elif tuple(join.sample_shape) != tuple(model.sample_shape):
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data of shape {tuple(join.sample_shape)} does not fit the model's samples "
+                f"{tuple(model.sample_shape)}"))
+        if not join.own_data and join.num_classes != model.num_classes:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data with {join.num_classes} classes does not fit the model ({model.num_classes} classes)"))
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         if self._pending_joins >= MAX_PENDING_JOINS:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins in progress; try again")
         self._pending_joins += 1
         try:
-            join, index, size, identity = await self._join(context)
+            join, index, size, identity, plan = await self._join(context)
         finally:
             self._pending_joins -= 1
         worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout,
                             self.model_layouts, self.encoder, identity=identity)
-        self.bindings.bind(index, worker.identity)
+        worker.run_id = self.run_id
+        worker.needs_copy = plan.copy
+        worker.address_book = self.address_book
+        worker.identity_book = self.identity_book
+        if index in self.workers:
+            self.departed_swap_bytes += self.workers[index].swap_message_bytes
         self.workers[index] = worker
+        self.roster.arrive(index, identity, worker)  # takes part from the next iteration boundary
+        self.address_book[worker.worker_id] = join.peer_address
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
-        self._changed.set()
-        log.info("%s joined as %r from %s (shard of %d, peer %s)", worker.worker_id, worker.identity, context.peer(),
-                 size, join.peer_address)
-        await worker.send(pb.ServerMessage(welcome=pb.Welcome(
-            worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config, self.algorithm),
-            heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000),
-            identity=worker.identity, members=sorted(w.identity for w in self._live()))))
+        self.identity_book[worker.worker_id] = worker.identity
+        log.info("%s joined as %r from %s (%s of %d samples, peer %s)%s", worker.worker_id, worker.identity,
+                 context.peer(), "its own data" if join.own_data else "a shard", size, join.peer_address,
+                 f": restores its state of iteration {plan.restore}" if plan.restore
+                 else ": takes a copy of a peer's discriminator" if plan.copy else "")
+        spec = codec.spec_from_config(self.config, self.algorithm)
+        spec.class_names.extend(self.classes.names or ())
+        # every identity bound in this run: a discriminator one of them pushes early is kept for the order
+        members = sorted(set(self.roster.bindings.values()) | {w.identity for w in self._live()})
+        try:
+            await worker.send(pb.ServerMessage(welcome=pb.Welcome(
+                worker_id=worker.worker_id, shard_index=index, spec=spec,
+                heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000),
+                run_id=self.run_id, swap_round=self.swap_round(), restore_iteration=plan.restore, copy=plan.copy,
+                identity=worker.identity, members=members)))
+        except WorkerLost:
+            self.roster.depart(worker)
+            return
         reader = asyncio.create_task(worker.read_loop())
         beats = asyncio.create_task(self._heartbeats(worker))
         try:
             await worker.closed.wait()
         finally:  # also on cancellation, when the worker's connection drops
             worker.lose("stream ended")
-            self._changed.set()
+            self.roster.depart(worker)
             self.telemetry.workers_alive.set(len(self._live()))
             reader.cancel()
             beats.cancel()
         if worker.malformed is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {worker.malformed}")
 
-    async def _join(self, context: grpc.aio.ServicerContext) -> tuple[pb.Join, int, int, str]:
+    async def _join(self, context: grpc.aio.ServicerContext) -> tuple[pb.Join, int, int, str, RejoinPlan]:
         """Read and admit the first message; every refusal ends the call with its status."""
         try:
             first = await asyncio.wait_for(context.read(), self.join_read_timeout)
@@ -501,17 +544,14 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.telemetry.count("worker_to_server", "control", "receiver", first)
         join = first.join
         try:
-            identity = self.identify(join, context)
-            index, size = self._admit(join, identity)
-            identity = identity or f"worker-{index}"  # an unnamed worker (--insecure) is named after its shard
-            self.bindings.check(index, identity)
+            index, size, identity, plan = self._admit(join, self.identify(join, context))
         except JoinRefused as refused:
             self.warnings.warn(refused.code.name, "join refused (%s, %s): %s", context.peer(), refused.code.name,
                                refused.detail)
             if refused.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 self.telemetry.rejected.labels("identity").inc()
             await context.abort(refused.code, refused.detail)
-        return join, index, size, identity
+        return join, index, size, identity, plan
 
     async def _heartbeats(self, worker: GrpcWorker) -> None:
         # Only when idle: a busy stream already tells the worker the server is alive.

@@ -1,24 +1,34 @@
-"""mdgan-worker: loads its data shard, serves the Peer service, joins the server and trains."""
+"""mdgan-worker: loads its data, serves the Peer service, joins the server and trains.
+
+Its data is either the site's own (the default: everything under --data-root is this worker's,
+whatever its size) or, to emulate sites from one shared dataset as in the paper (--num-shards N),
+shard --shard-index of N cut from it."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
 import logging
+import os
 import re
 import signal
 import socket
 import sys
+import uuid
 
 import grpc
 
 from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
+from mdgan.sites import load_site
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
-from services.worker.node import PEER_SERVICE, PeerServicer, ServerGone, WorkerNode
+from mdgan.checkpoint import CheckpointError
+from services.worker.node import PEER_SERVICE, JoinRefused, PeerServicer, ServerGone, WorkerNode
 
 log = logging.getLogger("mdgan.worker")
 
@@ -31,13 +41,23 @@ def build_parser() -> EnvArgumentParser:
                         help="HOST or HOST:PORT peers use to reach this worker (default: this host's name; the port "
                              "defaults to the bound one)")
     parser.add_argument("--shard-index", default="auto",
-                        help="which shard of the data this worker holds: a number; 'auto', the trailing number of "
-                             "the host name (a StatefulSet pod's ordinal); or 'assign', the lowest free shard, "
-                             "chosen by the server")
-    parser.add_argument("--num-shards", type=int, default=1, help="number of shards the data is split into (N)")
+                        help="this worker's slot (rank), and with --num-shards N > 1 the shard of the shared data it "
+                             "keeps: a number; 'auto', the trailing number of the host name (a StatefulSet pod's "
+                             "ordinal); or 'assign', the lowest free slot, chosen by the server")
+    parser.add_argument("--num-shards", type=int, default=None,
+                        help="emulation: --data-root is a dataset shared by N workers, cut into N shards (--split, "
+                             "--split-seed), and this worker keeps one; unset (default): all of --data-root is this "
+                             "site's own data")
     parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
     parser.add_argument("--server-timeout", type=float, default=120.0,
-                        help="leave when the server is silent this long (s)")
+                        help="leave when no server of our run has been heard for this long (s): a broken stream "
+                             "is retried (exponential backoff with jitter) until then")
+    parser.add_argument("--state-dir", default=None,
+                        help="where this worker keeps its run id and checkpoints (D, Adam, sampler state); "
+                             "without it the worker cannot take part in checkpoints or restore after a crash")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, help="saved states kept in --state-dir")
+    parser.add_argument("--run-id", default=None,
+                        help="join this run only (default: the run recorded in --state-dir, else any)")
     parser.add_argument("--metrics-port", type=int, default=9101, help="HTTP port of /metrics (0: none)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
     parser.add_argument("--metrics-dump", default=None, help="write the final metrics exposition to this file")
@@ -61,8 +81,11 @@ def build_parser() -> EnvArgumentParser:
     return parser
 
 
-def resolve_shard_index(value: str) -> int | None:
-    """The shard index, or None when the server is to assign one."""
+def resolve_shard_index(value: str, ordinal_required: bool = True) -> int | None:
+    """The shard index (a site's: its slot), or None when the server is to assign one.
+
+    'auto' without a trailing number in the host name: an error for a shard of a shared dataset,
+    'assign' for a site (whose data does not depend on its slot)."""
     if value == "assign":
         return None
     if value != "auto":
@@ -71,6 +94,8 @@ def resolve_shard_index(value: str) -> int | None:
         except ValueError:
             raise ConfigError(f"--shard-index must be a number or 'auto', got {value!r}") from None
     match = re.search(r"-(\d+)$", socket.gethostname())
+    if not match and not ordinal_required:
+        return None
     if not match:
         raise ConfigError(f"--shard-index auto: host name {socket.gethostname()!r} does not end in -<number>")
     return int(match.group(1))
@@ -91,21 +116,73 @@ def worker_identity(args, credentials: tls.TLSConfig | None, index: int | None) 
     return name
 
 
+_held_locks = []  # open lock files: a folder stays ours as long as this process lives
+
+
+def claim_state_dir(root: str) -> tuple[str, dict]:
+    """A sub-folder of `root` locked for this process: an unlocked one of an unfinished run if any
+    (its current.json is returned), else a new one."""
+    os.makedirs(root, exist_ok=True)
+
+    def lock(folder: str) -> bool:
+        fh = open(os.path.join(folder, ".lock"), "a")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.close()
+            return False
+        _held_locks.append(fh)
+        return True
+
+    candidates = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        try:
+            with open(os.path.join(folder, "current.json")) as fh:
+                saved = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if not saved.get("finished"):
+            candidates.append((folder, saved))
+    for folder, saved in candidates:
+        if lock(folder):
+            return folder, saved
+    folder = os.path.join(root, f"worker-{uuid.uuid4().hex[:8]}")
+    os.makedirs(folder)
+    lock(folder)
+    return folder, {}
+
+
 def advertise_address(value: str | None, bound_port: int) -> str:
     host = value or socket.gethostname()
     return host if re.search(r":\d+$", host) else f"{host}:{bound_port}"
 
 
 async def serve(args) -> str:
-    data = data_config(args, args.num_shards)
+    own_data = args.num_shards is None
+    data = data_config(args, 1 if own_data else args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
     if not args.slow_factor >= 1:
         raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
-    index = resolve_shard_index(args.shard_index)
-    if index is None and data.split != "iid":
+    index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
+    if args.state_dir and index is None:
+        # Replicas without an ordinal share one state volume: each locks a folder of its own in it,
+        # and one restarted after a crash takes back the folder (and the shard) of an unfinished run.
+        args.state_dir, saved = claim_state_dir(args.state_dir)
+        if saved.get("shard_index") is not None and not saved.get("finished"):
+            index = int(saved["shard_index"])
+            log.info("state %s: back in run %s with shard %d", args.state_dir, saved.get("run_id"), index)
+    if own_data:  # a site: all of its data is this worker's, whatever its size
+        site = load_site(data.dataset, data.data_root, args.bad_images)
+        source = {"site": site, "slot": index}
+        classes = (f"{len(site.class_names)} classes" if site.class_names else "unlabelled") \
+            if site.class_names is not None else f"{site.num_classes} numbered classes"
+        log.info("this site holds %d samples (%s, %s)%s", len(site), classes, site.image_shape,
+                 f"; {len(site.skipped)} unusable images skipped" if site.skipped else "")
+    elif index is None and data.split != "iid":
         raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
                           "assigns from the i.i.d. split); give each worker its --shard-index")
-    if index is None:
+    elif index is None:
         images, labels = load_stored_dataset(data)  # uint8 where stored so: 4x less until the shard is cut
         source = {"dataset": (images, labels, data)}
         log.info("loaded %d samples; the server will assign a shard", images.shape[0])
@@ -124,8 +201,9 @@ async def serve(args) -> str:
                              max_send_bytes=rpc.message_bytes_for(0), max_concurrent_streams=8)
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
                       telemetry=telemetry, device=args.device, tls=credentials, identity=identity,
-                      server_name=args.tls_server_name, attack=args.attack, slow_factor=args.slow_factor,
-                      **source)
+                      server_name=args.tls_server_name, state_dir=args.state_dir,
+                      keep_checkpoints=args.keep_checkpoints, run_id=args.run_id, attack=args.attack,
+                      slow_factor=args.slow_factor, **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)
@@ -152,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(args.threads)
     try:
         reason = rpc.run(serve(args))
-    except (ConfigError, ServerGone) as exc:
+    except JoinRefused as exc:
+        log.error("the server refused us: %s", exc)
+        return 3
+    except (ConfigError, ServerGone, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
     except grpc.aio.AioRpcError as exc:

@@ -9,23 +9,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "feedback", "swap_report", "heartbeat", "model_part", "local_round_done")
+    __slots__ = ("join", "feedback", "swap_report", "heartbeat", "model_part", "local_round_done", "checkpoint_done")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     SWAP_REPORT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     MODEL_PART_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ROUND_DONE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DONE_FIELD_NUMBER: _ClassVar[int]
     join: Join
     feedback: Feedback
     swap_report: SwapReport
     heartbeat: Heartbeat
     model_part: ModelPart
     local_round_done: LocalRoundDone
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round_done: _Optional[_Union[LocalRoundDone, _Mapping]] = ...) -> None: ...
+    checkpoint_done: CheckpointDone
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round_done: _Optional[_Union[LocalRoundDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round", "swap_cancel")
+    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round", "swap_cancel", "checkpoint")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SWAP_ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +37,7 @@ class ServerMessage(_message.Message):
     MODEL_PART_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ROUND_FIELD_NUMBER: _ClassVar[int]
     SWAP_CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     batches: Batches
     swap_order: SwapOrder
@@ -44,10 +47,11 @@ class ServerMessage(_message.Message):
     model_part: ModelPart
     local_round: LocalRound
     swap_cancel: SwapCancel
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ...) -> None: ...
+    checkpoint: CheckpointOrder
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointOrder, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name")
+    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name", "run_id", "checkpoints", "trained_iteration", "own_data", "class_names", "image_shape")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +59,12 @@ class Join(_message.Message):
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    OWN_DATA_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_size: int
     peer_address: str
@@ -62,10 +72,16 @@ class Join(_message.Message):
     num_classes: int
     dataset_size: int
     name: str
-    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    run_id: str
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    trained_iteration: int
+    own_data: bool
+    class_names: _containers.RepeatedScalarFieldContainer[str]
+    image_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[int]] = ..., trained_iteration: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "wire_dtype")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +101,7 @@ class TrainingSpec(_message.Message):
     GEN_LR_FIELD_NUMBER: _ClassVar[int]
     GEN_BETA1_FIELD_NUMBER: _ClassVar[int]
     GEN_BETA2_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     gan: str
@@ -105,11 +122,12 @@ class TrainingSpec(_message.Message):
     gen_lr: float
     gen_beta1: float
     gen_beta2: float
+    class_names: _containers.RepeatedScalarFieldContainer[str]
     wire_dtype: str
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members")
+    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members", "run_id", "swap_round", "restore_iteration", "copy")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +135,10 @@ class Welcome(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SWAP_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     spec: TrainingSpec
     heartbeat_interval_ms: int
@@ -124,7 +146,11 @@ class Welcome(_message.Message):
     shard_index: int
     identity: str
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ..., shard_index: _Optional[int] = ..., identity: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    run_id: str
+    swap_round: int
+    restore_iteration: int
+    copy: bool
+    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ..., shard_index: _Optional[int] = ..., identity: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., swap_round: _Optional[int] = ..., restore_iteration: _Optional[int] = ..., copy: _Optional[bool] = ...) -> None: ...
 
 class Batches(_message.Message):
     __slots__ = ("iteration", "generated", "generated_labels", "discriminated", "discriminated_labels")
@@ -163,20 +189,40 @@ class Feedback(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., gradient: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
 
 class SwapOrder(_message.Message):
-    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker", "receive_from_identity", "send_to_identity")
+    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker", "receive_from_identity", "send_to_identity", "kind")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_WORKER_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_FROM_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     round: int
     send_to_worker: str
     send_to_address: str
     receive_from_worker: str
     receive_from_identity: str
     send_to_identity: str
-    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ..., receive_from_identity: _Optional[str] = ..., send_to_identity: _Optional[str] = ...) -> None: ...
+    kind: str
+    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ..., receive_from_identity: _Optional[str] = ..., send_to_identity: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class CheckpointOrder(_message.Message):
+    __slots__ = ("iteration", "run_id")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    run_id: str
+    def __init__(self, iteration: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointDone(_message.Message):
+    __slots__ = ("iteration", "ok", "error")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    ok: bool
+    error: str
+    def __init__(self, iteration: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SwapCancel(_message.Message):
     __slots__ = ("round", "sender_worker", "reason")

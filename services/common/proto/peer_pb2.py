@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as mdgan_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mdgan/v1/peer.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"\x90\x01\n\x13\x44iscriminatorHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fsender_identity\x18\x05 \x01(\t\"]\n\x12\x44iscriminatorChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.mdgan.v1.DiscriminatorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"!\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x32N\n\x04Peer\x12\x46\n\x11PushDiscriminator\x12\x1c.mdgan.v1.DiscriminatorChunk\x1a\x11.mdgan.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mdgan/v1/peer.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"\x9e\x01\n\x13\x44iscriminatorHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fsender_identity\x18\x05 \x01(\t\x12\x0c\n\x04\x63opy\x18\x07 \x01(\x08\"]\n\x12\x44iscriminatorChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.mdgan.v1.DiscriminatorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"!\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x32N\n\x04Peer\x12\x46\n\x11PushDiscriminator\x12\x1c.mdgan.v1.DiscriminatorChunk\x1a\x11.mdgan.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mdgan.v1.peer_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DISCRIMINATORHEADER']._serialized_start=57
-  _globals['_DISCRIMINATORHEADER']._serialized_end=201
-  _globals['_DISCRIMINATORCHUNK']._serialized_start=203
-  _globals['_DISCRIMINATORCHUNK']._serialized_end=296
-  _globals['_PUSHACK']._serialized_start=298
-  _globals['_PUSHACK']._serialized_end=331
-  _globals['_PEER']._serialized_start=333
-  _globals['_PEER']._serialized_end=411
+  _globals['_DISCRIMINATORHEADER']._serialized_end=215
+  _globals['_DISCRIMINATORCHUNK']._serialized_start=217
+  _globals['_DISCRIMINATORCHUNK']._serialized_end=310
+  _globals['_PUSHACK']._serialized_start=312
+  _globals['_PUSHACK']._serialized_end=345
+  _globals['_PEER']._serialized_start=347
+  _globals['_PEER']._serialized_end=425
 # @@protoc_insertion_point(module_scope)

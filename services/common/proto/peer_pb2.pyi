@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiscriminatorHeader(_message.Message):
-    __slots__ = ("round", "sender_worker", "tensors", "total_bytes", "sender_identity")
+    __slots__ = ("round", "sender_worker", "tensors", "total_bytes", "sender_identity", "copy")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENDER_WORKER_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENDER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     round: int
     sender_worker: str
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
     total_bytes: int
     sender_identity: str
-    def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sender_identity: _Optional[str] = ...) -> None: ...
+    copy: bool
+    def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sender_identity: _Optional[str] = ..., copy: _Optional[bool] = ...) -> None: ...
 
 class DiscriminatorChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -1,0 +1,194 @@
+"""Durable, elastic runs with real processes: the server killed and resumed, workers killed and
+restarted, chaos, a worker of another run. Every process is SIGKILLed like a crash would."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+
+import pytest
+
+from conftest import REPO
+from procs import python_module, read_json, read_jsonl, start_worker
+
+from mdgan.config import DataConfig, ModelSpec, TrainingConfig
+from mdgan.run import EvaluationOptions, simulate
+
+pytestmark = pytest.mark.slow
+
+N, KAPPA, ITERATIONS, SWAP_EVERY, CHECKPOINT_EVERY = 3, 2, 600, 100, 50
+TRAINING = ["--workers", str(N), "--kappa", str(KAPPA), "--iterations", str(ITERATIONS), "--swap-every",
+            str(SWAP_EVERY), "--architecture", "mlp", "--dataset", "synthetic", "--eval-every", "-1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """A server on a fixed port (so a restarted one is found again) and N workers with state dirs."""
+
+    def __init__(self, out: str, *server_flags: str):
+        self.out = out
+        self.port = _free_port()
+        self.server_flags = server_flags
+        self.procs = []
+        self.server = None
+        self.workers: dict[int, object] = {}
+        self.restarts = 0
+
+    def start_server(self, *extra: str):
+        self.restarts += 1
+        self.server = python_module(f"server-{self.restarts}", [
+            "services.server", "--listen", f"127.0.0.1:{self.port}", "--out", self.out, "--threads", "1",
+            "--metrics-port", "0", "--checkpoint-every", str(CHECKPOINT_EVERY), "--step-timeout", "30",
+            "--heartbeat-interval", "1", *TRAINING, *self.server_flags, *extra], self.out)
+        self.procs.append(self.server)
+        return self.server
+
+    def start_worker(self, index: int, *extra: str):
+        self.restarts += 1
+        worker = start_worker(self.out, self.port, index, N, "--dataset", "synthetic", "--state-dir",
+                              os.path.join(self.out, "state", f"worker-{index}"), "--server-timeout", "90", *extra)
+        worker.name = f"worker-{index}-{self.restarts}"
+        self.workers[index] = worker
+        self.procs.append(worker)
+        return worker
+
+    def history(self) -> list[dict]:
+        return read_jsonl(os.path.join(self.out, "history.jsonl"))
+
+    def wait_for_iteration(self, iteration: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.history()
+            if rows and rows[-1]["iteration"] >= iteration:
+                return
+            if self.server.popen.poll() is not None:
+                raise AssertionError(f"the server exited early:\n{self.server.log()}")
+            time.sleep(0.1)
+        raise AssertionError(f"no iteration {iteration} within {timeout} s:\n{self.server.log()}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    made = []
+
+    def make(name: str = "run", *flags: str) -> Cluster:
+        c = Cluster(str(tmp_path / name), *flags)
+        os.makedirs(c.out, exist_ok=True)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:  # on failure too
+        c.stop()
+
+
+def _uninterrupted_sha(tmp_path) -> str:
+    config = TrainingConfig(workers=N, kappa=KAPPA, iterations=ITERATIONS, swap_every=SWAP_EVERY,
+                            model=ModelSpec(architecture="mlp")).validate()
+    summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "reference"), progress=False,
+                       evaluation=EvaluationOptions(every=-1))
+    return summary["generator_sha256"]
+
+
+def _assert_history_whole(rows: list[dict], total: int = ITERATIONS) -> None:
+    iterations = [r["iteration"] for r in rows]
+    assert iterations == list(range(1, total + 1)), "history has a gap or a duplicate line"
+
+
+def test_server_killed_and_resumed_ends_bit_for_bit_where_the_uninterrupted_run_ends(cluster_factory, tmp_path):
+    c = cluster_factory()
+    c.start_server()
+    for i in range(N):
+        c.start_worker(i)
+    kill_at = random.Random().randint(CHECKPOINT_EVERY + 20, ITERATIONS - 150)  # swaps before and after
+    c.wait_for_iteration(kill_at, 240)
+    c.server.kill()
+    killed_at = c.history()[-1]["iteration"]
+    c.start_server("--resume")  # the workers find it by themselves
+    assert c.server.wait(300) == 0, c.server.log()
+    summary = read_json(os.path.join(c.out, "summary.json"))
+    for i, worker in c.workers.items():
+        assert worker.wait(60) == 0, worker.log()
+        assert "restored our state of iteration" in worker.log()
+    assert summary["resumed_from"] == (killed_at // CHECKPOINT_EVERY) * CHECKPOINT_EVERY or \
+        summary["resumed_from"] == (killed_at // CHECKPOINT_EVERY - 1) * CHECKPOINT_EVERY  # a checkpoint may be in flight
+    assert summary["workers_alive"] == N and summary["swaps"] == ITERATIONS // SWAP_EVERY
+    _assert_history_whole(c.history())
+    run = read_json(os.path.join(c.out, "run_identity.json"))
+    assert summary["run_id"] == run["run_id"]
+    assert summary["generator_sha256"] == _uninterrupted_sha(tmp_path)
+
+
+def test_a_worker_killed_and_restarted_rejoins_the_run(cluster_factory):
+    c = cluster_factory()
+    c.start_server()
+    for i in range(N):
+        c.start_worker(i)
+    c.wait_for_iteration(CHECKPOINT_EVERY + 30, 240)
+    c.workers[1].kill()
+    c.start_worker(1)
+    assert c.server.wait(300) == 0, c.server.log()
+    assert c.workers[1].wait(60) == 0, c.workers[1].log()
+    summary = read_json(os.path.join(c.out, "summary.json"))
+    assert summary["workers_alive"] == N and "worker-1" in summary["alive"]
+    active = [r["active_workers"] for r in c.history()]
+    dip = active.index(N - 1)
+    assert active[:dip] == [N] * dip and active[-1] == N, "history shows no dip and recovery"
+    assert "restored our state of iteration" in c.workers[1].log()
+    _assert_history_whole(c.history())
+
+
+def test_chaos_every_run_finishes(cluster_factory):
+    """Random SIGKILLs of workers and of the server, each restarted after a moment: every run ends
+    with a summary of all its iterations within BOUND seconds."""
+    BOUND, TOTAL = 300, 300
+    rng = random.Random()
+    for run in range(2):
+        c = cluster_factory(f"chaos-{run}")
+        c.start_server("--iterations", str(TOTAL))
+        for i in range(N):
+            c.start_worker(i)
+        started = time.monotonic()
+        for kill in range(3):
+            c.wait_for_iteration(rng.randint(30, 80) * (kill + 1), BOUND)
+            victim = rng.choice(["server", 0, 1, 2])
+            if victim == "server":
+                c.server.kill()
+                time.sleep(rng.uniform(0, 2))
+                c.start_server("--resume", "auto", "--iterations", str(TOTAL))
+            else:
+                c.workers[victim].kill()
+                time.sleep(rng.uniform(0, 2))
+                c.start_worker(victim)
+        remaining = BOUND - (time.monotonic() - started)
+        assert c.server.wait(max(1, remaining)) == 0, c.server.log()
+        summary = read_json(os.path.join(c.out, "summary.json"))
+        assert summary["iterations"] == TOTAL, summary
+        _assert_history_whole(c.history(), TOTAL)
+        c.stop()
+
+
+def test_a_worker_of_another_run_is_refused_with_a_clear_error(cluster_factory):
+    c = cluster_factory()
+    c.start_server("--run-id", "alpha")
+    state = os.path.join(c.out, "state", "worker-0")
+    os.makedirs(state)
+    with open(os.path.join(state, "current.json"), "w") as fh:
+        json.dump({"run_id": "beta", "shard_index": 0}, fh)
+    worker = c.start_worker(0)
+    code = worker.wait(120)
+    log = worker.log()
+    assert code != 0
+    assert "FAILED_PRECONDITION" in log and "'beta'" in log and "'alpha'" in log, log

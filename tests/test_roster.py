@@ -1,0 +1,196 @@
+"""The roster (membership in the library) and the checkpoint store, without any transport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+
+from mdgan import checkpoint
+from mdgan.checkpoint import CheckpointError, CheckpointStore
+from mdgan.config import DataConfig, TrainingConfig
+from mdgan.roster import RejoinPlan, Roster, SlotRefused
+from mdgan.run import EvaluationOptions, parse_churn, simulate
+
+
+class Handle:
+    def __init__(self, name: str):
+        self.worker_id = name
+
+
+def test_a_slot_belongs_to_the_first_identity_that_holds_it():
+    roster = Roster(3)
+    a = Handle("a")
+    roster.arrive(1, "site-a", a)
+    with pytest.raises(SlotRefused) as busy:
+        roster.claim(1, "site-a")  # still connected
+    assert busy.value.kind == "busy"
+    assert roster.depart(a) and not roster.depart(a)
+    with pytest.raises(SlotRefused) as other:
+        roster.claim(1, "site-b")
+    assert other.value.kind == "taken_by_other" and "site-a" in str(other.value)
+    assert roster.claim(1, "site-a") == 1  # the same identity gets its slot back
+    assert roster.claim(None, "site-a") == 1  # also when it does not say which
+    assert roster.claim(None, "site-c") == 0  # a newcomer gets the lowest free slot
+    with pytest.raises(SlotRefused, match="holds slot 1"):
+        roster.claim(2, "site-a")  # one identity, one slot
+    with pytest.raises(SlotRefused) as out:
+        roster.claim(3, "site-d")
+    assert out.value.kind == "out_of_range"
+
+
+def test_membership_changes_only_at_iteration_boundaries_in_rank_order():
+    roster = Roster(3)
+    handles = [Handle(f"w{i}") for i in range(3)]
+    roster.arrive(2, "w2", handles[2])
+    roster.arrive(0, "w0", handles[0])
+    members, new = roster.at_boundary(0)
+    assert members == [handles[0], handles[2]] and new == [handles[0], handles[2]]
+    roster.arrive(1, "w1", handles[1])
+    assert roster.members() == [handles[0], handles[2]]  # not before the next boundary
+    members, new = roster.at_boundary(1)
+    assert members == handles and new == [handles[1]]
+    roster.depart(handles[0])
+    assert roster.members() == handles[1:]
+
+
+def test_quorum_waits_and_times_out():
+    roster = Roster(3, min_workers=2, pause_timeout=5)
+    assert roster.start_quorum == 2 and roster.keep_quorum == 2
+
+    async def scenario():
+        assert not await roster.wait_for(2, 0.05)
+        roster.arrive(0, "w0", Handle("w0"))
+        later = asyncio.get_running_loop().call_later(0.05, roster.arrive, 1, "w1", Handle("w1"))
+        ok = await roster.wait_for(2, 5)
+        later.cancel()
+        return ok
+
+    assert asyncio.run(scenario())
+    assert Roster(3).start_quorum == 3 and Roster(3).keep_quorum == 1
+    with pytest.raises(ValueError):
+        Roster(3, min_workers=4)
+
+
+def test_rejoin_plans():
+    roster = Roster(3)
+    assert roster.rejoin_plan([50], 120) == RejoinPlan()  # a fresh run: everyone starts from the seed
+    roster.load_state_dict({"bindings": {"0": "w0"}, "alive": [0, 1]}, iteration=100)
+    assert roster.expected == {0, 1} and roster.start_quorum == 2
+    assert roster.rejoin_plan([50, 100], 130) == RejoinPlan(restore=100)  # resume: the checkpoint's state
+    assert roster.rejoin_plan([50], 130) == RejoinPlan(copy=True)  # not the checkpoint's: a copy
+    roster.started = True
+    roster.at_boundary(140)
+    assert roster.rejoin_plan([50, 100], 130) == RejoinPlan()  # mid-run, back after a blip: keep its D
+    assert roster.rejoin_plan([50, 100], 0) == RejoinPlan(restore=100)  # restarted: its newest state
+    assert roster.rejoin_plan([], 0) == RejoinPlan(copy=True)  # nothing of its own: a peer's copy
+
+
+def test_checkpoints_are_counted_only_when_complete_and_the_last_k_are_kept(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep=2)
+    for it in (10, 20, 30, 40):
+        store.save(it, "server", {"iteration": it, "w": torch.full((3,), float(it))})
+        if it != 40:
+            store.mark_complete(it, {"run_id": "r"})
+    assert store.latest_complete() == 30 and store.iterations() == [20, 30, 40]
+    assert store.load(30, "server")["iteration"] == 30
+    assert store.info(30)["run_id"] == "r"
+    with pytest.raises(CheckpointError):
+        store.load(10, "server")
+
+
+def test_a_crash_mid_write_leaves_the_last_checkpoint_usable(tmp_path, monkeypatch):
+    store = CheckpointStore(str(tmp_path), keep=3)
+    store.save(10, "server", {"iteration": 10})
+    store.mark_complete(10, {})
+
+    def crash(*args, **kwargs):
+        raise OSError("disk gone mid-write")
+
+    # dies after writing the temporary file, before the rename: the old file stays whole
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        store.save(10, "server", {"iteration": 999})
+    with pytest.raises(OSError):
+        store.save(20, "server", {"iteration": 20})
+    monkeypatch.undo()
+    assert store.latest_complete() == 10 and store.load(10, "server") == {"iteration": 10}
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".tmp")]
+    # a file cut short (a crash of a writer that did not write atomically) is reported, never half-loaded
+    with open(os.path.join(store.folder(10), "server.pt"), "r+b") as fh:
+        fh.truncate(20)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        store.load(10, "server")
+
+
+def test_history_is_truncated_to_whole_lines_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "history.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in range(1, 8)) + '{"iterat')
+    assert checkpoint.truncate_jsonl(str(path), lambda r: r["iteration"] <= 5) == 5
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
+    config = TrainingConfig(workers=3, kappa=2, iterations=40, swap_every=7, batch_size=10).validate()
+    data, quiet = DataConfig("synthetic"), EvaluationOptions(every=-1)
+    out = str(tmp_path / "run")
+    full = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10)
+    store = CheckpointStore(os.path.join(out, "checkpoints"))
+    assert store.complete() == [10, 20, 30]
+    with pytest.raises(CheckpointError, match="finished"):
+        simulate(config, data, out, progress=False, evaluation=quiet, resume="yes")
+    # as if the process died before checkpoint 30 completed (and so before the end)
+    for name in os.listdir(store.folder(30)):
+        os.remove(os.path.join(store.folder(30), name))
+    os.remove(os.path.join(out, "summary.json"))
+    resumed = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10, resume="yes")
+    assert resumed["resumed_from"] == 20 and resumed["run_id"] == full["run_id"]
+    assert resumed["generator_sha256"] == full["generator_sha256"]
+    with open(os.path.join(out, "history.jsonl")) as fh:
+        assert [json.loads(line)["iteration"] for line in fh] == list(range(1, 41))
+
+    churn = simulate(config, data, str(tmp_path / "churn"), progress=False, evaluation=quiet,
+                     churn=parse_churn("leave:12:2,join:20:2"))
+    with open(tmp_path / "churn" / "history.jsonl") as fh:
+        active = [json.loads(line)["active_workers"] for line in fh]
+    assert active == [3] * 12 + [2] * 8 + [3] * 20 and churn["workers_alive"] == 3
+    with open(tmp_path / "churn" / "swaps.jsonl") as fh:
+        copies = [r for r in map(json.loads, fh) if r.get("kind") == "copy"]
+    assert copies == [{"kind": "copy", "iteration": 20, "from": "worker-0", "to": "worker-2", "received": True}]
+    with pytest.raises(CheckpointError):
+        simulate(config, data, str(tmp_path / "nothing"), progress=False, evaluation=quiet, resume="yes")
+
+
+def test_a_stop_request_checkpoints_at_the_next_boundary_and_below_min_workers_training_pauses(tmp_path):
+    from mdgan.cluster import Trainer, build_in_process_workers
+    from mdgan.data import load_all_shards
+    from mdgan.mdgan import GeneratorSide
+
+    config = TrainingConfig(workers=3, iterations=30, batch_size=10, swap_every=4).validate()
+    shards = load_all_shards(DataConfig("synthetic", num_shards=3))
+    workers = build_in_process_workers(config, shards, str(tmp_path / "state"))
+    saved = []
+    trainer = Trainer(config, GeneratorSide(config), workers, checkpoint_every=10,
+                      save_checkpoint=lambda t, ok: saved.append((t, ok)))
+
+    def on_iteration(record):
+        if record.iteration == 13:
+            trainer.stop_requested = True  # what SIGTERM does in mdgan-server
+
+    trainer.on_iteration = on_iteration
+    result = asyncio.run(trainer.run())
+    assert saved == [(10, True), (13, True)] and result.iterations == 13 and "signal" in result.stopped_early
+    assert CheckpointStore(str(tmp_path / "state" / "worker-2")).holding("worker") == [10, 13]
+
+    # --min-workers 3: one worker crashes, nobody comes back within the pause timeout: the run stops
+    workers = build_in_process_workers(config, shards)
+    roster = Roster(3, min_workers=3, pause_timeout=0.2)
+    for w in workers:
+        roster.arrive(w.shard_index, w.worker_id, w)
+    trainer = Trainer(config, GeneratorSide(config), roster=roster)
+    trainer.on_iteration = lambda r: workers[1].crash() if r.iteration == 5 else None
+    result = asyncio.run(trainer.run())
+    assert result.iterations == 6 and "fewer than --min-workers 3" in result.stopped_early
