@@ -142,16 +142,18 @@ def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log: {exc})"
 
 
-def _scrape_gauge(port: int, name: str) -> float | None:
-    """One value of a Prometheus exposition (the server's own metrics), or None when unreachable."""
+def _scrape(port: int, *names: str) -> dict[str, float]:
+    """Values of a Prometheus exposition (the server's own metrics) by sample name; {} when unreachable."""
+    found = {}
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as reply:
             for line in reply.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
+                name, _, value = line.partition(" ")
+                if name in names:
+                    found[name] = float(value.split()[0])
     except (OSError, ValueError):
-        return None
-    return None
+        return {}
+    return found
 
 
 class LocalCluster:
@@ -288,9 +290,14 @@ class LocalCluster:
         quiet = self.args.no_progress
         with tqdm(total=self.args.workers, desc="workers joined", unit="worker", disable=quiet) as bar:
             joined, last_note = 0, time.monotonic()
-            while not os.path.exists(history):
+            while server.exitcode is None:  # (a server done before we looked: its exit code says how it went)
                 self.check_children(started=False)
-                alive = _scrape_gauge(self.metrics_ports["server"], "mdgan_workers_alive")
+                values = _scrape(self.metrics_ports["server"], "mdgan_workers_alive", "mdgan_iterations_total")
+                # Started once an iteration is done: history.jsonl is there from the start (and, resumed,
+                # holds the lines before), and a worker lost after the start is the run's business.
+                if values.get("mdgan_iterations_total", 0) > 0:
+                    break
+                alive = values.get("mdgan_workers_alive")
                 if alive is not None and int(alive) != joined:
                     bar.update(int(alive) - joined)
                     joined = int(alive)

@@ -338,13 +338,18 @@ def test_compose_sites_override_mounts_only_each_sites_folder():
     sources = []
     for i, name in enumerate(sites):
         service = services[name]
-        [volume] = service["volumes"]  # one folder, its own, read-only, and nothing else
-        assert volume["type"] == "bind" and volume["target"] == "/data" and volume["read_only"] is True
+        # one folder of data, its own, read-only; besides it only the certificates and its own state volume
+        [volume] = [v for v in service["volumes"] if v["type"] == "bind"]
+        assert volume["target"] == "/data" and volume["read_only"] is True
         sources.append(volume["source"])
+        named = {v["target"]: v for v in service["volumes"] if v["type"] == "volume"}
+        assert set(named) == {"/tls", "/state"} and named["/tls"]["read_only"] is True
+        assert named["/state"]["source"].endswith(f"{name}-state")
         env = service["environment"]
         assert "MDGAN_NUM_SHARDS" not in env and env["MDGAN_DATA_ROOT"] == "/data"  # its own data, not a shard
         assert env["MDGAN_SHARD_INDEX"] == str(i) and env["MDGAN_ADVERTISE_ADDRESS"] == f"{name}:50052"
         assert "worker" in service["networks"]["default"]["aliases"]  # Prometheus' DNS discovery finds it
+        assert env["MDGAN_TLS_CERT"] == f"/tls/worker-{i}/tls.crt" and env["MDGAN_STATE_DIR"] == "/state"
     assert sources == ["/srv/paris", "/srv/lyon"]
 
 

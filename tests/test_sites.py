@@ -253,7 +253,7 @@ def test_a_worker_whose_classes_do_not_fit_the_run_is_refused_and_says_why(tmp_p
         workers.append(wrong)
         assert empty.wait(60) == 2
         assert "no images under" in empty.log() and "empty" in empty.log()
-        assert wrong.wait(60) == 2
+        assert wrong.wait(60) == 3  # refused by the server (2: its own data or flags are wrong)
         log = wrong.log()
         assert "INVALID_ARGUMENT" in log and "the site has 3 classes (cat, dog, fox), the run has 10" in log
         assert server.popen.poll() is None  # the server waits on for workers that fit
