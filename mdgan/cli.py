@@ -33,8 +33,11 @@ def cmd_simulate(args) -> int:
 
     apply_threads(args.threads)
     config = training_config(args)
+    from mdgan.algorithms.options import dpgan_options, pwgan_options
+
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
-                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm)
+                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                       pwgan=pwgan_options(args), dpgan=dpgan_options(args))
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
@@ -182,6 +185,8 @@ def cmd_local(args) -> int:
     training_config(args)  # fail here, with a clear message, rather than in a child process
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
+    if args.algorithm in ("pwgan", "dpgan"):  # docs/ALGORITHMS.md: what their transport needs
+        raise ConfigError(f"--algorithm {args.algorithm} runs in `mdgan simulate` only for now")
     cluster = LocalCluster(args)
     try:
         server = cluster.start()
@@ -247,6 +252,7 @@ def cmd_sample(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mdgan.algorithms.options import add_algorithm_arguments
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
                                 add_training_arguments)
@@ -258,10 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--algorithm", choices=ALGORITHMS, default="mdgan",
                        help="MD-GAN, or a baseline: FL-GAN (federated averaging of G and D every ceil(E*m/b) "
-                            "iterations) or a standalone GAN on the whole dataset")
+                            "iterations), a standalone GAN on the whole dataset, the parallel Wasserstein GAN "
+                            "(pwgan) or the data-parallel parameter-server GAN (dpgan); see docs/ALGORITHMS.md")
         add_training_arguments(p)
         add_data_arguments(p)
         add_evaluation_arguments(p)
+        add_algorithm_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
         # in-process run and the gRPC cluster agree bit for bit.
         add_threads_argument(p, default=1)

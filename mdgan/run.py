@@ -240,17 +240,18 @@ class EvaluationOptions:
     reference: int = 2000
 
 
-ALGORITHMS = ("mdgan", "flgan", "standalone")
+ALGORITHMS = ("mdgan", "flgan", "standalone", "pwgan", "dpgan")  # pwgan, dpgan: mdgan/algorithms/
 
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
              evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
-             crash_every: int | None = None) -> dict:
+             crash_every: int | None = None, pwgan=None, dpgan=None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
-    crash_every: MD-GAN only, the paper's crash experiment: every this many iterations one more
-    worker fails (the last by rank), and its data leaves with it.
+    crash_every: MD-GAN, P-WGAN and the data-parallel GAN, the paper's crash experiment: every this
+    many iterations one more worker fails (the last by rank), and its data leaves with it.
+    pwgan, dpgan: PWGANOptions, DPGANOptions of those algorithms (None: their defaults).
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
@@ -277,6 +278,12 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
             result = asyncio.run(trainer.run())
         elif algorithm == "standalone":
             result = run_standalone(config, generator_side, shards[0], on_iteration=recorder)
+        elif algorithm in ("pwgan", "dpgan"):
+            from mdgan.algorithms import dpgan as dp, pwgan as pw
+
+            result = (pw.run_pwgan(config, pwgan or pw.PWGANOptions(), generator_side, shards, recorder, crash_every)
+                      if algorithm == "pwgan" else
+                      dp.run_dpgan(config, dpgan or dp.DPGANOptions(), generator_side, shards, recorder, crash_every))
         else:
             result = run_flgan(config, generator_side, shards, on_iteration=recorder, on_round=recorder.swap)
     finally:
