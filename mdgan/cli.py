@@ -37,7 +37,7 @@ def cmd_simulate(args) -> int:
 
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
                        evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
-                       pwgan=pwgan_options(args), dpgan=dpgan_options(args))
+                       pwgan=pwgan_options(args), dpgan=dpgan_options(args, config.workers))
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0

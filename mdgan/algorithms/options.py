@@ -25,5 +25,7 @@ def pwgan_options(args: argparse.Namespace) -> PWGANOptions:
     return PWGANOptions(args.potential_rounds, args.potential_lr, args.gradient_penalty).validate()
 
 
-def dpgan_options(args: argparse.Namespace) -> DPGANOptions:
-    return DPGANOptions(args.dp_threshold)
+def dpgan_options(args: argparse.Namespace, workers: int) -> DPGANOptions:
+    options = DPGANOptions(args.dp_threshold)
+    options.resolve(workers)  # refused here, before anything runs
+    return options
