@@ -183,3 +183,30 @@ def test_the_cli_runs_both_and_refuses_them_over_grpc_for_now(tmp_path, monkeypa
     with pytest.raises(SystemExit):
         main(["simulate", "--algorithm", "dpgan", "--dp-threshold", "3", *common, "--out", str(tmp_path / "x")])
     assert "dp-threshold" in capsys.readouterr().err
+
+
+class LostInRound2(InProcessCritic):
+    """Answers round 1 of iteration 2, then is gone."""
+
+    async def round(self, order):
+        if (order.iteration, order.round) >= (2, 2):
+            self.crash()
+        return await super().round(order)
+
+
+def test_a_worker_lost_between_rounds_leaves_and_the_iteration_ends_with_the_others():
+    config = _config(iterations=3)
+    shards = load_all_shards(DataConfig("synthetic", num_shards=3))
+    options = PWGANOptions(potential_rounds=3)
+    workers = build_in_process_critics(config, options, shards)
+    workers[0] = LostInRound2(workers[0].side)
+    records = []
+    trainer = PWGANTrainer(config, options, GeneratorSide(config), workers, on_iteration=records.append)
+    result = asyncio.run(trainer.run())
+    assert [(r.active_workers, r.answered, r.lost) for r in records] == [(3, 3, 0), (3, 2, 1), (2, 2, 0)]
+    assert result.workers_alive == 2 and result.stopped_early is None
+    assert trainer.masses.sum().item() == pytest.approx(1.0)
+    # iteration 2: rounds 1 and 2 were sent to 3 workers (the lost one failed on round 2), round 3 to 2
+    n_g, d = 6, 784
+    expected_down = (3 + 3 + 2) * 4 * n_g * d + 4 * n_g * (3 * 3 + (3 + 3 + 2) + 2 * 3)
+    assert result.traffic.payload_bytes["server_to_worker"] == expected_down
