@@ -124,8 +124,8 @@ def crash_period(run: dict) -> int | None:
         return None
     if run["crash"] != "every I/N":
         raise ConfigError(f"crash: only 'every I/N' is known, got {run['crash']!r}")
-    if run["algorithm"] != "mdgan":
-        raise ConfigError("crash schedules apply to MD-GAN runs")
+    if run["algorithm"] not in ("mdgan", "pwgan", "dpgan"):
+        raise ConfigError("crash schedules apply to MD-GAN, P-WGAN and data-parallel runs")
     return max(1, run["iterations"] // run["workers"])
 
 
