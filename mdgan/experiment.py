@@ -18,7 +18,8 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
 Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
-every I/N iterations, the paper's crash experiment; MD-GAN only), label (the curve's name), series
+every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs),
+potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN), label (the curve's name), series
 (final-vs-workers: the line(s) a run belongs to, a name or a list; default: its name without N).
 
 Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
@@ -49,13 +50,17 @@ DEFAULTS = {
     "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
     "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
     "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
+    # P-WGAN and the data-parallel GAN (docs/ALGORITHMS.md)
+    "potential_rounds": 5, "potential_lr": 1.0, "gradient_penalty": 10.0, "dp_threshold": None,
 }
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
-             "architecture", "gan", "loss", "split", "iterations", "seed")
+             "architecture", "gan", "loss", "split", "iterations", "seed", "potential_rounds", "potential_lr",
+             "gradient_penalty", "dp_threshold")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
-         "iterations": "I", "seed": "seed"}
+         "iterations": "I", "seed": "seed", "potential_rounds": "T", "potential_lr": "eta", "gradient_penalty": "gp",
+         "dp_threshold": "Q"}
 
 
 def load_config(path: str) -> dict:
@@ -138,8 +143,12 @@ def run_one(run: dict, out_dir: str, progress: bool) -> dict:
     evaluation = EvaluationOptions(data_root=run["data_root"] if run["dataset"] == "mnist" else None,
                                    every=run["eval_every"], samples=run["eval_samples"],
                                    reference=run["eval_reference"])
+    from mdgan.algorithms.dpgan import DPGANOptions
+    from mdgan.algorithms.pwgan import PWGANOptions
+
     return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
-                    crash_every=crash_period(run))
+                    crash_every=crash_period(run), dpgan=DPGANOptions(run["dp_threshold"]),
+                    pwgan=PWGANOptions(run["potential_rounds"], run["potential_lr"], run["gradient_penalty"]))
 
 
 def collect(runs: list[dict], out: str) -> list[dict]:

@@ -210,3 +210,11 @@ def test_a_worker_lost_between_rounds_leaves_and_the_iteration_ends_with_the_oth
     n_g, d = 6, 784
     expected_down = (3 + 3 + 2) * 4 * n_g * d + 4 * n_g * (3 * 3 + (3 + 3 + 2) + 2 * 3)
     assert result.traffic.payload_bytes["server_to_worker"] == expected_down
+
+
+def test_experiments_name_runs_by_their_pwgan_and_dpgan_settings():
+    from mdgan.experiment import expand
+
+    runs = expand({"grid": {"algorithm": ["pwgan"], "potential_rounds": [1, 5]},
+                   "runs": [{"algorithm": "dpgan", "dp_threshold": 2}]})
+    assert [r["name"] for r in runs] == ["pwgan-T1", "pwgan-T5", "dpgan-T5-Q2"]
