@@ -89,18 +89,23 @@ def _config(**kw) -> TrainingConfig:
 
 
 def test_feedback_is_zero_on_generated_points_no_real_sample_is_transported_to():
+    """The coupling is the plan averaged over the T rounds' cells: a generated point that no real
+    sample visited in any round gets no gradient; the visited ones get one."""
     config = _config(workers=1)
     (shard,) = load_all_shards(DataConfig("synthetic", num_shards=1))
-    side = CriticSide(config, shard, PWGANOptions(potential_rounds=1))
-    generated = torch.randn(6, 784)
-    reply = side.handle(PotentialOrder(1, 1, torch.zeros(6), generated, None, last=True))
-    assert reply.counts.sum().item() == 6
-    empty = reply.counts == 0
-    assert empty.any()  # six reals to the nearest of six fakes in critic value: some fake gets none
+    side = CriticSide(config, shard, PWGANOptions(potential_rounds=3, potential_lr=0.05))
+    generated = torch.randn(6, 784, generator=torch.Generator().manual_seed(1))
+    phi, visited = torch.zeros(6), torch.zeros(6, dtype=torch.bool)
+    for r in (1, 2, 3):
+        reply = side.handle(PotentialOrder(1, r, phi, generated if r == 1 else None, None, last=r == 3))
+        assert reply.counts.sum().item() == 6
+        visited |= reply.counts > 0
+        phi, _ = potential_step(phi, [reply.counts], 0.05)
+    assert (~visited).any()  # a small eta: some generated points were never anyone's cell
     feedback = reply.result.feedback
-    assert torch.count_nonzero(feedback[empty]) == 0
+    assert torch.count_nonzero(feedback[~visited]) == 0
     # a cell's pull is the sum of sign(D(x_i) - D(x^g_j)) over its reals: it may cancel, but not everywhere
-    assert (feedback[~empty].abs().sum(dim=1) > 0).any()
+    assert (feedback[visited].abs().sum(dim=1) > 0).any()
 
 
 def test_a_round_out_of_protocol_is_refused():

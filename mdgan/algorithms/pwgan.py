@@ -26,25 +26,38 @@ One iteration (what the paper leaves open is decided here, and said so):
    independent of n_r. phi_j^k is a function of phi and N^k, which the master has, so a worker
    sends only N^k (n_g int32) and the master computes phi^k itself (``potential_step``): the same
    numbers as the paper's message, at half its size.
-4. After its round-T counts, worker k holds the coupling sigma of its reals to the generated
-   points (N_j^k = |sigma^-1(j)|) and the transport cost under it,
-       W_k = (1/n_r) sum_i |D_k(x_i) - D_k(x^g_sigma(i))|.
+4. After round T, worker k holds the plan pi^k: pi_ij = the share of the T rounds in which real i
+   was in cell j (rows sum to 1; sum_i pi_ij = the mean over rounds of N_j^k), and the transport
+   cost under it,
+       W_k = (1/n_r) sum_ij pi_ij |D_k(x_i) - D_k(x^g_j)|.
+   *Why the plan averaged over the rounds, not the round-T cells alone*: the stochastic
+   semi-discrete solver the paper follows (Genevay et al. 2016) averages its iterates rather than
+   trusting the last one (there the potentials; here the cells, which is what the losses use),
+   and round T alone is all-or-nothing whenever the critic ranks the reals above the fakes (then
+   c_ij - phi_j = D(x_i) - (D(x^g_j) + phi_j) for every pair and, as with the signed cost, every
+   real sample shares one cell). Measured on MNIST (bench/pwgan_masses.py: MLP ACGAN, 2 workers,
+   b = 10, T = 5, eta = 1, iterations 51-150 of one run): under round T's counts 44% of the
+   generated points had no mass and the largest mass was 0.40 on average (uniform: 0.1); under
+   the averaged plan, 3% and 0.22 (eta = 3: 62% and 0.52 against 0% and 0.18). A
+   generated point without mass gets no gradient, so the plan decides how much of the batch G
+   learns from.
    *Critic loss*: D_k maximises W_k (a WGAN critic maximises its estimate of the distance) under a
    gradient penalty lambda E[(||grad D_k(x_hat)|| - 1)^2] (WGAN-GP, the paper's baseline) on
-   x_hat = e x_i + (1 - e) x^g_sigma(i), e ~ U[0, 1]: points between *coupled* pairs, where
-   WGAN-GP only has random pairs as "a proxy to the optimal coupling". That is how N^k enters
-   D_k's loss: generated point j weighs N_j^k / n_r in W_k (when every coupled real scores above
-   its fake, W_k = mean_i D_k(x_i) - sum_j (N_j^k / n_r) D_k(x^g_j), WGAN's critic loss with
-   the generated points weighted by their masses). L = --disc-steps Adam steps on the fixed
-   coupling. ACGAN adds the class cross-entropy on reals and fakes, as in MD-GAN.
+   x_hat = e x_i + (1 - e) x^g_j, e ~ U[0, 1], j drawn from pi_i: points between *coupled* pairs,
+   where WGAN-GP only has random pairs as "a proxy to the optimal coupling". That is how N^k
+   enters D_k's loss: generated point j weighs (1/n_r) sum_i pi_ij, its counts averaged over the
+   rounds, in W_k (when the reals score above the fakes, W_k = mean_i D_k(x_i) - sum_j m_j
+   D_k(x^g_j) with those masses m_j: WGAN's critic loss with mass-weighted fakes). L =
+   --disc-steps Adam steps on the fixed coupling. ACGAN adds the class cross-entropy on reals and fakes, as in MD-GAN.
    *Generator loss*: G minimises eq. 6 itself, (1/K) sum_k W_k. Its gradient with the potentials
    held at their optimum (envelope theorem) needs only the couplings, which live on the workers:
    worker k sends F_k = dW_k/dX_g (n_g x d floats; computed after its critic steps, as MD-GAN's
-   F_n), zero for generated points no real sample is transported to; the master backpropagates
-   (1/K) sum_k F_k through G, exactly as MD-GAN does (GeneratorSide.update). With equal critics,
+   F_n), zero for generated points no real sample was transported to in any round; the master
+   backpropagates (1/K) sum_k F_k through G, exactly as MD-GAN does (GeneratorSide.update). With equal critics,
    F_k averaged is -sum_j p_j grad D(x^g_j) when reals score higher: Algorithm 1's
    "Loss({D(G(z_j))}, {p_j})" with the masses p_j as weights, with no critic on the master.
-   The round-T counts and F_k travel in one message, so an iteration is T round trips.
+   The round-T counts and F_k travel in one message, so an iteration is T round trips. (The
+   master's p, and ``PWGANTrainer.masses``, is likewise the mean over the rounds.)
 
 Traffic per worker per iteration (this algorithm's "Table III"; d floats a sample, 4 bytes each;
 ``traffic_per_iteration``):
@@ -111,6 +124,11 @@ def transport_cost(real_values: torch.Tensor, generated_values: torch.Tensor) ->
 def assign_cells(cost: torch.Tensor, potentials: torch.Tensor) -> torch.Tensor:
     """sigma(i) = argmin_j c_ij - phi_j (eq. 10's Voronoi cells), ties to the lowest j: (n_r,) int64."""
     return torch.argmin(cost - potentials.unsqueeze(0), dim=1)
+
+
+def transport_under(plan: torch.Tensor, real_values: torch.Tensor, generated_values: torch.Tensor) -> torch.Tensor:
+    """W = (1/n_r) sum_ij pi_ij |D(x_i) - D(x^g_j)|, pi (n_r, n_g) with rows summing to 1."""
+    return (plan * transport_cost(real_values, generated_values)).sum(dim=1).mean()
 
 
 def voronoi_counts(cost: torch.Tensor, potentials: torch.Tensor) -> torch.Tensor:
@@ -193,7 +211,7 @@ class CriticSide:
         self._penalty_noise = torch.Generator().manual_seed(derive_seed(config.seed, "pwgan-penalty", shard.index))
         self._iteration: int | None = None
         self._batch: dict = {}
-        self._cells: torch.Tensor | None = None
+        self._plan: torch.Tensor | None = None  # (n_r, n_g): how many rounds real i spent in cell j
 
     @property
     def shard_index(self) -> int:
@@ -211,8 +229,9 @@ class CriticSide:
         if tuple(order.potentials.shape) != (cost.shape[1],):
             raise ValueError(f"potentials of shape {tuple(order.potentials.shape)}, expected ({cost.shape[1]},)")
         potentials = order.potentials.to(self.device, cost.dtype)
-        self._cells = assign_cells(cost, potentials)
-        counts = torch.bincount(self._cells, minlength=cost.shape[1]).to(COUNT_DTYPE).cpu()
+        cells = assign_cells(cost, potentials)  # (n_r,)
+        self._plan[torch.arange(cells.shape[0], device=cells.device), cells] += 1
+        counts = torch.bincount(cells, minlength=cost.shape[1]).to(COUNT_DTYPE).cpu()
         result = self._finish() if order.last else None
         return RoundReply(counts, result)
 
@@ -223,27 +242,32 @@ class CriticSide:
         with torch.no_grad():  # Algorithm 2 evaluates the costs once, before the rounds
             cost = transport_cost(self.critic(real)[:, 0], self.critic(generated)[:, 0])  # (n_r, n_g)
         self._iteration = iteration
+        self._plan = torch.zeros_like(cost)
         self._batch = {"real": real, "real_labels": real_labels, "generated": generated, "labels": labels,
                        "cost": cost}
 
-    def _penalty(self, real: torch.Tensor, coupled: torch.Tensor) -> torch.Tensor:
-        """WGAN-GP's penalty on points between each real sample and the fake it is coupled to."""
+    def _penalty(self, real: torch.Tensor, generated: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        """WGAN-GP's penalty on points between each real sample and a fake it is coupled to (drawn
+        from its row of the plan)."""
+        partner = torch.multinomial(plan.cpu(), 1, generator=self._penalty_noise).squeeze(1).to(self.device)
+        coupled = generated[partner]
         e = torch.rand(real.shape[0], *([1] * (real.dim() - 1)), generator=self._penalty_noise).to(self.device)
         between = (e * real + (1 - e) * coupled).requires_grad_(True)
         (grad,) = torch.autograd.grad(self.critic(between)[:, 0].sum(), between, create_graph=True)
         return ((grad.flatten(1).norm(dim=1) - 1) ** 2).mean()
 
     def _finish(self) -> CriticResult:
-        b, spec, critic, sigma = self._batch, self.spec, self.critic, self._cells
+        b, spec, critic = self._batch, self.spec, self.critic
         real, generated = b["real"], b["generated"]
+        plan = self._plan / self._plan.sum(dim=1, keepdim=True)  # pi: (n_r, n_g), rows sum to 1
         started = time.perf_counter()
         disc_loss = torch.tensor(float("nan"))
         for _ in range(self.config.disc_steps):
             real_out, fake_out = critic(real), critic(generated)
-            w = (real_out[:, 0] - fake_out[sigma, 0]).abs().mean()  # W_k under the coupling
+            w = transport_under(plan, real_out[:, 0], fake_out[:, 0])  # W_k under the coupling
             disc_loss = -w
             if self.options.gradient_penalty:
-                disc_loss = disc_loss + self.options.gradient_penalty * self._penalty(real, generated[sigma])
+                disc_loss = disc_loss + self.options.gradient_penalty * self._penalty(real, generated, plan)
             if spec.conditional:
                 disc_loss = disc_loss + F.cross_entropy(real_out[:, 1:], b["real_labels"]) \
                     + F.cross_entropy(fake_out[:, 1:], b["labels"])
@@ -255,10 +279,10 @@ class CriticSide:
         with torch.no_grad():
             real_values = critic(real)[:, 0]
         out = critic(x)
-        w = (real_values - out[sigma, 0]).abs().mean()
+        w = transport_under(plan, real_values, out[:, 0])
         gen_loss = w + F.cross_entropy(out[:, 1:], b["labels"]) if spec.conditional else w
         (feedback,) = torch.autograd.grad(gen_loss, x)  # (n_g, *shape)
-        self._batch, self._cells, self._iteration = {}, None, None  # the iteration is over
+        self._batch, self._plan, self._iteration = {}, None, None  # the iteration is over
         return CriticResult(feedback.cpu(), w.item(), disc_loss.item(), trained - started,
                             time.perf_counter() - trained)
 
@@ -336,7 +360,8 @@ class PWGANTrainer:
         self.on_iteration = on_iteration
         self.traffic = Traffic()
         self.rejections = 0
-        self.masses: torch.Tensor | None = None  # p of the last iteration (n_g,)
+        self.masses: torch.Tensor | None = None  # p of the last iteration, averaged over its rounds (n_g,)
+        self.last_round_masses: torch.Tensor | None = None  # p of the last iteration's last round (n_g,)
         self.potentials: torch.Tensor | None = None  # phi after the last iteration's rounds (n_g,)
 
     async def _drop(self, worker: CriticHandle, why: str) -> None:
@@ -357,7 +382,7 @@ class PWGANTrainer:
         active_at_start = len(participants)
         generated_at = time.perf_counter()
         results: list[CriticResult] = []
-        wait = 0.0
+        wait, mass_sum, rounds_done = 0.0, None, 0
         for r in range(1, options.potential_rounds + 1):
             last = r == options.potential_rounds
             order = PotentialOrder(t, r, phi.clone(), generated if r == 1 else None, labels if r == 1 else None, last)
@@ -392,8 +417,12 @@ class PWGANTrainer:
             participants = answered  # rank order kept
             if not counts:
                 break
-            phi, self.masses = potential_step(phi, counts, options.potential_lr)
+            phi, masses = potential_step(phi, counts, options.potential_lr)
+            mass_sum, rounds_done = (masses if mass_sum is None else mass_sum + masses), r
+            self.last_round_masses = masses
         self.potentials = phi
+        if mass_sum is not None:
+            self.masses = mass_sum / rounds_done
         self.rejections += rejected
         answered_at = time.perf_counter()
         if results:  # F_k in rank order: (1/K) sum_k F_k through G
