@@ -174,3 +174,6 @@ def test_a_round_out_of_protocol_is_refused():
         side.handle(GradientOrder(1, 1, d_state))
     with pytest.raises(ValueError, match="without its round 1"):
         side.handle(GradientOrder(1, 2, d_state))
+    side.handle(GradientOrder(1, 1, d_state, weights(side.generator)))
+    with pytest.raises(ValueError, match="rounds before it"):
+        side.handle(GradientOrder(1, 3, d_state))  # round 2 skipped

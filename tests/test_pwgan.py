@@ -117,6 +117,8 @@ def test_a_round_out_of_protocol_is_refused():
     with pytest.raises(ValueError, match="without its round 1"):
         side.handle(PotentialOrder(1, 2, torch.zeros(6)))
     side.handle(PotentialOrder(1, 1, torch.zeros(6), torch.randn(6, 784)))
+    with pytest.raises(ValueError, match="rounds before it"):
+        side.handle(PotentialOrder(1, 3, torch.zeros(6)))  # round 2 skipped
     with pytest.raises(ValueError, match="potentials of shape"):
         side.handle(PotentialOrder(1, 2, torch.zeros(5)))
 

@@ -161,6 +161,7 @@ class ReplicaSide:
         self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
         self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "dpgan-noise", shard.index))
         self._iteration: int | None = None
+        self._round = 0
         self._batch: tuple | None = None
 
     @property
@@ -184,8 +185,10 @@ class ReplicaSide:
             z, fake_labels = self.draw_noise()
             # G is the same in every round of the iteration: one forward, its graph kept for the last round
             self._batch = (real, real_labels, self.generator(z, fake_labels), fake_labels)
-        elif order.iteration != self._iteration or order.generator is not None:
-            raise ValueError(f"round {order.round} of iteration {order.iteration} without its round 1")
+        elif order.iteration != self._iteration or order.generator is not None or order.round != self._round + 1:
+            raise ValueError(f"round {order.round} of iteration {order.iteration} without its round 1 "
+                             f"and the rounds before it")
+        self._round = order.round
         self.discriminator.load_state_dict(order.discriminator)
         return compute_gradients(self.spec, self.generator, self.discriminator, *self._batch,
                                  order.want_discriminator, order.want_generator)

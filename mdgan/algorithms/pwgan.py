@@ -210,6 +210,7 @@ class CriticSide:
         self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
         self._penalty_noise = torch.Generator().manual_seed(derive_seed(config.seed, "pwgan-penalty", shard.index))
         self._iteration: int | None = None
+        self._round = 0
         self._batch: dict = {}
         self._plan: torch.Tensor | None = None  # (n_r, n_g): how many rounds real i spent in cell j
 
@@ -223,8 +224,10 @@ class CriticSide:
             if order.generated is None:
                 raise ValueError("round 1 must carry the generated batch")
             self._begin(order.iteration, order.generated, order.generated_labels)
-        elif order.iteration != self._iteration or order.generated is not None:
-            raise ValueError(f"round {order.round} of iteration {order.iteration} without its round 1")
+        elif order.iteration != self._iteration or order.generated is not None or order.round != self._round + 1:
+            raise ValueError(f"round {order.round} of iteration {order.iteration} without its round 1 "
+                             f"and the rounds before it")
+        self._round = order.round
         cost = self._batch["cost"]
         if tuple(order.potentials.shape) != (cost.shape[1],):
             raise ValueError(f"potentials of shape {tuple(order.potentials.shape)}, expected ({cost.shape[1]},)")
