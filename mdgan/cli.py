@@ -28,13 +28,12 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_simulate(args) -> int:
+    from mdgan.algorithms.options import dpgan_options, pwgan_options
     from mdgan.run import simulate
     from mdgan.settings import apply_threads, data_config, evaluation_options, training_config
 
     apply_threads(args.threads)
     config = training_config(args)
-    from mdgan.algorithms.options import dpgan_options, pwgan_options
-
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
                        evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
                        pwgan=pwgan_options(args), dpgan=dpgan_options(args, config.workers))

@@ -19,8 +19,9 @@ Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_e
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
 every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs),
-potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN), label (the curve's name), series
-(final-vs-workers: the line(s) a run belongs to, a name or a list; default: its name without N).
+potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN),
+label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a name or a list;
+default: its name without N).
 
 Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
 again, so an interrupted experiment resumes where it stopped (its label and series may change in
@@ -135,6 +136,8 @@ def crash_period(run: dict) -> int | None:
 
 
 def run_one(run: dict, out_dir: str, progress: bool) -> dict:
+    from mdgan.algorithms.dpgan import DPGANOptions
+    from mdgan.algorithms.pwgan import PWGANOptions
     from mdgan.run import EvaluationOptions, simulate
 
     config = training_config(run)
@@ -143,9 +146,6 @@ def run_one(run: dict, out_dir: str, progress: bool) -> dict:
     evaluation = EvaluationOptions(data_root=run["data_root"] if run["dataset"] == "mnist" else None,
                                    every=run["eval_every"], samples=run["eval_samples"],
                                    reference=run["eval_reference"])
-    from mdgan.algorithms.dpgan import DPGANOptions
-    from mdgan.algorithms.pwgan import PWGANOptions
-
     return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
                     crash_every=crash_period(run), dpgan=DPGANOptions(run["dp_threshold"]),
                     pwgan=PWGANOptions(run["potential_rounds"], run["potential_lr"], run["gradient_penalty"]))
