@@ -172,6 +172,10 @@ def test_a_round_out_of_protocol_is_refused():
     d_state = weights(side.discriminator)
     with pytest.raises(ValueError, match="generator's weights"):
         side.handle(GradientOrder(1, 1, d_state))
+    with pytest.raises(ValueError, match="does not match the model"):
+        side.handle(GradientOrder(1, 1, {k: v[:1] for k, v in d_state.items()}, weights(side.generator)))
+    with pytest.raises(ValueError, match="not finite"):
+        side.handle(GradientOrder(1, 1, d_state, {k: v * float("nan") for k, v in weights(side.generator).items()}))
     with pytest.raises(ValueError, match="without its round 1"):
         side.handle(GradientOrder(1, 2, d_state))
     side.handle(GradientOrder(1, 1, d_state, weights(side.generator)))

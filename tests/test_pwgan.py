@@ -114,6 +114,10 @@ def test_a_round_out_of_protocol_is_refused():
     side = CriticSide(config, shard, PWGANOptions())
     with pytest.raises(ValueError, match="round 1"):
         side.handle(PotentialOrder(1, 1, torch.zeros(6)))  # no generated batch
+    with pytest.raises(ValueError, match="generated batch of shape"):
+        side.handle(PotentialOrder(1, 1, torch.zeros(6), torch.randn(5, 784)))
+    with pytest.raises(ValueError, match="generated batch of shape"):
+        side.handle(PotentialOrder(1, 1, torch.zeros(6), torch.full((6, 784), float("nan"))))
     with pytest.raises(ValueError, match="without its round 1"):
         side.handle(PotentialOrder(1, 2, torch.zeros(6)))
     side.handle(PotentialOrder(1, 1, torch.zeros(6), torch.randn(6, 784)))
@@ -121,6 +125,11 @@ def test_a_round_out_of_protocol_is_refused():
         side.handle(PotentialOrder(1, 3, torch.zeros(6)))  # round 2 skipped
     with pytest.raises(ValueError, match="potentials of shape"):
         side.handle(PotentialOrder(1, 2, torch.zeros(5)))
+    with pytest.raises(ValueError, match="finite"):
+        side.handle(PotentialOrder(1, 2, torch.full((6,), float("inf"))))
+    acgan = CriticSide(_config(workers=1, model=ModelSpec(gan="acgan")), shard, PWGANOptions())
+    with pytest.raises(ValueError, match="integer labels"):
+        acgan.handle(PotentialOrder(1, 1, torch.zeros(6), torch.randn(6, 784), torch.full((6,), 10)))
 
 
 @pytest.mark.parametrize("gan", ["gan", "acgan"])

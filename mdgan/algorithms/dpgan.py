@@ -176,9 +176,11 @@ class ReplicaSide:
 
     def handle(self, order: GradientOrder) -> GradientReply:
         """One round. Raises ValueError on an order that does not follow the protocol."""
+        check_state(self.discriminator, order.discriminator, "discriminator")
         if order.round == 1:
             if order.generator is None:
                 raise ValueError("round 1 must carry the generator's weights")
+            check_state(self.generator, order.generator, "generator")
             self.generator.load_state_dict(order.generator)
             self._iteration = order.iteration
             real, real_labels = self.sampler.next_batch()  # (b, *shape), (b,)
@@ -192,6 +194,17 @@ class ReplicaSide:
         self.discriminator.load_state_dict(order.discriminator)
         return compute_gradients(self.spec, self.generator, self.discriminator, *self._batch,
                                  order.want_discriminator, order.want_generator)
+
+
+def check_state(module: nn.Module, state: Named | None, what: str) -> None:
+    """Raises ValueError unless `state` names exactly the module's tensors, with their shapes and
+    dtypes, and holds finite numbers."""
+    expected = {n: (tuple(t.shape), t.dtype) for n, t in module.state_dict().items()}
+    got = {} if state is None else {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
+    if got != expected:
+        raise ValueError(f"the {what}'s state does not match the model ({len(got)} tensors, {len(expected)} expected)")
+    if not all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
+        raise ValueError(f"the {what}'s state is not finite")
 
 
 def compute_gradients(spec: ModelSpec, generator: nn.Module, discriminator: nn.Module, real: torch.Tensor,

@@ -221,22 +221,32 @@ class CriticSide:
     def handle(self, order: PotentialOrder) -> RoundReply:
         """One round. Raises ValueError on an order that does not follow the protocol."""
         if order.round == 1:
-            if order.generated is None:
-                raise ValueError("round 1 must carry the generated batch")
+            self._check_batch(order.generated, order.generated_labels)
             self._begin(order.iteration, order.generated, order.generated_labels)
         elif order.iteration != self._iteration or order.generated is not None or order.round != self._round + 1:
             raise ValueError(f"round {order.round} of iteration {order.iteration} without its round 1 "
                              f"and the rounds before it")
-        self._round = order.round
         cost = self._batch["cost"]
-        if tuple(order.potentials.shape) != (cost.shape[1],):
-            raise ValueError(f"potentials of shape {tuple(order.potentials.shape)}, expected ({cost.shape[1]},)")
+        if tuple(order.potentials.shape) != (cost.shape[1],) or not torch.isfinite(order.potentials).all():
+            raise ValueError(f"potentials of shape {tuple(order.potentials.shape)}, expected ({cost.shape[1]},) "
+                             f"finite floats")
+        self._round = order.round
         potentials = order.potentials.to(self.device, cost.dtype)
         cells = assign_cells(cost, potentials)  # (n_r,)
         self._plan[torch.arange(cells.shape[0], device=cells.device), cells] += 1
         counts = torch.bincount(cells, minlength=cost.shape[1]).to(COUNT_DTYPE).cpu()
         result = self._finish() if order.last else None
         return RoundReply(counts, result)
+
+    def _check_batch(self, generated: torch.Tensor | None, labels: torch.Tensor | None) -> None:
+        if generated is None:
+            raise ValueError("round 1 must carry the generated batch")
+        shape = (self.config.batch_size, *self.spec.sample_shape)
+        if tuple(generated.shape) != shape or not generated.is_floating_point() or not torch.isfinite(generated).all():
+            raise ValueError(f"generated batch of shape {tuple(generated.shape)}, expected finite floats {shape}")
+        if self.spec.conditional and (labels is None or tuple(labels.shape) != shape[:1] or labels.is_floating_point()
+                                      or int(labels.min()) < 0 or int(labels.max()) >= self.spec.num_classes):
+            raise ValueError(f"an ACGAN batch needs {shape[0]} integer labels in [0, {self.spec.num_classes})")
 
     def _begin(self, iteration: int, generated: torch.Tensor, labels: torch.Tensor | None) -> None:
         real, real_labels = self.sampler.next_batch()  # (n_r, *shape), (n_r,)
