@@ -1,10 +1,13 @@
 import asyncio
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import REPO
 from mdgan.algorithms.pwgan import (COUNT_DTYPE, CriticSide, InProcessCritic, PotentialOrder, PWGANOptions,
                                     PWGANTrainer, RoundReply, assign_cells, build_in_process_critics,
                                     potential_step, traffic_per_iteration, transport_cost, voronoi_counts)
@@ -234,3 +237,11 @@ def test_experiments_name_runs_by_their_pwgan_and_dpgan_settings():
     runs = expand({"grid": {"algorithm": ["pwgan"], "potential_rounds": [1, 5]},
                    "runs": [{"algorithm": "dpgan", "dp_threshold": 2}]})
     assert [r["name"] for r in runs] == ["pwgan-T1", "pwgan-T5", "dpgan-T5-Q2"]
+
+
+def test_the_algorithms_never_import_grpc_or_prometheus():
+    code = ("import sys, mdgan.algorithms.pwgan, mdgan.algorithms.dpgan, mdgan.algorithms.options; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'prometheus_client', 'services')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
