@@ -1,9 +1,14 @@
-"""Wall time per iteration: `mdgan local` (real gRPC on loopback) against `mdgan simulate`.
+"""`mdgan local` (real gRPC on loopback) against `mdgan simulate` (one process), and a big cluster's start-up.
 
-    python bench/local_vs_simulate.py --workers 4 --batch-size 10 --iterations 300
+    python bench/local_vs_simulate.py                      # N=4 (kappa 1) and N=10 (kappa 3), then N=50
+    python bench/local_vs_simulate.py --cases 4:1 --repeats 5 --iterations 400 --no-fifty
 
-Both runs use the same flags and seed; the script checks that they end with the same generator
-and prints seconds per iteration (training loop only, start-up excluded) and their ratio.
+For each case the two modes run with the same flags and seed, alternately, `--repeats` times; each
+run is sampled while it trains (its history.jsonl lines against the CPU time of its whole process
+tree), so start-up is excluded: wall ms and CPU ms per iteration over the same window. The script
+checks that both end with the same generator and prints medians and the median of the per-pair
+ratios (pairs run back to back, so a busy machine slows both). Then `fifty_workers.measure`:
+`mdgan local --workers 50 --kappa 5`, its start-up time and peak memory.
 """
 
 from __future__ import annotations
@@ -11,50 +16,112 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fifty_workers import REPO, measure, tree  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
 
 
-def run(mode: str, flags: list[str], out: str) -> dict:
-    subprocess.run([sys.executable, "-m", "mdgan.cli", mode, *flags, "--out", out, "--no-progress"], cwd=REPO,
-                   check=True, stdout=subprocess.DEVNULL)
+def tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) of the live processes, their reaped children included."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / TICK
+
+
+def lines(path: str) -> int:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
+    """One run, sampled every 50 ms: (iterations done, wall, tree CPU) between 10% and the end."""
+    history = os.path.join(out, "history.jsonl")
+    process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", mode, *flags, "--out", out, "--no-progress"],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = last = None
+    while process.poll() is None:
+        done = lines(history)
+        if iterations // 10 <= done < iterations:
+            sample = (done, time.perf_counter(), tree_cpu(tree(process.pid)))
+            first = first or sample
+            last = sample
+        time.sleep(0.05)
+    _, err = process.communicate()
+    if process.returncode != 0:
+        raise SystemExit(f"mdgan {mode} failed:\n{err[-3000:]}")
     with open(os.path.join(out, "summary.json")) as fh:
-        return json.load(fh)
+        summary = json.load(fh)
+    steps = last[0] - first[0]
+    return {"ms": 1000 * (last[1] - first[1]) / steps, "cpu_ms": 1000 * (last[2] - first[2]) / steps,
+            "sha": summary["generator_sha256"], "swaps": summary["swaps"]}
+
+
+def compare(workers: int, kappa: int, args) -> bool:
+    flags = ["--workers", str(workers), "--batch-size", str(args.batch_size), "--kappa", str(kappa),
+             "--iterations", str(args.iterations), "--swap-every", str(args.swap_every), "--seed", str(args.seed),
+             "--dataset", "mnist", "--data-root", args.data_root, "--eval-every", "-1"]
+    results: dict[str, list[dict]] = {"simulate": [], "local": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for mode in (("simulate", "local") if r % 2 == 0 else ("local", "simulate")):
+                results[mode].append(run(mode, flags, os.path.join(tmp, f"{mode}-{r}"), args.iterations))
+    sim, loc = results["simulate"], results["local"]
+    same = len({x["sha"] for x in sim + loc}) == 1
+    med = lambda rows, key: statistics.median(x[key] for x in rows)  # noqa: E731
+    ratio = lambda key: statistics.median(l[key] / s[key] for l, s in zip(loc, sim))  # noqa: E731
+    print(f"N={workers} kappa={kappa} b={args.batch_size} I={args.iterations} swaps={loc[0]['swaps']}, "
+          f"{args.repeats} pairs:")
+    print(f"  simulate {med(sim, 'ms'):7.2f} ms/iteration  {med(sim, 'cpu_ms'):7.2f} ms CPU/iteration")
+    print(f"  local    {med(loc, 'ms'):7.2f} ms/iteration  {med(loc, 'cpu_ms'):7.2f} ms CPU/iteration")
+    print(f"  local / simulate: {ratio('ms'):.2f}x wall, {ratio('cpu_ms'):.2f}x CPU "
+          f"(pairs: {', '.join(format(l['ms'] / s['ms'], '.2f') for l, s in zip(loc, sim))}); "
+          f"same generator: {same}")
+    return same
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--cases", default="4:1,10:3", help="N:kappa,... to compare")
     parser.add_argument("--batch-size", type=int, default=10)
-    parser.add_argument("--kappa", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--swap-every", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3, help="simulate/local pairs per case")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
+    parser.add_argument("--no-fifty", action="store_true", help="skip the N=50 start-up run")
     args = parser.parse_args()
-    flags = ["--workers", str(args.workers), "--batch-size", str(args.batch_size), "--kappa", str(args.kappa),
-             "--iterations", str(args.iterations), "--swap-every", str(args.swap_every), "--seed", str(args.seed),
-             "--dataset", args.dataset, "--data-root", args.data_root]
-    with tempfile.TemporaryDirectory() as tmp:
-        sim = run("simulate", flags, os.path.join(tmp, "simulate"))
-        local = run("local", flags, os.path.join(tmp, "local"))
-    same = sim["generator_sha256"] == local["generator_sha256"]
-    print(f"N={args.workers} b={args.batch_size} kappa={args.kappa} I={args.iterations} swaps={local['swaps']} "
-          f"(every {args.swap_every}), {os.cpu_count()} cores")
-    print(f"simulate: {1000 * sim['seconds_per_iteration']:.2f} ms/iteration ({sim['wall_seconds']:.1f} s)")
-    print(f"local:    {1000 * local['seconds_per_iteration']:.2f} ms/iteration ({local['wall_seconds']:.1f} s)")
-    print(f"local / simulate: {local['seconds_per_iteration'] / sim['seconds_per_iteration']:.2f}x")
-    wire = local.get("message_bytes", {})
-    for direction, payload in local["payload_bytes"].items():
-        if payload:
-            print(f"{direction}: payload {payload} B, serialized {wire.get(direction, 0)} B "
-                  f"(+{100 * (wire.get(direction, 0) / payload - 1):.2f}%)")
-    print(f"same generator: {same} ({local['generator_sha256'][:16]})")
-    return 0 if same else 1
+    with open("/proc/loadavg") as fh:
+        print(f"{os.cpu_count()} cores, load average {fh.read().split()[0]} at the start")
+    ok = True
+    for case in args.cases.split(","):
+        workers, kappa = (int(x) for x in case.split(":"))
+        ok &= compare(workers, kappa, args)
+    if not args.no_fifty:
+        flags = ["--workers", "50", "--kappa", "5", "--batch-size", str(args.batch_size), "--iterations", "40",
+                 "--dataset", "mnist", "--data-root", args.data_root, "--eval-every", "-1"]
+        with tempfile.TemporaryDirectory() as tmp:
+            r = measure(flags, os.path.join(tmp, "run"))
+        print(f"N=50 kappa=5: first iteration {r['first_iteration_s']:.1f} s after the command; peak memory "
+              f"{r['peak_pss'] / 2**30:.2f} GiB PSS over {r['processes']} processes (MemAvailable fell by at most "
+              f"{r['peak_available_drop'] / 2**30:.2f} GiB); workers_alive {r['summary']['workers_alive']} of 50")
+        ok &= r["summary"]["workers_alive"] == 50
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

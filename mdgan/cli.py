@@ -7,13 +7,15 @@ this module never imports gRPC itself.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import multiprocessing
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
+import urllib.request
 
 from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
 
@@ -64,31 +66,93 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_file(path: str, process: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(path):
-            with open(path) as fh:
-                return fh.read().strip()
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode} before serving")
-        time.sleep(0.05)
-    raise RuntimeError(f"the server did not start within {timeout:.0f} s")
+# Every service of a local cluster is forked from one "zygote" (multiprocessing's fork server) that
+# imported torch, gRPC and both services once: N workers then share those pages copy-on-write
+# instead of each paying ~300 MB and seconds of imports. The fork server is single-threaded when it
+# forks (it has created no gRPC channel, event loop or torch thread pool), which makes fork safe.
+FORK_SERVER_PRELOAD = "services.common.preload"
+LOG_TAIL_LINES = 20
+
+
+class Terminated(Exception):
+    """A termination signal (SIGTERM, SIGHUP; SIGINT too) reached `mdgan local`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class ServiceFailed(RuntimeError):
+    """A service exited before the run started."""
+
+
+def _run_service(module: str, argv: list[str], log_path: str) -> None:
+    """The body of a forked service: log to its file, follow its parent's death, run its main()."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Its own process group: a Ctrl-C at the terminal reaches the launcher only, which stops the
+    # services in order; and a service dies with the fork server (itself tied to the launcher).
+    os.setpgid(0, 0)
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            sys.exit(1)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main = importlib.import_module(f"{module}.__main__").main
+    sys.exit(main(argv))
+
+
+def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:]).rstrip()
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def _scrape_gauge(port: int, name: str) -> float | None:
+    """One value of a Prometheus exposition (the server's own metrics), or None when unreachable."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 class LocalCluster:
-    """A server and N worker processes on loopback; every process logs to DIR/logs/."""
+    """A server and N worker processes on loopback; every process logs to DIR/logs/.
+
+    The launcher supervises them: a service that exits before the run starts stops the whole
+    cluster (its name and the tail of its log are reported); termination signals stop them all.
+    """
 
     def __init__(self, args):
         self.args = args
         self.out = os.path.abspath(args.out)
         self.logs = os.path.join(self.out, "logs")
-        self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.processes: list[tuple[str, multiprocessing.Process]] = []
+        self.metrics_ports: dict[str, int] = {}
+        self._context = multiprocessing.get_context("forkserver")
+        # (not mdgan.cli itself: multiprocessing runs the launcher's main module again in each child)
+        self._context.set_forkserver_preload([FORK_SERVER_PRELOAD])
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self.logs, f"{name}.log"), "w")
-        process = subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.logs, f"{name}.log")
+
+    def _spawn(self, name: str, argv: list[str]) -> multiprocessing.Process:
+        module, *rest = argv
+        process = self._context.Process(target=_run_service, args=(module, rest, self.log_path(name)),
+                                        name=name, daemon=True)
+        process.start()
         self.processes.append((name, process))
         return process
 
@@ -103,7 +167,7 @@ class LocalCluster:
         return ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
                 "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
 
-    def start(self) -> subprocess.Popen:
+    def start(self) -> multiprocessing.Process:
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
@@ -111,6 +175,7 @@ class LocalCluster:
             if os.path.exists(os.path.join(self.out, stale)):
                 os.remove(os.path.join(self.out, stale))
         metrics_ports = {name: _free_port() for name in ["server", *(f"worker-{i}" for i in range(a.workers))]}
+        self.metrics_ports = metrics_ports
         # Prometheus file_sd targets, so a Prometheus can scrape this cluster while it runs.
         self.write_targets([{"targets": [f"127.0.0.1:{port}"],
                              "labels": {"job": "mdgan-server" if name == "server" else "mdgan-worker",
@@ -119,12 +184,12 @@ class LocalCluster:
         server = self._spawn("server", [
             "services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", self.out,
             "--threads", str(a.threads), "--device", a.device, "--step-timeout", str(a.step_timeout),
-            "--swap-timeout", str(a.swap_timeout),
+            "--swap-timeout", str(a.swap_timeout), "--join-timeout", str(a.join_timeout),
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
-        port = _wait_for_file(port_file, server, 120)
+        port = self._wait_for_port(port_file, 120)
         for index in range(a.workers):
             name = f"worker-{index}"
             self._spawn(name, [
@@ -135,16 +200,51 @@ class LocalCluster:
                 *self._metrics_flags(name, metrics_ports[name])])
         return server
 
-    def follow(self, server: subprocess.Popen) -> int:
-        """Show progress from history.jsonl (read incrementally) until the server exits."""
+    def _wait_for_port(self, path: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                with open(path) as fh:
+                    return fh.read().strip()
+            self.check_children(started=False)
+            time.sleep(0.05)
+        raise ServiceFailed(f"the server did not start within {timeout:.0f} s")
+
+    def check_children(self, started: bool) -> None:
+        """Before the run starts, any service that exits fails the cluster; afterwards, only the
+        server's exit ends the run (a worker lost mid-run is the algorithm's business)."""
+        for name, process in self.processes:
+            if process.exitcode is not None and not (started and name != "server"):
+                code = process.exitcode
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                raise ServiceFailed(f"{name} {how} before the run started; the end of {self.log_path(name)}:\n"
+                                    f"{_log_tail(self.log_path(name))}")
+
+    def follow(self, server: multiprocessing.Process) -> int:
+        """Show the workers joining, then progress from history.jsonl (read incrementally), until the
+        server exits. Raises ServiceFailed when a service exits before the run starts."""
         from tqdm import tqdm
 
         history = os.path.join(self.out, "history.jsonl")
+        quiet = self.args.no_progress
+        with tqdm(total=self.args.workers, desc="workers joined", unit="worker", disable=quiet) as bar:
+            joined, last_note = 0, time.monotonic()
+            while not os.path.exists(history):
+                self.check_children(started=False)
+                alive = _scrape_gauge(self.metrics_ports["server"], "mdgan_workers_alive")
+                if alive is not None and int(alive) != joined:
+                    bar.update(int(alive) - joined)
+                    joined = int(alive)
+                if quiet and time.monotonic() - last_note >= 10:  # never silent, even without a bar
+                    print(f"mdgan local: {joined} of {self.args.workers} workers joined", file=sys.stderr)
+                    last_note = time.monotonic()
+                time.sleep(0.2)
+            bar.update(self.args.workers - joined)
         pending, handle = "", None
-        with tqdm(total=self.args.iterations, desc="mdgan local", unit="it", disable=self.args.no_progress) as bar:
+        with tqdm(total=self.args.iterations, desc="mdgan local", unit="it", disable=quiet) as bar:
             try:
                 while True:
-                    done = server.poll() is not None
+                    done = server.exitcode is not None
                     if handle is None and os.path.exists(history):
                         handle = open(history, encoding="utf-8")
                     if handle is not None:
@@ -154,28 +254,42 @@ class LocalCluster:
                             bar.update(len(lines))
                             bar.set_postfix(workers=json.loads(lines[-1]).get("active_workers"), refresh=False)
                     if done:
-                        return server.returncode
+                        return server.exitcode
                     time.sleep(0.2)
             finally:
                 if handle is not None:
                     handle.close()
 
-    def stop(self, grace: float = 30.0) -> dict[str, int | None]:
-        deadline = time.monotonic() + grace
+    def _signal_all(self, sig: int) -> None:
+        for _, process in self.processes:
+            if process.exitcode is None:
+                try:
+                    os.killpg(process.pid, sig)  # the service and anything it started
+                except (ProcessLookupError, PermissionError):
+                    try:
+                        os.kill(process.pid, sig)
+                    except ProcessLookupError:
+                        pass
+
+    def stop(self, grace: float = 30.0, terminate: bool = False) -> dict[str, int | None]:
+        """Wait for every service to end (up to `grace` s; at once with terminate=True they are sent
+        SIGTERM first); then SIGTERM, and SIGKILL 5 s later, whatever is still running."""
         if os.path.exists(os.path.join(self.out, "metrics_targets.json")):
             self.write_targets([])  # the processes are gone: nothing left to scrape
-        codes = {}
-        for name, process in self.processes:
-            try:
-                codes[name] = process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    codes[name] = process.wait(5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    codes[name] = process.wait()
-        return codes
+        if terminate:
+            self._signal_all(signal.SIGTERM)
+        for escalate, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0), (None, 5.0)):
+            deadline = time.monotonic() + wait
+            for _, process in self.processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+            if all(p.exitcode is not None for _, p in self.processes) or escalate is None:
+                break
+            self._signal_all(escalate)
+        return {name: process.exitcode for name, process in self.processes}
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def cmd_local(args) -> int:
@@ -187,19 +301,30 @@ def cmd_local(args) -> int:
     if args.algorithm in ("pwgan", "dpgan"):  # docs/ALGORITHMS.md: what their transport needs
         raise ConfigError(f"--algorithm {args.algorithm} runs in `mdgan simulate` only for now")
     cluster = LocalCluster(args)
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    terminate = False
     try:
         server = cluster.start()
         code = cluster.follow(server)
-    except KeyboardInterrupt:
-        code = 130
-        for _, process in cluster.processes:
-            process.send_signal(signal.SIGTERM)
-    except RuntimeError as exc:
-        print(f"mdgan local: {exc}; see {cluster.logs}", file=sys.stderr)
-        code = 1
-    codes = cluster.stop()
+    except Terminated as exc:
+        print(f"mdgan local: {exc}: stopping the cluster", file=sys.stderr)
+        code, terminate = 128 + exc.signum, True
+    except ServiceFailed as exc:
+        print(f"mdgan local: {exc}\nmdgan local: stopping the cluster; logs in {cluster.logs}", file=sys.stderr)
+        code, terminate = 1, True
+    finally:
+        # A second signal while we stop must not leave processes behind: stop() runs to the end.
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            codes = cluster.stop(grace=10.0 if terminate else 30.0, terminate=terminate)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     if code != 0:
-        print(f"mdgan local: the server exited with {code}; logs in {cluster.logs}", file=sys.stderr)
+        if not terminate:
+            print(f"mdgan local: the server exited with {code}; the end of its log:\n"
+                  f"{_log_tail(cluster.log_path('server'))}\nlogs in {cluster.logs}", file=sys.stderr)
         return code or 1
     with open(os.path.join(cluster.out, "summary.json")) as fh:
         summary = json.load(fh)
@@ -281,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
     local.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
     local.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
+    local.add_argument("--join-timeout", type=float, default=600.0,
+                       help="seconds the server waits for all workers to join")
     local.set_defaults(func=cmd_local)
     sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
     traffic = sub.add_parser("traffic", help="A run's measured traffic against the paper's Table III.")

@@ -47,31 +47,86 @@ class Shard:
         return self.images.shape[0]
 
 
-def load_mnist(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST from torchvision's layout (DATA_ROOT/MNIST/raw/*-idx*-ubyte); never downloads."""
-    from torchvision.datasets import MNIST
+class DataFileError(ConfigError):
+    """A dataset file that is missing, truncated or not what it claims to be (the message names it)."""
 
+
+# IDX (LeCun's MNIST format): a big-endian magic number 0x0000TTDD (TT the element type, DD the
+# number of dimensions), DD big-endian uint32 sizes, then the elements.
+IDX_UBYTE = 0x08
+MNIST_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+               False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def read_idx_ubyte(path: str, dims: int) -> np.ndarray:
+    """An IDX file of unsigned bytes with `dims` dimensions, checked against its own header.
+
+    -> a writable uint8 array of the header's shape. Raises DataFileError naming the file when it
+    is missing, is not IDX, has another type or rank, or holds more or fewer bytes than the header says.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            header = fh.read(4 + 4 * dims)
+            if len(header) < 4:
+                raise DataFileError(f"{path}: {size} bytes, too short for an IDX file")
+            zeros, kind, rank = header[:2], header[2], header[3]
+            if zeros != b"\0\0" or kind != IDX_UBYTE or rank != dims:
+                raise DataFileError(f"{path}: not an IDX file of {dims}-d unsigned bytes (magic number "
+                                    f"0x{int.from_bytes(header[:4], 'big'):08x}, expected 0x{IDX_UBYTE << 8 | dims:08x})")
+            if len(header) < 4 + 4 * dims:
+                raise DataFileError(f"{path}: truncated inside its header ({size} bytes)")
+            shape = tuple(int.from_bytes(header[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+            expected = len(header) + math.prod(shape)
+            if size != expected:
+                what = "truncated" if size < expected else "longer than its header says"
+                raise DataFileError(f"{path}: {what}: the header announces {' x '.join(map(str, shape))} bytes "
+                                    f"({expected} bytes with the header) but the file holds {size}")
+            data = np.fromfile(fh, dtype=np.uint8, count=math.prod(shape))
+    except FileNotFoundError:
+        raise DataFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise DataFileError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    return data.reshape(shape)
+
+
+def load_mnist_uint8(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST as stored: images (n, 784) uint8, labels (n,) int64, from torchvision's layout
+    (DATA_ROOT/MNIST/raw/*-idx*-ubyte, uncompressed); never downloads. Every file is checked."""
     raw = os.path.join(data_root, "MNIST", "raw")
     if not os.path.isdir(raw):
         raise ConfigError(
             f"MNIST not found under {raw!r}: point --data-root at a folder holding MNIST/raw "
             "(torchvision.datasets.MNIST(root, download=True) creates one)"
         )
-    dataset = MNIST(root=data_root, train=train, download=False)
-    images = dataset.data.reshape(-1, 28 * 28).to(torch.float32).div_(127.5).sub_(1.0)  # (n, 784)
-    return images, dataset.targets.to(torch.int64)
+    image_file, label_file = (os.path.join(raw, name) for name in MNIST_FILES[train])
+    images = read_idx_ubyte(image_file, 3)  # (n, 28, 28)
+    labels = read_idx_ubyte(label_file, 1)  # (n,)
+    if images.shape[1:] != (28, 28):
+        raise DataFileError(f"{image_file}: images of {images.shape[1]} x {images.shape[2]} pixels, not MNIST's 28 x 28")
+    if labels.shape[0] != images.shape[0]:
+        raise DataFileError(f"{label_file}: {labels.shape[0]} labels for the {images.shape[0]} images of {image_file}")
+    if labels.size and int(labels.max()) > 9:
+        raise DataFileError(f"{label_file}: label {int(labels.max())} is not a digit 0..9")
+    return torch.from_numpy(images.reshape(-1, 28 * 28)), torch.from_numpy(labels).to(torch.int64)
 
 
-def load_cifar10(data_root: str, train: bool = True, verify_md5: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """CIFAR-10 from torchvision's layout (DATA_ROOT/cifar-10-batches-py/); never downloads.
+def to_unit_range(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> float32 in [-1, 1] (the range of G's tanh); float images pass unchanged."""
+    if images.dtype != torch.uint8:
+        return images
+    return images.to(torch.float32).div_(127.5).sub_(1.0)
 
-    -> images (n, 3072) float32 in [-1, 1], channel-first ((3, 32, 32) flattened: the red plane,
-    then green, then blue), labels (n,) int64. The batches are read exactly as
-    torchvision.datasets.CIFAR10 reads them (pickled dicts of "data" uint8 (n, 3072) and "labels")
-    but without its md5 check of every file against the official archive, which only the official
-    files pass; verify_md5=True runs that check (torchvision's checksums) and refuses other files.
-    These are local files the user put there: nothing here unpickles bytes from the network.
-    """
+
+def load_mnist(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST from torchvision's layout: images (n, 784) float32 in [-1, 1], labels (n,) int64."""
+    images, labels = load_mnist_uint8(data_root, train)
+    return to_unit_range(images), labels
+
+
+def load_cifar10_uint8(data_root: str, train: bool = True,
+                       verify_md5: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 as stored: images (n, 3072) uint8 channel-first, labels (n,) int64 (see load_cifar10)."""
     folder = os.path.join(data_root, CIFAR10_FOLDER)
     names = CIFAR10_TRAIN_FILES if train else CIFAR10_TEST_FILES
     missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
@@ -91,20 +146,45 @@ def load_cifar10(data_root: str, train: bool = True, verify_md5: bool = False) -
     chunks, targets = [], []
     for name in names:
         path = os.path.join(folder, name)
-        with open(path, "rb") as fh:
-            entry = pickle.load(fh, encoding="latin1")
+        try:
+            with open(path, "rb") as fh:
+                entry = pickle.load(fh, encoding="latin1")
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError,
+                IndexError, KeyError, UnicodeDecodeError, MemoryError) as exc:
+            # a truncated or corrupt file breaks the unpickler in many ways: one clear error for all
+            raise DataFileError(f"{path}: not a readable CIFAR-10 batch (truncated or corrupt: "
+                                f"{type(exc).__name__}: {exc})") from None
+        except OSError as exc:
+            raise DataFileError(f"{path}: cannot be read: {exc.strerror or exc}") from None
         data = np.asarray(entry.get("data")) if isinstance(entry, dict) else None
         labels = entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None
-        if data is None or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 \
-                or labels is None or len(labels) != data.shape[0]:
-            raise ConfigError(f"{path} is not a CIFAR-10 batch (a dict of 'data' uint8 (n, 3072) and n 'labels')")
+        if data is None or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or labels is None:
+            raise DataFileError(f"{path} is not a CIFAR-10 batch (a dict of 'data' uint8 (n, 3072) and n 'labels')")
+        if len(labels) != data.shape[0]:
+            raise DataFileError(f"{path}: {len(labels)} labels for {data.shape[0]} images")
         chunks.append(data)
         targets.extend(labels)
-    images = torch.from_numpy(np.concatenate(chunks)).to(torch.float32).div_(127.5).sub_(1.0)  # (n, 3072)
-    labels = torch.tensor(targets, dtype=torch.int64)  # (n,)
+    try:
+        labels = torch.tensor(targets, dtype=torch.int64)  # (n,)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise DataFileError(f"CIFAR-10 labels under {folder!r} are not integers") from None
     if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < 10):
-        raise ConfigError(f"CIFAR-10 labels under {folder!r} are not in 0..9")
-    return images, labels
+        raise DataFileError(f"CIFAR-10 labels under {folder!r} are not in 0..9")
+    return torch.from_numpy(np.concatenate(chunks)), labels
+
+
+def load_cifar10(data_root: str, train: bool = True, verify_md5: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 from torchvision's layout (DATA_ROOT/cifar-10-batches-py/); never downloads.
+
+    -> images (n, 3072) float32 in [-1, 1], channel-first ((3, 32, 32) flattened: the red plane,
+    then green, then blue), labels (n,) int64. The batches are read exactly as
+    torchvision.datasets.CIFAR10 reads them (pickled dicts of "data" uint8 (n, 3072) and "labels")
+    but without its md5 check of every file against the official archive, which only the official
+    files pass; verify_md5=True runs that check (torchvision's checksums) and refuses other files.
+    These are local files the user put there: nothing here unpickles bytes from the network.
+    """
+    images, labels = load_cifar10_uint8(data_root, train, verify_md5)
+    return to_unit_range(images), labels
 
 
 def make_synthetic(size: int = SYNTHETIC_SIZE, dim: int = 784, num_classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,13 +196,21 @@ def make_synthetic(size: int = SYNTHETIC_SIZE, dim: int = 784, num_classes: int 
     return (prototypes[labels] + noise).clamp_(-1, 1), labels
 
 
-def load_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def load_stored_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dataset as stored (uint8 pixels for MNIST and CIFAR-10, 4x smaller than float32): cut the
+    shard from this and convert only the shard (to_unit_range)."""
     config.validate()
     if config.dataset == "mnist":
-        return load_mnist(config.data_root)
+        return load_mnist_uint8(config.data_root)
     if config.dataset == "cifar10":
-        return load_cifar10(config.data_root)
+        return load_cifar10_uint8(config.data_root)
     return make_synthetic()
+
+
+def load_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole dataset: images (n, d) float32 in [-1, 1], labels (n,) int64."""
+    images, labels = load_stored_dataset(config)
+    return to_unit_range(images), labels
 
 
 def iid_shard_indices(size: int, num_shards: int, seed: int) -> list[torch.Tensor]:
@@ -207,7 +295,8 @@ def _cut(images: torch.Tensor, labels: torch.Tensor, picked: torch.Tensor, index
     if math.prod(shape) != math.prod(images.shape[1:]):
         raise ConfigError(f"{config.dataset} samples have shape {tuple(images.shape[1:])}, which does not fit "
                           f"the model's sample shape {shape}")
-    return Shard(images[picked].reshape(-1, *shape).contiguous(), labels[picked].contiguous(),
+    # Pick first, convert after: only the shard's samples become float32.
+    return Shard(to_unit_range(images[picked]).reshape(-1, *shape).contiguous(), labels[picked].contiguous(),
                  index, config.num_shards)
 
 
@@ -215,6 +304,7 @@ def take_shard(images: torch.Tensor, labels: torch.Tensor, index: int, config: D
                sample_shape: tuple[int, ...] | None = None) -> Shard:
     """Shard `index` of `config.num_shards` of an already loaded dataset (split by config.split).
 
+    images may be float32 in [-1, 1] or stored uint8 pixels (converted here, the shard only).
     sample_shape None keeps the dataset's own flat shape (N, d).
     """
     if not 0 <= index < config.num_shards:
@@ -226,13 +316,13 @@ def take_shard(images: torch.Tensor, labels: torch.Tensor, index: int, config: D
 def load_shard(config: DataConfig, index: int, sample_shape: tuple[int, ...] | None = None) -> Shard:
     if not 0 <= index < config.validate().num_shards:  # before loading a whole dataset for nothing
         raise ConfigError(f"shard index {index} out of range for {config.num_shards} shards")
-    images, labels = load_dataset(config)
-    return take_shard(images, labels, index, config, sample_shape)
+    images, labels = load_stored_dataset(config)
+    return take_shard(images, labels, index, config, sample_shape)  # the rest is freed on return
 
 
 def load_all_shards(config: DataConfig, sample_shape: tuple[int, ...] | None = None) -> list[Shard]:
     """Every shard at once (the in-process cluster), loading the dataset and splitting it a single time."""
-    images, labels = load_dataset(config.validate())
+    images, labels = load_stored_dataset(config.validate())
     pieces = shard_indices(labels, config)
     return [_cut(images, labels, picked, i, config, sample_shape) for i, picked in enumerate(pieces)]
 

@@ -20,7 +20,7 @@ then need neither torch-fidelity nor any download).  torchmetrics is imported
 lazily, on the first score computed, so that ``import mdgan.evaluation`` (e.g.
 for ``MnistClassifier``) stays light for processes that never score.
 
-This module depends on torch (and torchvision for ``load_mnist_test_images``)
+This module depends on torch (the MNIST test set is read by mdgan.data)
 only; it must not import grpc or prometheus_client.
 """
 
@@ -138,11 +138,10 @@ def load_mnist_test_images(
     (the global RNG is not touched).  With ``return_labels`` also returns the
     int64 labels (n,).
     """
-    from torchvision.datasets import MNIST  # lazy: only this helper needs torchvision
+    from mdgan.data import load_mnist_uint8  # checks the files (a clear error for a corrupt one)
 
-    ds = MNIST(root=str(data_root), train=False, download=False)
-    images = ds.data  # (10000,28,28) uint8
-    labels = ds.targets  # (10000,) int64
+    images, labels = load_mnist_uint8(str(data_root), train=False)  # (10000,784) uint8, (10000,) int64
+    images = images.view(-1, 28, 28)
     if n is not None:
         if not 0 < n <= images.shape[0]:
             raise ValueError(f"n must be in [1, {images.shape[0]}], got {n}")

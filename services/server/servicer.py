@@ -21,6 +21,7 @@ from mdgan.mdgan import StepResult, WorkerBatch
 from services.common import codec
 from services.common.telemetry import Telemetry
 from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import tensor_pb2
 from services.common.proto import coordinator_pb2_grpc
 
 log = logging.getLogger("mdgan.server")
@@ -46,10 +47,26 @@ def _payload(message) -> int:
     return 0
 
 
+class BatchEncoder:
+    """Encodes each of an iteration's kappa batches once, however many of the N workers get it."""
+
+    def __init__(self) -> None:
+        self._iteration = -1
+        self._encoded: dict[int, tuple[torch.Tensor, tensor_pb2.Tensor]] = {}
+
+    def encode(self, iteration: int, tensor: torch.Tensor) -> tensor_pb2.Tensor:
+        if iteration != self._iteration:
+            self._iteration, self._encoded = iteration, {}
+        hit = self._encoded.get(id(tensor))
+        if hit is None or hit[0] is not tensor:
+            hit = self._encoded[id(tensor)] = (tensor, codec.encode_tensor(tensor))  # holding it pins its id
+        return hit[1]
+
+
 class GrpcWorker(WorkerHandle, FederatedWorker):
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
                  config: TrainingConfig, telemetry: Telemetry, liveness_timeout: float,
-                 model_layouts: dict[str, dict] | None = None):
+                 model_layouts: dict[str, dict] | None = None, encoder: BatchEncoder | None = None):
         self.worker_id = f"worker-{shard_index}"
         self.shard_index = shard_index
         self.shard_size = shard_size
@@ -70,6 +87,7 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self._rounds: dict[int, asyncio.Future] = {}
         self._returning: dict[tuple[int, str], codec.StateAssembler] = {}
         self._discarding = -1  # a round already refused: the rest of its parts are dropped quietly
+        self.encoder = encoder or BatchEncoder()  # shared by the run's workers
         self.last_write = time.monotonic()
 
     # -- sending -----------------------------------------------------------------------------
@@ -86,13 +104,14 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.telemetry.count("server_to_worker", _kind(message), "sender", message, _payload(message))
 
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        encode = self.encoder.encode
         message = pb.ServerMessage(batches=pb.Batches(
             iteration=iteration,
-            generated=codec.encode_tensor(batch.generated),
-            discriminated=codec.encode_tensor(batch.discriminated),
-            generated_labels=None if batch.generated_labels is None else codec.encode_tensor(batch.generated_labels),
+            generated=encode(iteration, batch.generated),
+            discriminated=encode(iteration, batch.discriminated),
+            generated_labels=None if batch.generated_labels is None else encode(iteration, batch.generated_labels),
             discriminated_labels=None if batch.discriminated_labels is None
-            else codec.encode_tensor(batch.discriminated_labels)))
+            else encode(iteration, batch.discriminated_labels)))
         future = asyncio.get_running_loop().create_future()
         self._steps[iteration] = future
         try:
@@ -278,6 +297,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.liveness_timeout = liveness_timeout
         self.join_read_timeout = join_read_timeout
         self.workers: dict[int, GrpcWorker] = {}  # shard index -> handle
+        self.encoder = BatchEncoder()
         self.started = False
         self._changed = asyncio.Event()
 
@@ -349,7 +369,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             log.warning("join refused (%s): %s", context.peer(), refused.detail)
             await context.abort(refused.code, refused.detail)
         worker = GrpcWorker(index, size, join, context, self.config, self.telemetry, self.liveness_timeout,
-                            self.model_layouts)
+                            self.model_layouts, self.encoder)
         self.workers[index] = worker
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))

@@ -290,8 +290,10 @@ class WorkerNode:
         except codec.InvalidTensor as exc:
             raise ServerGone(f"the server sent an invalid batch: {exc}") from exc
         started = time.perf_counter()
-        # Torch releases the GIL: the event loop keeps serving peers and heartbeats meanwhile.
-        result = await asyncio.to_thread(self.side.step, batch)
+        # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
+        # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
+        # heartbeats wait at most one step; the server sends nothing else until this feedback.
+        result = self.side.step(batch)
         await self._write(call, pb.WorkerMessage(feedback=pb.Feedback(
             iteration=batches.iteration, gradient=codec.encode_tensor(result.feedback),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,

@@ -1,0 +1,89 @@
+"""Dataset files are checked as they are read: a damaged file is one clear error naming it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from mdgan.config import DataConfig
+from mdgan.data import DataFileError, load_cifar10, load_mnist, load_shard, read_idx_ubyte
+from test_shards import write_fake_cifar10
+
+
+def idx(magic: int, dims: tuple[int, ...], body: bytes) -> bytes:
+    return magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims) + body
+
+
+def write_mnist(root, images: bytes, labels: bytes) -> str:
+    raw = os.path.join(root, "MNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    for name, content in (("train-images-idx3-ubyte", images), ("train-labels-idx1-ubyte", labels)):
+        with open(os.path.join(raw, name), "wb") as fh:
+            fh.write(content)
+    return raw
+
+
+def test_a_small_valid_mnist_loads(tmp_path):
+    pixels = np.arange(5 * 784, dtype=np.uint8).tobytes()
+    write_mnist(tmp_path, idx(0x803, (5, 28, 28), pixels), idx(0x801, (5,), bytes([0, 1, 2, 3, 9])))
+    images, labels = load_mnist(str(tmp_path))
+    assert images.shape == (5, 784) and labels.tolist() == [0, 1, 2, 3, 9]
+    assert torch.equal(images, torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(5, 784).float() / 127.5 - 1)
+
+
+@pytest.mark.parametrize("images,labels,message", [
+    (idx(0x803, (60000, 28, 28), bytes(984)), idx(0x801, (60000,), bytes(60000)), "images-idx3-ubyte: truncated"),
+    (idx(0x803, (2, 28, 28), bytes(2 * 784 + 7)), idx(0x801, (2,), bytes(2)), "longer than its header"),
+    (idx(0x1f8b0808, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes(2)), "magic number 0x1f8b0808"),
+    (idx(0x801, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes(2)), "images-idx3-ubyte: not an IDX file"),
+    (idx(0x803, (2, 28, 28), bytes(2 * 784)), idx(0x801, (3,), bytes(3)), "3 labels for the 2 images"),
+    (idx(0x803, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes([1, 12])), "label 12 is not a digit"),
+    (idx(0x803, (2, 14, 14), bytes(2 * 196)), idx(0x801, (2,), bytes(2)), "not MNIST's 28 x 28"),
+    (b"\0\0\x08", idx(0x801, (2,), bytes(2)), "too short"),
+    (idx(0x803, (2,), b""), idx(0x801, (2,), bytes(2)), "truncated inside its header"),
+])
+def test_a_damaged_mnist_file_is_one_clear_error_naming_it(tmp_path, images, labels, message):
+    raw = write_mnist(tmp_path, images, labels)
+    with pytest.raises(DataFileError, match=message) as error:
+        load_mnist(str(tmp_path))
+    assert raw in str(error.value)
+    with pytest.raises(DataFileError):  # a worker's shard goes through the same checks
+        load_shard(DataConfig("mnist", str(tmp_path), num_shards=2), 0)
+
+
+def test_a_missing_mnist_file_is_named(tmp_path):
+    raw = write_mnist(tmp_path, idx(0x803, (2, 28, 28), bytes(2 * 784)), b"")
+    os.remove(os.path.join(raw, "train-labels-idx1-ubyte"))
+    with pytest.raises(DataFileError, match="train-labels-idx1-ubyte: no such file"):
+        load_mnist(str(tmp_path))
+    with pytest.raises(DataFileError, match="not an IDX file"):
+        read_idx_ubyte(os.path.join(raw, "train-images-idx3-ubyte"), 1)  # right file, wrong rank
+
+
+def test_mnist_reads_as_torchvision_does(mnist_root):
+    from torchvision.datasets import MNIST
+
+    reference = MNIST(root=mnist_root, train=False, download=False)
+    images, labels = load_mnist(mnist_root, train=False)
+    assert torch.equal(images, reference.data.reshape(-1, 784).float().div(127.5).sub(1.0))
+    assert torch.equal(labels, reference.targets)
+
+
+def test_a_truncated_or_corrupt_cifar10_batch_is_one_clear_error_naming_it(tmp_path):
+    write_fake_cifar10(tmp_path)
+    path = os.path.join(tmp_path, "cifar-10-batches-py", "data_batch_2")
+    with open(path, "rb") as fh:
+        content = fh.read()
+    for damaged in (content[: len(content) // 2], b"garbage" + content[7:], b""):
+        with open(path, "wb") as fh:
+            fh.write(damaged)
+        with pytest.raises(DataFileError, match="data_batch_2: not a readable CIFAR-10 batch"):
+            load_cifar10(str(tmp_path))
+    with open(path, "wb") as fh:
+        pickle.dump({"data": np.zeros((3, 3072), dtype=np.uint8), "labels": [0, 1]}, fh)
+    with pytest.raises(DataFileError, match="data_batch_2: 2 labels for 3 images"):
+        load_cifar10(str(tmp_path))

@@ -1,0 +1,103 @@
+"""`mdgan local` supervises its processes: signals stop them all, a failing service stops the cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below pid (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def launch(tmp_path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mdgan.cli", "local", "--out", str(tmp_path / "run"),
+                             "--no-progress", "--eval-every", "-1", *flags], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def kill_everything(launcher: subprocess.Popen, pids: set[int]) -> None:
+    for pid in [launcher.pid, *pids, *descendants(launcher.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.communicate()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig):
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
+    pids: set[int] = set()
+    try:
+        history = tmp_path / "run" / "history.jsonl"
+        deadline = time.monotonic() + 120
+        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        pids = descendants(launcher.pid)
+        assert len(pids) >= 3  # the server and two workers (and the fork server they came from)
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 128 + sig
+        assert signal.Signals(sig).name in err
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if alive(p)]
+    finally:
+        kill_everything(launcher, pids)
+
+
+def test_a_worker_that_cannot_load_its_data_stops_the_cluster_with_its_error(tmp_path):
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    # A truncated image file: the right magic number and dimensions, then only a few images.
+    header = (0x00000803).to_bytes(4, "big") + (60000).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2
+    (raw / "train-images-idx3-ubyte").write_bytes(header + bytes(984))
+    (raw / "train-labels-idx1-ubyte").write_bytes((0x00000801).to_bytes(4, "big") + (60000).to_bytes(4, "big")
+                                                 + bytes(60000))
+    started = time.monotonic()
+    launcher = launch(tmp_path, "--dataset", "mnist", "--data-root", str(tmp_path / "data"), "--workers", "2",
+                      "--iterations", "10")
+    try:
+        _, err = launcher.communicate(timeout=120)
+        assert launcher.returncode != 0
+        assert "worker-" in err and "before the run started" in err
+        assert "train-images-idx3-ubyte: truncated" in err  # the worker's own error, from its log
+        assert "Traceback" not in err  # one line, not a traceback
+        assert time.monotonic() - started < 120  # not the server's 600 s join timeout
+    finally:
+        kill_everything(launcher, set())
