@@ -20,7 +20,8 @@ import urllib.request
 from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
-                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2")
+                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
+                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm", "sync", "quorum", "max_staleness")
 
 
 def _print_summary(summary: dict) -> None:
@@ -38,6 +39,7 @@ def cmd_simulate(args) -> int:
     config = training_config(args)
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
                        evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                       byzantine=args.byzantine, attack=args.attack,
                        pwgan=pwgan_options(args), dpgan=dpgan_options(args, config.workers))
     _print_summary(summary)
     print(f"run directory: {args.out}")
@@ -168,6 +170,8 @@ class LocalCluster:
                 "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
 
     def start(self) -> multiprocessing.Process:
+        from mdgan.attacks import attackers
+
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
         port_file = os.path.join(self.out, "server.port")
@@ -190,6 +194,7 @@ class LocalCluster:
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
         port = self._wait_for_port(port_file, 120)
+        attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
             name = f"worker-{index}"
             self._spawn(name, [
@@ -197,6 +202,7 @@ class LocalCluster:
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
                 "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
+                *(["--attack", a.attack] if index in attacking else []),
                 *self._metrics_flags(name, metrics_ports[name])])
         return server
 
@@ -296,6 +302,12 @@ def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
     training_config(args)  # fail here, with a clear message, rather than in a child process
+    if bool(args.byzantine) != bool(args.attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if args.byzantine:
+        from mdgan.attacks import attackers
+
+        attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
     if args.algorithm in ("pwgan", "dpgan"):  # docs/ALGORITHMS.md: what their transport needs
@@ -377,6 +389,7 @@ def cmd_sample(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.algorithms.options import add_algorithm_arguments
+    from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
                                 add_training_arguments)
@@ -399,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_threads_argument(p, default=1)
         p.add_argument("--out", default=f"runs/{name}", help="run directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        g = p.add_argument_group("emulated Byzantine workers (experiments)")
+        g.add_argument("--byzantine", type=int, default=0,
+                       help="K: the last K workers by rank send wrong feedback (needs --attack)")
+        g.add_argument("--attack", choices=ATTACKS, default=None,
+                       help="what they send: sign-flip (-F), scale (10 F), noise (10x F's RMS), free-ride (zeros)")
         return p
 
     run_parser("simulate", "Train in one process: every worker is an object.").set_defaults(func=cmd_simulate)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,8 +17,10 @@ from typing import Callable
 
 import torch
 
+from mdgan import compression
 from mdgan.config import TrainingConfig
 from mdgan.mdgan import DiscriminatorSide, GeneratorSide, StepResult, WorkerBatch, derangement
+from mdgan.synchrony import PartialSync
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +103,10 @@ class InProcessSwapBoard:
 
 
 class InProcessWorker(WorkerHandle):
-    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0):
+    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
+                 attack: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.side = side
+        self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
         self.board = board
         self.swap_timeout = swap_timeout
         self.shard_index = side.shard_index
@@ -116,14 +121,21 @@ class InProcessWorker(WorkerHandle):
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
         if self.crashed:
             raise WorkerLost(f"{self.worker_id} crashed")
-        return self.side.step(batch)
+        # The same rounding at the same points as over gRPC: the batches, then the feedback.
+        wire = self.side.config.wire_dtype
+        result = self.side.step(dataclasses.replace(batch, generated=compression.round_trip(batch.generated, wire),
+                                                    discriminated=compression.round_trip(batch.discriminated, wire)))
+        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
+        return dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
 
     async def swap(self, order: SwapOrder) -> SwapReport:
         if self.crashed:
             raise WorkerLost(f"{self.worker_id} crashed")
-        state = self.side.export_state()
-        self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
-        sent = sum(t.numel() * t.element_size() for t in state.values())
+        wire = self.side.config.wire_dtype
+        packed = compression.pack_state(self.side.export_state(), wire)
+        self.board.deliver(order.swap_round, order.send_to, self.worker_id,
+                           compression.unpack_state(packed, self.side.state_layout(), wire))
+        sent = compression.state_nbytes(packed)
         try:
             sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
         except asyncio.TimeoutError:
@@ -172,6 +184,7 @@ class IterationRecord:
     wait_seconds: float = 0.0
     update_seconds: float = 0.0
     swap_seconds: float = 0.0
+    late: int = 0  # --sync quorum|async: answers that came too late to count (dropped)
 
 
 @dataclass
@@ -208,6 +221,11 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _wire_nbytes(t: torch.Tensor, wire_dtype: str) -> int:
+    """Bytes of a float32 tensor as it travels (compressed: values and int8 scales)."""
+    return compression.packed_nbytes(tuple(t.shape), wire_dtype)
+
+
 class Trainer:
     """Runs I global iterations of MD-GAN against worker handles."""
 
@@ -228,6 +246,18 @@ class Trainer:
         self.rejections = 0
         shard_size = min((w.shard_size for w in self.workers), default=0)
         self.swap_period = config.swap_period(shard_size)
+        # --sync quorum|async: the exchange of an iteration lives in mdgan/synchrony.py
+        self.partial = PartialSync(config) if config.sync != "all" else None
+
+    def count_batch(self, batch: WorkerBatch) -> None:
+        """Traffic of one worker's batches, as they travel."""
+        wire = self.config.wire_dtype
+        self.traffic.payload_bytes["server_to_worker"] += (_wire_nbytes(batch.generated, wire)
+                                                           + _wire_nbytes(batch.discriminated, wire))
+        self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
+
+    def count_feedback(self, reply: StepResult) -> None:
+        self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
 
     async def _drop(self, worker: WorkerHandle, why: str) -> None:
         if worker in self.active:
@@ -236,6 +266,8 @@ class Trainer:
             await tell_to_stop(worker, why)
 
     async def iteration(self, t: int) -> IterationRecord:
+        if self.partial is not None:
+            return await self._partial_iteration(t)
         started = time.perf_counter()
         active = list(self.active)
         batches = self.generator.generate(min(self.config.kappa, len(active)))
@@ -246,10 +278,9 @@ class Trainer:
         answered = time.perf_counter()
         feedback, stats, rejected, lost = [], [], 0, 0
         for worker, batch, reply in zip(active, sent, replies):
-            self.traffic.payload_bytes["server_to_worker"] += _nbytes(batch.generated) + _nbytes(batch.discriminated)
-            self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
+            self.count_batch(batch)
             if isinstance(reply, StepResult):
-                self.traffic.payload_bytes["worker_to_server"] += _nbytes(reply.feedback)
+                self.count_feedback(reply)
                 feedback.append((batch.generated_index, reply.feedback))
                 stats.append(reply)
             elif isinstance(reply, InputRejected):
@@ -276,6 +307,25 @@ class Trainer:
             real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
             swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
             wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated)
+
+    async def _partial_iteration(self, t: int) -> IterationRecord:
+        """--sync quorum|async (mdgan/synchrony.py): wait for some of the workers, not all."""
+        started = time.perf_counter()
+        issued, stats, rejected, lost, late, waited, updating = await self.partial.exchange(self, t)
+        self.rejections += rejected
+        updated = time.perf_counter()
+        swap_round = None
+        if t % self.swap_period == 0 and len(self.active) >= 2:
+            swap_round, lost_in_swap = await self.swap(t)
+            lost += lost_in_swap
+        finished = time.perf_counter()
+        return IterationRecord(
+            iteration=t, active_workers=issued, answered=len(stats), rejected=rejected, lost=lost,
+            gen_loss=_mean([s.gen_loss for s in stats]), disc_loss=_mean([s.disc_loss for s in stats]),
+            real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
+            swap_round=swap_round, seconds=finished - started, wait_seconds=waited, update_seconds=updating,
+            generate_seconds=max(0.0, updated - started - waited - updating), swap_seconds=finished - updated,
+            late=late)
 
     async def swap(self, t: int) -> tuple[int, int]:
         """One swap round over the active workers, along a random derangement; (round, workers lost)."""
@@ -335,6 +385,13 @@ class Trainer:
                          rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last, stopped_early=stopped)
 
 
-def build_in_process_workers(config: TrainingConfig, shards) -> list[InProcessWorker]:
+def build_in_process_workers(config: TrainingConfig, shards, byzantine: int = 0,
+                             attack: str | None = None) -> list[InProcessWorker]:
+    """One worker per shard; the last `byzantine` by rank replace their feedback by `attack`."""
+    from mdgan.attacks import FeedbackAttack, attackers
+
+    bad = set(attackers(len(shards), byzantine)) if attack else set()
     board = InProcessSwapBoard()
-    return [InProcessWorker(DiscriminatorSide(config, shard), board) for shard in shards]
+    return [InProcessWorker(DiscriminatorSide(config, shard), board,
+                            attack=FeedbackAttack(attack, config.seed, shard.index) if shard.index in bad else None)
+            for shard in shards]

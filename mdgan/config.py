@@ -13,6 +13,9 @@ GAN_KINDS = ("acgan", "gan")
 LOSSES = ("non-saturating", "saturating")
 DATASETS = ("mnist", "cifar10", "synthetic")
 SPLITS = ("iid", "dirichlet")  # how a dataset is cut into shards (DataConfig.split)
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # see mdgan/compression.py
+AGGREGATIONS = ("mean", "median", "trimmed-mean", "norm-clip")  # see mdgan/aggregation.py
+SYNC_MODES = ("all", "quorum", "async")  # see mdgan/synchrony.py
 
 
 class ConfigError(ValueError):
@@ -89,6 +92,22 @@ class TrainingConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     generator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     discriminator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    # Beyond the paper (issue 13). How generated batches, feedback and swapped discriminators are
+    # rounded on the wire (the rounding is part of the algorithm: mdgan/compression.py).
+    wire_dtype: str = "float32"
+    # How the server combines the feedback of the workers that got the same X_g (mdgan/aggregation.py):
+    # mean is the paper's; the others resist workers that send wrong feedback.
+    aggregation: str = "mean"
+    trim_fraction: float = 0.2  # trimmed-mean: share of the workers dropped at each end, per coordinate
+    # norm-clip: every sample's feedback is scaled down to at most this L2 norm; 0: to the median of
+    # the norms the workers sent for that sample (adapts to the feedback's scale, which changes in training)
+    clip_norm: float = 0.0
+    # How long an iteration waits for feedback (mdgan/synchrony.py): all (the paper), quorum (update G
+    # once `quorum` workers answered; 0: N - 1), async (apply each answer as it comes, weighted by
+    # 1/(1 + staleness), dropped beyond max_staleness iterations).
+    sync: str = "all"
+    quorum: int = 0
+    max_staleness: int = 4
 
     def validate(self) -> "TrainingConfig":
         if self.workers < 1:
@@ -114,10 +133,29 @@ class TrainingConfig:
 
             if not torch.cuda.is_available():
                 raise ConfigError(f"--device {self.device}: no CUDA device is available here")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"unknown --wire-dtype {self.wire_dtype!r}; choose from {WIRE_DTYPES}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"unknown --aggregation {self.aggregation!r}; choose from {AGGREGATIONS}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError(f"--trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+            raise ConfigError(f"--clip-norm must be a number >= 0, got {self.clip_norm}")
+        if self.sync not in SYNC_MODES:
+            raise ConfigError(f"unknown --sync {self.sync!r}; choose from {SYNC_MODES}")
+        if not 0 <= self.quorum <= self.workers:
+            raise ConfigError(f"--quorum must be in [1, workers={self.workers}] (0: N - 1), got {self.quorum}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         self.model.validate()
         self.generator_optimizer.validate()
         self.discriminator_optimizer.validate()
         return self
+
+    @property
+    def quorum_size(self) -> int:
+        """--sync quorum: the number of answers an iteration waits for."""
+        return self.quorum or max(1, self.workers - 1)
 
     def swap_period(self, shard_size: int) -> int:
         """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11)."""

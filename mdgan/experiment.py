@@ -18,10 +18,11 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
 Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
-every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs),
-potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN),
-label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a name or a list;
-default: its name without N).
+every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs), wire_dtype,
+aggregation, trim_fraction, clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper:
+README), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
+docs/ALGORITHMS.md), label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a name
+or a list; default: its name without N).
 
 Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
 again, so an interrupted experiment resumes where it stopped (its label and series may change in
@@ -51,17 +52,22 @@ DEFAULTS = {
     "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
     "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
     "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
+    # beyond the paper (README "Beyond the paper")
+    "wire_dtype": "float32", "aggregation": "mean", "trim_fraction": 0.2, "clip_norm": 0.0, "byzantine": 0,
+    "attack": None, "sync": "all", "quorum": 0, "max_staleness": 4,
     # P-WGAN and the data-parallel GAN (docs/ALGORITHMS.md)
     "potential_rounds": 5, "potential_lr": 1.0, "gradient_penalty": 10.0, "dp_threshold": None,
 }
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
-             "architecture", "gan", "loss", "split", "iterations", "seed", "potential_rounds", "potential_lr",
-             "gradient_penalty", "dp_threshold")
+             "architecture", "gan", "loss", "split", "iterations", "wire_dtype", "aggregation", "trim_fraction",
+             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "potential_rounds",
+             "potential_lr", "gradient_penalty", "dp_threshold", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
-         "iterations": "I", "seed": "seed", "potential_rounds": "T", "potential_lr": "eta", "gradient_penalty": "gp",
-         "dp_threshold": "Q"}
+         "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
+         "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
+         "potential_rounds": "T", "potential_lr": "eta", "gradient_penalty": "gp", "dp_threshold": "Q"}
 
 
 def load_config(path: str) -> dict:
@@ -122,6 +128,8 @@ def training_config(run: dict) -> TrainingConfig:
                         sample_shape=tuple(DATASET_SAMPLE_SHAPES[run["dataset"]])),
         generator_optimizer=OptimizerSpec(run["gen_lr"], run["beta1"], run["beta2"]),
         discriminator_optimizer=OptimizerSpec(run["disc_lr"], run["beta1"], run["beta2"]),
+        wire_dtype=run["wire_dtype"], aggregation=run["aggregation"], trim_fraction=run["trim_fraction"],
+        clip_norm=run["clip_norm"], sync=run["sync"], quorum=run["quorum"], max_staleness=run["max_staleness"],
     ).validate()
 
 
@@ -147,7 +155,8 @@ def run_one(run: dict, out_dir: str, progress: bool) -> dict:
                                    every=run["eval_every"], samples=run["eval_samples"],
                                    reference=run["eval_reference"])
     return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
-                    crash_every=crash_period(run), dpgan=DPGANOptions(run["dp_threshold"]),
+                    crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
+                    attack=run["attack"] if run["byzantine"] else None, dpgan=DPGANOptions(run["dp_threshold"]),
                     pwgan=PWGANOptions(run["potential_rounds"], run["potential_lr"], run["gradient_penalty"]))
 
 
@@ -167,6 +176,9 @@ def collect(runs: list[dict], out: str) -> list[dict]:
                     rows.append({"run": run["name"], "label": run["label"], "algorithm": run["algorithm"],
                                  "workers": run["workers"], "batch_size": run["batch_size"], "kappa": run["kappa"],
                                  "crash": run["crash"] or "", "swap_every": run["swap_every"] or "",
+                                 "wire_dtype": run["wire_dtype"], "aggregation": run["aggregation"],
+                                 "attack": f"{run['byzantine']}x {run['attack']}" if run["attack"] and run["byzantine"]
+                                 else "", "seed": run["seed"],
                                  "iteration": evaluation["eval_iteration"], "mnist_score": evaluation.get("mnist_score"),
                                  "fid": evaluation.get("fid"), "active_workers": record.get("active_workers")})
     return rows

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mdgan import aggregation
 from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.models import build_discriminator, build_generator
@@ -78,6 +79,7 @@ class GeneratedBatches:
 
     samples: torch.Tensor  # (kappa, b, *sample_shape), requires grad
     labels: torch.Tensor | None  # (kappa, b) int64, ACGAN only
+    noise: torch.Tensor | None = None  # (kappa*b, l): z, to generate the same batches again (--sync async)
 
     @property
     def kappa(self) -> int:
@@ -118,19 +120,25 @@ class GeneratorSide:
         z, labels = z.to(self.device), None if labels is None else labels.to(self.device)
         samples = self.generator(z, labels)  # (kappa*b, *sample_shape)
         return GeneratedBatches(samples.view(kappa, b, *spec.sample_shape),
-                                None if labels is None else labels.view(kappa, b))
+                                None if labels is None else labels.view(kappa, b), z)
+
+    def regenerate(self, batches: GeneratedBatches) -> GeneratedBatches:
+        """The same noise and labels through the current G (a new graph; for stale feedback)."""
+        kappa, b = batches.samples.shape[:2]
+        labels = None if batches.labels is None else batches.labels.reshape(-1)
+        samples = self.generator(batches.noise, labels)
+        return GeneratedBatches(samples.view(kappa, b, *self.spec.sample_shape), batches.labels, batches.noise)
 
     def accumulate(self, batches: GeneratedBatches, feedback: list[tuple[int, torch.Tensor]]) -> None:
-        """Backpropagate (1/N) sum_n F_n through G; feedback is [(index of X_g, F_n (b, *shape))].
+        """Backpropagate (1/N) sum_n F_n (or a robust rule's stand-in) through G; feedback is
+        [(index of X_g, F_n (b, *shape))].
 
         Summed in the order given (worker rank order), never arrival order: bit-for-bit repeatable.
         """
         if not feedback:
             raise ValueError("no feedback to update from")
-        incoming = torch.zeros_like(batches.samples)  # (kappa, b, *sample_shape)
-        for index, gradient in feedback:
-            incoming[index] += gradient.to(self.device)
-        incoming /= len(feedback)
+        cfg = self.config  # mean (the paper), or a rule robust to wrong feedback: mdgan/aggregation.py
+        incoming = aggregation.combine(batches.samples, feedback, cfg.aggregation, cfg.trim_fraction, cfg.clip_norm)
         self.optimizer.zero_grad(set_to_none=True)
         batches.samples.backward(incoming)
 

@@ -245,16 +245,29 @@ ALGORITHMS = ("mdgan", "flgan", "standalone", "pwgan", "dpgan")  # pwgan, dpgan:
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
              evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
-             crash_every: int | None = None, pwgan=None, dpgan=None) -> dict:
+             crash_every: int | None = None, byzantine: int = 0, attack: str | None = None,
+             pwgan=None, dpgan=None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
     crash_every: MD-GAN, P-WGAN and the data-parallel GAN, the paper's crash experiment: every this
     many iterations one more worker fails (the last by rank), and its data leaves with it.
+    byzantine, attack: MD-GAN only, the last `byzantine` workers by rank send wrong feedback
+    (mdgan/attacks.py), to measure the robust aggregation rules.
     pwgan, dpgan: PWGANOptions, DPGANOptions of those algorithms (None: their defaults).
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
+    if bool(byzantine) != bool(attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if byzantine and algorithm != "mdgan":
+        raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
+    if byzantine:
+        from mdgan.attacks import ATTACKS, attackers
+
+        attackers(config.workers, byzantine)  # refuses K outside [0, N)
+        if attack not in ATTACKS:
+            raise ConfigError(f"unknown attack {attack!r}; choose from {ATTACKS}")
     if algorithm == "standalone":  # one G, one D, the whole dataset
         config = replace(config, workers=1, kappa=1)
     config.validate()
@@ -266,7 +279,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     result = None
     try:
         if algorithm == "mdgan":
-            workers = build_in_process_workers(config, shards)
+            workers = build_in_process_workers(config, shards, byzantine, attack)
             on_iteration = recorder
             if crash_every:
                 def on_iteration(record: IterationRecord) -> None:
@@ -289,4 +302,6 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     finally:
         wall = recorder.close(result.iterations if result else None)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
-                         {"algorithm": algorithm, "crash_every": crash_every}, scores=recorder.scores)
+                         {"algorithm": algorithm, "crash_every": crash_every,
+                          "byzantine": byzantine, "attack": attack},
+                         scores=recorder.scores)

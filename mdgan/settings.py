@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from mdgan.config import (DATASETS, GAN_KINDS, LOSSES, SPLITS, ConfigError, DataConfig, ModelSpec, OptimizerSpec,
-                          TrainingConfig)
+from mdgan.config import (AGGREGATIONS, DATASETS, GAN_KINDS, LOSSES, SPLITS, SYNC_MODES, WIRE_DTYPES, ConfigError,
+                          DataConfig, ModelSpec, OptimizerSpec, TrainingConfig)
 
 ENV_PREFIX = "MDGAN_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -76,6 +76,26 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disc-lr", type=float, default=2e-4, help="discriminator Adam learning rate")
     g.add_argument("--beta1", type=float, default=0.5, help="Adam beta1 (both networks)")
     g.add_argument("--beta2", type=float, default=0.999, help="Adam beta2 (both networks)")
+    g = parser.add_argument_group("beyond the paper: wire compression, robust aggregation, partial synchronisation")
+    g.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="float32",
+                   help="how generated batches, feedback and swapped discriminators travel: float32 (the paper), "
+                        "float16, bfloat16, or int8 with a float32 scale per row (per sample)")
+    g.add_argument("--aggregation", choices=AGGREGATIONS, default="mean",
+                   help="how the feedback of the workers that got the same X_g is combined, per sample: mean (the "
+                        "paper), coordinate-wise median, trimmed-mean, or norm-clip (each sample's feedback scaled "
+                        "to L2 norm <= --clip-norm, then the mean)")
+    g.add_argument("--trim-fraction", type=float, default=0.2,
+                   help="trimmed-mean: share of the workers dropped at each end of every coordinate")
+    g.add_argument("--sync", choices=SYNC_MODES, default="all",
+                   help="all: every iteration waits for every worker (the paper); quorum: G is updated once "
+                        "--quorum workers answered, late answers are dropped; async: every answer is applied as it "
+                        "comes, weighted by 1/(1 + staleness)")
+    g.add_argument("--quorum", type=int, default=0, help="--sync quorum: answers to wait for (0: N - 1)")
+    g.add_argument("--max-staleness", type=int, default=4,
+                   help="--sync async: drop feedback computed more than this many iterations ago")
+    g.add_argument("--clip-norm", type=float, default=0.0,
+                   help="norm-clip: largest L2 norm of one sample's feedback (0: the median of the norms the "
+                        "workers sent for that sample)")
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +158,8 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
         model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss, sample_shape=tuple(sample_shape)),
         generator_optimizer=OptimizerSpec(args.gen_lr, args.beta1, args.beta2),
         discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),
+        wire_dtype=args.wire_dtype, aggregation=args.aggregation, trim_fraction=args.trim_fraction,
+        clip_norm=args.clip_norm, sync=args.sync, quorum=args.quorum, max_staleness=args.max_staleness,
     ).validate()
 
 

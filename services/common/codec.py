@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from mdgan import compression
 from services.common.proto import peer_pb2, tensor_pb2
 
 if sys.byteorder != "little":  # raw bytes are little-endian on the wire
@@ -28,6 +29,7 @@ _TO_WIRE = {
     torch.int64: tensor_pb2.DTYPE_INT64,
     torch.int32: tensor_pb2.DTYPE_INT32,
     torch.uint8: tensor_pb2.DTYPE_UINT8,
+    torch.int8: tensor_pb2.DTYPE_INT8,  # quantised floats: the scales travel in Tensor.scales
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 _ELEMENT_BYTES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _TO_WIRE}
@@ -73,6 +75,8 @@ def decode_tensor(msg: tensor_pb2.Tensor, *, shape: tuple[int, ...] | None = Non
     got_dtype = _FROM_WIRE[msg.dtype]
     if dtype is not None and got_dtype != dtype:
         raise InvalidTensor("dtype", f"{field}: expected {dtype}, got {got_dtype}")
+    if msg.scales and got_dtype != torch.int8:
+        raise InvalidTensor("scales", f"{field}: a {got_dtype} tensor carries no scales")
     got_shape = tuple(msg.shape)
     if any(s < 0 for s in got_shape):
         raise InvalidTensor("shape", f"{field}: negative dimension in {got_shape}")
@@ -88,6 +92,37 @@ def decode_tensor(msg: tensor_pb2.Tensor, *, shape: tuple[int, ...] | None = Non
     if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise InvalidTensor("nonfinite", f"{field}: contains NaN or Inf")
     return t
+
+
+def encode_packed(packed: compression.Packed) -> tensor_pb2.Tensor:
+    """A tensor in its wire form (mdgan/compression.py): values, and the int8 scales."""
+    msg = encode_tensor(packed.values)
+    if packed.scales is not None:
+        msg.scales = _raw_bytes(packed.scales.to(torch.float32))
+    return msg
+
+
+def decode_packed(msg: tensor_pb2.Tensor, *, shape: tuple[int, ...], wire_dtype: str,
+                  field: str = "tensor") -> torch.Tensor:
+    """Decode a float tensor sent in the run's wire dtype, validate it, and unpack it to float32.
+
+    Raises InvalidTensor (dtype|shape|size|nonfinite|scales). The dtype must be the run's: a peer
+    cannot choose its own precision.
+    """
+    dtype = compression.TORCH_WIRE_DTYPES[wire_dtype]
+    values = decode_tensor(msg, shape=shape, dtype=dtype, max_bytes=compression.packed_nbytes(shape, wire_dtype),
+                           field=field)
+    scales = None
+    if dtype == torch.int8:
+        count = compression.scale_count(tuple(shape))
+        if len(msg.scales) != 4 * count:
+            raise InvalidTensor("scales", f"{field}: {count} float32 scales need {4 * count} bytes, "
+                                          f"got {len(msg.scales)}")
+        scales = _frombuffer(msg.scales, torch.float32)
+    try:
+        return compression.unpack(compression.Packed(values, scales))
+    except compression.PackingError as exc:
+        raise InvalidTensor(exc.reason, f"{field}: {exc}") from None
 
 
 def decode_labels(msg: tensor_pb2.Tensor, count: int, num_classes: int, field: str) -> torch.Tensor:
@@ -220,7 +255,7 @@ def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.Train
         disc_lr=opt.lr, disc_beta1=opt.beta1, disc_beta2=opt.beta2, seed=config.seed,
         swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers,
         algorithm=algorithm, gen_lr=config.generator_optimizer.lr, gen_beta1=config.generator_optimizer.beta1,
-        gen_beta2=config.generator_optimizer.beta2)
+        gen_beta2=config.generator_optimizer.beta2, wire_dtype=config.wire_dtype)
 
 
 def config_from_spec(spec) -> "TrainingConfig":
@@ -231,6 +266,6 @@ def config_from_spec(spec) -> "TrainingConfig":
                       num_classes=spec.num_classes, sample_shape=tuple(spec.sample_shape))
     return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa,
                           disc_steps=spec.disc_steps, seed=spec.seed, swap_optimizer_state=spec.swap_optimizer_state,
-                          model=model,
+                          model=model, wire_dtype=spec.wire_dtype or "float32",
                           generator_optimizer=OptimizerSpec(spec.gen_lr or 2e-4, spec.gen_beta1, spec.gen_beta2 or 0.999),
                           discriminator_optimizer=OptimizerSpec(spec.disc_lr, spec.disc_beta1, spec.disc_beta2)).validate()

@@ -72,6 +72,9 @@ class Telemetry:
                              ["outcome"], registry=r)
         self.rejected = Counter("mdgan_rejected_inputs_total", "Inputs refused by validation, by reason",
                                 ["reason"], registry=r)
+        self.late_feedback = Counter("mdgan_late_feedback_total",
+                                     "Feedback that came too late to count (--sync quorum|async), dropped",
+                                     registry=r)
         self.score = Gauge("mdgan_evaluation_score", "Latest evaluation score of the generator", ["metric"],
                            registry=r)
         self.last_iteration = Gauge("mdgan_last_iteration_timestamp_seconds",

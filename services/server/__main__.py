@@ -153,6 +153,8 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
         telemetry.discriminator_loss.set(record.disc_loss)
         telemetry.discriminator_accuracy.labels("real").set(record.real_accuracy)
         telemetry.discriminator_accuracy.labels("generated").set(record.fake_accuracy)
+    if record.late:
+        telemetry.late_feedback.inc(record.late)
     telemetry.workers_alive.set(alive)
     telemetry.last_iteration.set_to_current_time()
 

@@ -13,6 +13,7 @@ import time
 import grpc
 import torch
 
+from mdgan import compression
 from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
@@ -35,13 +36,18 @@ def _kind(message) -> str:
     return {"batches": "batches", "feedback": "feedback"}.get(body, "control")
 
 
+def tensor_payload(tensor) -> int:
+    """What a tensor costs on the wire: its values, and its int8 scales when compressed."""
+    return len(tensor.data) + len(tensor.scales)
+
+
 def _payload(message) -> int:
     """Bytes of the tensors Table III counts: X_g and X_d down, F_n up (labels are not in it); FL-GAN: models."""
     body = message.WhichOneof("body")
     if body == "batches":
-        return len(message.batches.generated.data) + len(message.batches.discriminated.data)
+        return tensor_payload(message.batches.generated) + tensor_payload(message.batches.discriminated)
     if body == "feedback":
-        return len(message.feedback.gradient.data)
+        return tensor_payload(message.feedback.gradient)
     if body == "model_part":
         return len(message.model_part.data)
     return 0
@@ -54,12 +60,15 @@ class BatchEncoder:
         self._iteration = -1
         self._encoded: dict[int, tuple[torch.Tensor, tensor_pb2.Tensor]] = {}
 
-    def encode(self, iteration: int, tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    def encode(self, iteration: int, tensor: torch.Tensor, wire_dtype: str | None = None) -> tensor_pb2.Tensor:
+        """`wire_dtype`: a float tensor in the run's wire form (mdgan/compression.py); None: as it is."""
         if iteration != self._iteration:
             self._iteration, self._encoded = iteration, {}
         hit = self._encoded.get(id(tensor))
         if hit is None or hit[0] is not tensor:
-            hit = self._encoded[id(tensor)] = (tensor, codec.encode_tensor(tensor))  # holding it pins its id
+            encoded = codec.encode_tensor(tensor) if wire_dtype is None else \
+                codec.encode_packed(compression.pack(tensor, wire_dtype))
+            hit = self._encoded[id(tensor)] = (tensor, encoded)  # holding it pins its id
         return hit[1]
 
 
@@ -104,11 +113,11 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.telemetry.count("server_to_worker", _kind(message), "sender", message, _payload(message))
 
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
-        encode = self.encoder.encode
+        encode, wire = self.encoder.encode, self.config.wire_dtype
         message = pb.ServerMessage(batches=pb.Batches(
             iteration=iteration,
-            generated=encode(iteration, batch.generated),
-            discriminated=encode(iteration, batch.discriminated),
+            generated=encode(iteration, batch.generated, wire),
+            discriminated=encode(iteration, batch.discriminated, wire),
             generated_labels=None if batch.generated_labels is None else encode(iteration, batch.generated_labels),
             discriminated_labels=None if batch.discriminated_labels is None
             else encode(iteration, batch.discriminated_labels)))
@@ -219,8 +228,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         try:
             if not feedback.HasField("gradient"):
                 raise codec.InvalidTensor("missing", "feedback without gradient")
-            gradient = codec.decode_tensor(feedback.gradient, shape=shape, dtype=torch.float32,
-                                           max_bytes=4 * torch.Size(shape).numel(), field="gradient")
+            gradient = codec.decode_packed(feedback.gradient, shape=shape, wire_dtype=self.config.wire_dtype,
+                                           field="gradient")
         except codec.InvalidTensor as exc:
             await self._reject(feedback.iteration, exc.reason, str(exc))
             future.set_exception(InputRejected(exc.reason, str(exc)))

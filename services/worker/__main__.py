@@ -11,6 +11,7 @@ import sys
 
 import grpc
 
+from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
@@ -43,6 +44,13 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level")
     add_threads_argument(parser, default=0)
     add_data_arguments(parser)
+    g = parser.add_argument_group("emulation, for experiments and tests only")
+    g.add_argument("--attack", choices=ATTACKS, default=None,
+                   help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), noise (10x F's RMS) "
+                        "or zero (free-ride) feedback instead of F (mdgan/attacks.py)")
+    g.add_argument("--slow-factor", type=float, default=1.0,
+                   help="behave as a straggler: every iteration takes this many times as long (waits "
+                        "(F - 1) x the time its compute took before answering)")
     return parser
 
 
@@ -69,6 +77,8 @@ def advertise_address(value: str | None, bound_port: int) -> str:
 async def serve(args) -> str:
     data = data_config(args, args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
+    if not args.slow_factor >= 1:
+        raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
     index = resolve_shard_index(args.shard_index)
     if index is None and data.split != "iid":
         raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
@@ -86,7 +96,8 @@ async def serve(args) -> str:
     telemetry.serve(args.metrics_port, args.metrics_address)
     server = grpc.aio.server(options=rpc.options(8 << 20))  # peer chunks are <= 1 MiB
     node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
-                      telemetry=telemetry, device=args.device, **source)
+                      telemetry=telemetry, device=args.device, attack=args.attack, slow_factor=args.slow_factor,
+                      **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = server.add_insecure_port(args.listen)

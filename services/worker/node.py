@@ -12,6 +12,8 @@ import torch
 
 from dataclasses import replace
 
+from mdgan import compression
+from mdgan.attacks import FeedbackAttack
 from mdgan.config import DataConfig
 from mdgan.data import Shard, take_shard
 from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
@@ -89,7 +91,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     async def PushDiscriminator(self, request_iterator, context: grpc.aio.ServicerContext) -> peer_pb2.PushAck:
         side, telemetry = self.node.side, self.node.telemetry
-        assembler = codec.StateAssembler(side.state_layout()) if side is not None else None
+        assembler = codec.StateAssembler(compression.wire_layout(side.state_layout(), side.config.wire_dtype)) \
+            if side is not None else None
         # Refusing mid-stream while the peer still writes can surface as INTERNAL on its side, so a
         # refused stream is drained (up to a bound, discarding) and refused once the peer is done.
         refusal: tuple[grpc.StatusCode, str] | None = None
@@ -124,6 +127,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if refusal is not None:
             log.warning("refused a discriminator from %s: %s", context.peer(), refusal[1])
             await context.abort(*refusal)
+        try:
+            state = compression.unpack_state(state, side.state_layout(), side.config.wire_dtype)
+        except compression.PackingError as exc:
+            telemetry.rejected.labels(exc.reason).inc()
+            log.warning("refused a discriminator from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.node.mailbox.deliver(assembler.header.round, assembler.header.sender_worker, state)
         return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)
 
@@ -135,13 +144,18 @@ class WorkerNode:
     def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
                  dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
                  connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
-                 telemetry: Telemetry | None = None, device: str = "cpu"):
+                 telemetry: Telemetry | None = None, device: str = "cpu", attack: str | None = None,
+                 slow_factor: float = 1.0):
         if (shard is None) == (dataset is None):
             raise ValueError("give a shard, or a dataset to take the assigned shard from")
         self.shard = shard
         self.dataset = dataset
         self.telemetry = telemetry or Telemetry("worker")
         self.device = device  # this worker's own choice; the run's spec does not carry one
+        # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
+        self.attack_kind = attack
+        self.attack = None  # built once the run's seed is known (welcome)
+        self.slow_factor = slow_factor
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout
@@ -161,7 +175,7 @@ class WorkerNode:
             await call.write(message)
         body = message.WhichOneof("body")
         if body == "feedback":
-            kind, payload = "feedback", len(message.feedback.gradient.data)
+            kind, payload = "feedback", len(message.feedback.gradient.data) + len(message.feedback.gradient.scales)
         elif body == "model_part":
             kind, payload = message.model_part.model, len(message.model_part.data)
         else:
@@ -179,7 +193,7 @@ class WorkerNode:
         if message.WhichOneof("body") == "batches":
             b = message.batches
             self.telemetry.count("server_to_worker", "batches", "receiver", message,
-                                 len(b.generated.data) + len(b.discriminated.data))
+                                 sum(len(t.data) + len(t.scales) for t in (b.generated, b.discriminated)))
         elif message.WhichOneof("body") == "model_part":
             part = message.model_part
             self.telemetry.count("server_to_worker", part.model if part.model in ("generator", "discriminator")
@@ -239,6 +253,9 @@ class WorkerNode:
             self.gan = make_flgan_worker_gan(config, self.shard)
         elif welcome.spec.algorithm in ("", "mdgan"):
             self.side = DiscriminatorSide(config, self.shard)
+            if self.attack_kind:
+                self.attack = FeedbackAttack(self.attack_kind, config.seed, self.shard.index)
+                log.warning("emulating a Byzantine worker: %s feedback", self.attack_kind)
         else:
             raise ServerGone(f"the server runs {welcome.spec.algorithm!r}, which this worker does not know")
         log.info("joined as %s: %s, b=%d, L=%d", self.worker_id, config.model.architecture, config.batch_size,
@@ -277,12 +294,13 @@ class WorkerNode:
         config = self.side.config
         shape = (config.batch_size, *config.model.sample_shape)
         classes, conditional = config.model.num_classes, config.model.conditional
+        wire = config.wire_dtype
         try:  # the server's input is checked like anyone's
             batch = WorkerBatch(
-                generated=codec.decode_tensor(batches.generated, shape=shape, dtype=torch.float32, field="generated"),
+                generated=codec.decode_packed(batches.generated, shape=shape, wire_dtype=wire, field="generated"),
                 generated_labels=codec.decode_labels(batches.generated_labels, shape[0], classes, "generated_labels")
                 if conditional else None,
-                discriminated=codec.decode_tensor(batches.discriminated, shape=shape, dtype=torch.float32,
+                discriminated=codec.decode_packed(batches.discriminated, shape=shape, wire_dtype=wire,
                                                   field="discriminated"),
                 discriminated_labels=codec.decode_labels(batches.discriminated_labels, shape[0], classes,
                                                          "discriminated_labels") if conditional else None,
@@ -294,8 +312,11 @@ class WorkerNode:
         # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
         # heartbeats wait at most one step; the server sends nothing else until this feedback.
         result = self.side.step(batch)
+        if self.slow_factor > 1:  # an emulated straggler
+            await asyncio.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
+        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
         await self._write(call, pb.WorkerMessage(feedback=pb.Feedback(
-            iteration=batches.iteration, gradient=codec.encode_tensor(result.feedback),
+            iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(feedback, wire)),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
                                real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy))))
         t = self.telemetry
@@ -352,7 +373,8 @@ class WorkerNode:
 
     async def _swap(self, order: pb.SwapOrder) -> pb.SwapReport:
         started = time.perf_counter()
-        state = self.side.export_state()  # snapshot before anything arrives in our place
+        # a snapshot before anything arrives in our place, in its wire form
+        state = compression.pack_state(self.side.export_state(), self.side.config.wire_dtype)
         sent, sent_payload, sent_messages, errors = False, 0, 0, []
         try:
             sent_payload, sent_messages = await self._push(order, state)

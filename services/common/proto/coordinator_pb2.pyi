@@ -63,7 +63,7 @@ class Join(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "wire_dtype")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class TrainingSpec(_message.Message):
     GEN_LR_FIELD_NUMBER: _ClassVar[int]
     GEN_BETA1_FIELD_NUMBER: _ClassVar[int]
     GEN_BETA2_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     gan: str
     loss: str
@@ -102,7 +103,8 @@ class TrainingSpec(_message.Message):
     gen_lr: float
     gen_beta1: float
     gen_beta2: float
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ...) -> None: ...
+    wire_dtype: str
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index")

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mdgan/v1/tensor.proto\x12\x08mdgan.v1\"E\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x1e\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0f.mdgan.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"I\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.mdgan.v1.DType\"I\n\x0bStateHeader\x12%\n\x07tensors\x18\x01 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04*\x9e\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mdgan/v1/tensor.proto\x12\x08mdgan.v1\"U\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x1e\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0f.mdgan.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\"I\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.mdgan.v1.DType\"I\n\x0bStateHeader\x12%\n\x07tensors\x18\x01 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04*\xae\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mdgan.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=257
-  _globals['_DTYPE']._serialized_end=415
+  _globals['_DTYPE']._serialized_start=273
+  _globals['_DTYPE']._serialized_end=447
   _globals['_TENSOR']._serialized_start=35
-  _globals['_TENSOR']._serialized_end=104
-  _globals['_TENSORSPEC']._serialized_start=106
-  _globals['_TENSORSPEC']._serialized_end=179
-  _globals['_STATEHEADER']._serialized_start=181
-  _globals['_STATEHEADER']._serialized_end=254
+  _globals['_TENSOR']._serialized_end=120
+  _globals['_TENSORSPEC']._serialized_start=122
+  _globals['_TENSORSPEC']._serialized_end=195
+  _globals['_STATEHEADER']._serialized_start=197
+  _globals['_STATEHEADER']._serialized_end=270
 # @@protoc_insertion_point(module_scope)

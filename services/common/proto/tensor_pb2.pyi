@@ -18,6 +18,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT64: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -26,16 +27,19 @@ DTYPE_FLOAT64: DType
 DTYPE_INT64: DType
 DTYPE_INT32: DType
 DTYPE_UINT8: DType
+DTYPE_INT8: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("shape", "dtype", "data")
+    __slots__ = ("shape", "dtype", "data", "scales")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     data: bytes
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    scales: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")

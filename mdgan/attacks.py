@@ -1,0 +1,53 @@
+"""Emulated Byzantine workers: what a worker that sends wrong feedback sends instead of F_n.
+
+For experiments and tests of the robust aggregation rules (mdgan/aggregation.py) only. The worker
+still trains its discriminator as usual; just the feedback it sends is replaced:
+
+- sign-flip: -F_n (pushes G away from what the discriminators want);
+- scale: SCALE_FACTOR x F_n (one loud worker dominates a mean);
+- noise: Gaussian noise with NOISE_FACTOR times F_n's RMS (no information, a lot of energy);
+- free-ride: zeros (a worker that takes part without doing the work).
+
+`mdgan simulate --byzantine K --attack A` makes the last K workers by rank attackers; over gRPC the
+same worker runs `mdgan-worker --attack A` (`mdgan local --byzantine K --attack A` does that), with
+the same seeded noise, so both transports still end with the same generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mdgan.config import ConfigError
+from mdgan.mdgan import derive_seed
+
+ATTACKS = ("sign-flip", "scale", "noise", "free-ride")
+SCALE_FACTOR = 10.0
+NOISE_FACTOR = 10.0
+
+
+class FeedbackAttack:
+    """Replaces a worker's feedback; the noise is seeded by (run seed, shard index)."""
+
+    def __init__(self, kind: str, run_seed: int = 0, shard_index: int = 0):
+        if kind not in ATTACKS:
+            raise ConfigError(f"unknown attack {kind!r}; choose from {ATTACKS}")
+        self.kind = kind
+        self._noise = torch.Generator().manual_seed(derive_seed(run_seed, "attack", shard_index))
+
+    def __call__(self, feedback: torch.Tensor) -> torch.Tensor:
+        if self.kind == "sign-flip":
+            return -feedback
+        if self.kind == "scale":
+            return feedback * SCALE_FACTOR
+        if self.kind == "free-ride":
+            return torch.zeros_like(feedback)
+        rms = feedback.detach().cpu().pow(2).mean().sqrt()
+        noise = torch.randn(feedback.shape, generator=self._noise)  # drawn on the CPU: the same on any device
+        return (noise * (NOISE_FACTOR * rms)).to(feedback.device, feedback.dtype)
+
+
+def attackers(workers: int, byzantine: int) -> range:
+    """The shard indices of the emulated attackers: the last `byzantine` by rank."""
+    if not 0 <= byzantine < workers:
+        raise ConfigError(f"--byzantine must be in [0, workers={workers}), got {byzantine}")
+    return range(workers - byzantine, workers)

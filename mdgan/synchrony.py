@@ -1,0 +1,165 @@
+"""Partial synchronisation: how long one iteration waits for the workers' feedback.
+
+The paper's protocol (`--sync all`, the default, in mdgan/cluster.py's Trainer) waits for every
+worker every iteration, so the slowest worker sets the pace. The coordinator design proceeds once a
+threshold of workers answered; FedBuff-style training goes further and applies what arrives.
+
+- quorum K: G is updated once K workers answered the current iteration (or every worker that got
+  its batches answered or failed). The others keep computing; their answer, when it comes, is late:
+  dropped and counted (`late` in the iteration's record). A worker still computing gets no new
+  batches until it answered, so a straggler costs no queue. With K = N this is `all`, bit for bit.
+- async: every iteration sends fresh batches (from the current G) to the workers that are idle,
+  waits until at least one answer is in, and applies every answer in: feedback computed on batches of
+  iteration t0 < t (staleness s = t - t0) is pushed through G(z) of the *current* G with the same
+  noise z (the old graph is gone: Adam changed the weights in place), weighted by 1 / (1 + s), or
+  dropped and counted as late when s > --max-staleness.
+
+Neither is deterministic over a network (who is late depends on timing), so only `all` (and
+`quorum` with K = N) keeps `mdgan local` == `mdgan simulate`. In one process every worker answers at
+once, so quorum and async behave as `all` there, apart from workers that crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from mdgan import aggregation
+from mdgan.config import SYNC_MODES  # noqa: F401  (the names, validated with the run's config)
+from mdgan.mdgan import GeneratedBatches, StepResult, WorkerBatch
+
+
+@dataclass
+class Issued:
+    """Batches sent to one worker whose answer is not in yet."""
+
+    task: asyncio.Future
+    iteration: int
+    batches: GeneratedBatches
+    batch: WorkerBatch
+
+
+def staleness_weight(staleness: int) -> float:
+    """async: how much a feedback computed `staleness` iterations ago counts."""
+    return 1.0 / (1 + staleness)
+
+
+class PartialSync:
+    """The feedback exchange and G update of one iteration under --sync quorum|async.
+
+    Drives a Trainer's workers through the Trainer's own helpers (active workers, drop, swap,
+    traffic), so membership, swaps and accounting stay in one place.
+    """
+
+    def __init__(self, config):
+        self.config = config
+        self.mode = config.sync
+        self.outstanding: dict[object, Issued] = {}  # worker handle -> its unanswered batches
+
+    def _issue(self, trainer, t: int) -> int:
+        """Fresh batches for every idle worker; the number of workers that got some."""
+        idle = [w for w in trainer.active if w not in self.outstanding and not getattr(w, "needs_copy", False)]
+        if not idle:
+            return 0
+        batches = trainer.generator.generate(min(self.config.kappa, len(idle)))
+        for rank, worker in enumerate(idle):
+            batch = batches.for_worker(rank)
+            task = asyncio.ensure_future(_with_deadline(worker.step(t, batch), trainer.step_timeout))
+            self.outstanding[worker] = Issued(task, t, batches, batch)
+            trainer.count_batch(batch)
+        return len(idle)
+
+    def _enough(self, t: int) -> bool:
+        issued = [i for i in self.outstanding.values() if i.iteration == t]
+        if self.mode == "quorum":
+            answered = sum(1 for i in issued if i.task.done() and not i.task.cancelled()
+                           and isinstance(i.task.exception() or i.task.result(), StepResult))
+            return answered >= min(self.config.quorum_size, len(issued)) or all(i.task.done() for i in issued)
+        return any(i.task.done() for i in self.outstanding.values())
+
+    async def _wait(self, t: int) -> None:
+        while not self._enough(t):
+            pending = [i.task for i in self.outstanding.values() if not i.task.done()]
+            if not pending:
+                return
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _harvest(self, trainer, t: int, drain: bool = False):
+        """Every answer in (every one, with `drain`), in rank order: (used, stats, rejected, lost, late);
+        `used` groups the feedback by the batches it was computed on."""
+        from mdgan.cluster import InputRejected, WorkerLost
+
+        if drain and self.outstanding:
+            await asyncio.wait([i.task for i in self.outstanding.values()])
+        done = sorted(((w, i) for w, i in self.outstanding.items() if i.task.done()), key=lambda wi: wi[0].shard_index)
+        used: dict[int, list] = {}  # id(batches) -> [(Issued, feedback)]
+        stats, rejected, lost, late = [], 0, 0, 0
+        for worker, issued in done:
+            del self.outstanding[worker]
+            reply = issued.task.exception() or issued.task.result()
+            if isinstance(reply, StepResult):
+                trainer.count_feedback(reply)
+                staleness = t - issued.iteration
+                if (self.mode == "quorum" and staleness > 0) or staleness > self.config.max_staleness:
+                    late += 1
+                    continue
+                used.setdefault(id(issued.batches), []).append((issued, reply.feedback))
+                stats.append(reply)
+            elif isinstance(reply, InputRejected):
+                rejected += 1
+            elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
+                lost += 1
+                await trainer._drop(worker, str(reply) or "missed its deadline")
+            else:
+                raise reply
+        return list(used.values()), stats, rejected, lost, late
+
+    def _update(self, trainer, t: int, groups: list[list]) -> None:
+        generator, cfg = trainer.generator, self.config
+        if self.mode == "quorum":  # one set of batches, this iteration's: the arithmetic of --sync all
+            (entries,) = groups
+            generator.update(entries[0][0].batches, [(i.batch.generated_index, f) for i, f in entries])
+            return
+        generator.optimizer.zero_grad(set_to_none=True)
+        for entries in sorted(groups, key=lambda g: g[0][0].iteration):
+            origin, batches = entries[0][0].iteration, entries[0][0].batches
+            if origin != t:  # the graph of an older G is gone: the same noise through the current G
+                batches = generator.regenerate(batches)
+            feedback = [(i.batch.generated_index, f) for i, f in entries]
+            incoming = aggregation.combine(batches.samples, feedback, cfg.aggregation, cfg.trim_fraction,
+                                           cfg.clip_norm)
+            batches.samples.backward(incoming * staleness_weight(t - origin))
+        generator.optimizer.step()
+
+    async def exchange(self, trainer, t: int) -> tuple[int, list[StepResult], int, int, int, float, float]:
+        """Issue, wait, apply: (workers issued, stats of the answers used, rejected, lost, late,
+        seconds waiting, seconds updating). Under async an iteration is one update of G: while only
+        unusable answers came in, the workers that gave them get fresh batches and it waits again."""
+        # answers that came in since the last iteration closed: late (quorum) or stale (async); the
+        # workers that gave them are idle again and get this iteration's batches
+        groups, stats, rejected, lost, late = await self._harvest(trainer, t)
+        issued, waiting = 0, 0.0
+        while True:
+            issued += self._issue(trainer, t)
+            started = time.perf_counter()
+            await self._wait(t)
+            more_groups, more_stats, more_rejected, more_lost, more_late = await self._harvest(trainer, t)
+            waiting += time.perf_counter() - started
+            groups += more_groups
+            stats += more_stats
+            rejected, lost, late = rejected + more_rejected, lost + more_lost, late + more_late
+            if groups or self.mode == "quorum" or not self.outstanding:
+                break
+        updating = time.perf_counter()
+        if groups:
+            self._update(trainer, t, groups)
+        if t >= self.config.iterations:  # nothing may stay in flight after the last iteration
+            *_, more_rejected, more_lost, more_late = await self._harvest(trainer, t + self.config.max_staleness + 1,
+                                                                          drain=True)
+            rejected, lost, late = rejected + more_rejected, lost + more_lost, late + more_late
+        return issued, stats, rejected, lost, late, waiting, time.perf_counter() - updating
+
+
+async def _with_deadline(awaitable, timeout: float | None):
+    return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable
