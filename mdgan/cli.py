@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 
-from mdgan.config import GAN_KINDS, ConfigError, ModelSpec
+from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
                   "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
@@ -33,12 +33,14 @@ def _print_summary(summary: dict) -> None:
 def cmd_simulate(args) -> int:
     from mdgan.algorithms.options import dpgan_options, pwgan_options
     from mdgan.run import simulate
-    from mdgan.settings import apply_threads, data_config, evaluation_options, training_config
+    from mdgan.settings import apply_threads, class_names, data_config, evaluation_options, training_config
 
     apply_threads(args.threads)
+    _resolve_workers(args)
     config = training_config(args)
     summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
                        evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                       site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
                        byzantine=args.byzantine, attack=args.attack,
                        pwgan=pwgan_options(args), dpgan=dpgan_options(args, config.workers))
     _print_summary(summary)
@@ -46,9 +48,26 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _resolve_workers(args) -> None:
+    """--workers: the number of site folders with --site-dirs (which an explicit --workers must match), else 4."""
+    from mdgan.sites import count_sites
+
+    if args.site_dirs:
+        sites = count_sites(args.site_dirs)
+        if args.workers is not None and args.workers != sites:
+            raise ConfigError(f"--workers {args.workers}, but --site-dirs {args.site_dirs} holds {sites} sites")
+        args.workers = sites
+    elif args.workers is None:
+        args.workers = 4
+
+
 def _eval_root(args) -> str | None:
-    """Scores need the MNIST test set: only for MNIST runs."""
-    return args.data_root if args.dataset == "mnist" and args.eval_every >= 0 else None
+    """Scores need the MNIST test set: only for MNIST runs (with --site-dirs, --data-root may still hold it)."""
+    if args.dataset == "mnist" and args.eval_every >= 0 and not args.site_dirs:
+        return args.data_root
+    if args.eval_every >= 0 and args.site_dirs and os.path.isdir(os.path.join(args.data_root, "MNIST", "raw")):
+        return args.data_root
+    return None
 
 
 def _forwarded_training_flags(args) -> list[str]:
@@ -171,6 +190,7 @@ class LocalCluster:
 
     def start(self) -> multiprocessing.Process:
         from mdgan.attacks import attackers
+        from mdgan.sites import site_dir
 
         a = self.args
         os.makedirs(self.logs, exist_ok=True)
@@ -192,15 +212,20 @@ class LocalCluster:
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
-            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []), *_forwarded_training_flags(a)])
+            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
+            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a)])
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
             name = f"worker-{index}"
+            if a.site_dirs:  # a site: worker i is given its own folder, nothing else
+                data = ["--data-root", site_dir(os.path.abspath(a.site_dirs), index), "--bad-images", a.bad_images]
+            else:  # emulation: every worker is given the shared dataset and keeps shard i
+                data = ["--num-shards", str(a.workers), "--data-root", a.data_root, "--split-seed", str(a.split_seed),
+                        "--split", a.split, "--dirichlet-alpha", str(a.dirichlet_alpha)]
             self._spawn(name, [
                 "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--num-shards", str(a.workers),
-                "--dataset", a.dataset, "--data-root", a.data_root, "--split-seed", str(a.split_seed),
+                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
                 *(["--attack", a.attack] if index in attacking else []),
                 *self._metrics_flags(name, metrics_ports[name])])
@@ -301,6 +326,7 @@ def _raise_terminated(signum, frame):
 def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
+    _resolve_workers(args)
     training_config(args)  # fail here, with a clear message, rather than in a child process
     if bool(args.byzantine) != bool(args.attack):
         raise ConfigError("--byzantine K and --attack go together")
@@ -350,6 +376,19 @@ def cmd_local(args) -> int:
     return 0
 
 
+def cmd_split(args) -> int:
+    from mdgan.config import DataConfig
+    from mdgan.sites import split_to_sites
+
+    data = DataConfig(args.dataset, args.data_root, args.workers, args.split_seed, split=args.split,
+                      dirichlet_alpha=args.alpha).validate()
+    sites = split_to_sites(data, args.out, samples=args.samples)
+    print(json.dumps(sites, indent=2))
+    print(f"{len(sites)} site folders in {args.out}: train on them with "
+          f"`mdgan local --dataset imagefolder --site-dirs {args.out}`", file=sys.stderr)
+    return 0
+
+
 def cmd_models(args) -> int:
     from mdgan.models import ARCHITECTURES, parameter_report
 
@@ -391,8 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mdgan.algorithms.options import add_algorithm_arguments
     from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
-    from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_threads_argument,
-                                add_training_arguments)
+    from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
+                                add_threads_argument, add_training_arguments)
 
     parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -404,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "iterations), a standalone GAN on the whole dataset, the parallel Wasserstein GAN "
                             "(pwgan) or the data-parallel parameter-server GAN (dpgan); see docs/ALGORITHMS.md")
         add_training_arguments(p)
+        p.set_defaults(workers=None)  # 4, or the number of --site-dirs
         add_data_arguments(p)
+        add_site_arguments(p, launcher=True)
         add_evaluation_arguments(p)
         add_algorithm_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
@@ -427,6 +468,20 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--join-timeout", type=float, default=600.0,
                        help="seconds the server waits for all workers to join")
     local.set_defaults(func=cmd_local)
+    split_help = ("Cut a dataset into one folder per site (OUT/site-0, site-1, ...: an ImageFolder of PNG files, every "
+                  "class folder present), to try the real path, where every worker brings its own data, on one machine.")
+    split = sub.add_parser("split", help=split_help, description=split_help)
+    split.add_argument("dataset", choices=("mnist", "cifar10", "synthetic"), help="the dataset to cut")
+    split.add_argument("--workers", type=int, required=True, help="number of sites")
+    split.add_argument("--split", choices=SPLITS, default="iid",
+                       help="iid: equal random parts; dirichlet: per class, proportions over the sites ~ Dir(alpha) "
+                            "(sites of different sizes and label mixes)")
+    split.add_argument("--alpha", type=float, default=0.5, help="dirichlet concentration (smaller: more skewed)")
+    split.add_argument("--split-seed", type=int, default=0, help="seed of the split")
+    split.add_argument("--data-root", default="data", help="folder holding MNIST/raw or cifar-10-batches-py")
+    split.add_argument("--samples", type=int, default=None, help="use only the dataset's first N images (quick trials)")
+    split.add_argument("--out", required=True, help="folder to write site-0, site-1, ... into")
+    split.set_defaults(func=cmd_split)
     sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
     traffic = sub.add_parser("traffic", help="A run's measured traffic against the paper's Table III.")
     traffic.add_argument("run", help="run directory of `mdgan local`")

@@ -244,6 +244,7 @@ class Trainer:
         self.traffic = Traffic()
         self.swaps = 0
         self.rejections = 0
+        # each worker's own m_n: S from the smallest (TrainingConfig.swap_period says why)
         shard_size = min((w.shard_size for w in self.workers), default=0)
         self.swap_period = config.swap_period(shard_size)
         # --sync quorum|async: the exchange of an iteration lives in mdgan/synchrony.py

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 GAN_KINDS = ("acgan", "gan")
 LOSSES = ("non-saturating", "saturating")
-DATASETS = ("mnist", "cifar10", "synthetic")
+DATASETS = ("mnist", "cifar10", "synthetic", "imagefolder")  # imagefolder: see mdgan/sites.py
 SPLITS = ("iid", "dirichlet")  # how a dataset is cut into shards (DataConfig.split)
 WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # see mdgan/compression.py
 AGGREGATIONS = ("mean", "median", "trimmed-mean", "norm-clip")  # see mdgan/aggregation.py
@@ -158,7 +158,12 @@ class TrainingConfig:
         return self.quorum or max(1, self.workers - 1)
 
     def swap_period(self, shard_size: int) -> int:
-        """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11)."""
+        """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11).
+
+        With workers of different sizes (sites) the trainers pass the smallest m: no discriminator
+        then sees more than E epochs of the data it trains on between two swaps (with the mean, the
+        smallest site's D would see more and overfit it); FL-GAN rounds use the same S.
+        """
         if self.swap_every is not None:
             return self.swap_every
         return max(1, math.ceil(self.swap_epochs * shard_size / self.batch_size))

@@ -204,6 +204,11 @@ def load_stored_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]
         return load_mnist_uint8(config.data_root)
     if config.dataset == "cifar10":
         return load_cifar10_uint8(config.data_root)
+    if config.dataset == "imagefolder":  # one folder of images, cut into shards like the others (emulation)
+        from mdgan.sites import load_imagefolder
+
+        site = load_imagefolder(config.data_root)
+        return site.conform((math.prod(site.image_shape),)), site.labels
     return make_synthetic()
 
 

@@ -22,6 +22,7 @@ from mdgan.cluster import IterationRecord, RunResult, Trainer, build_in_process_
 from mdgan.baselines import run_flgan, run_standalone
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
+from mdgan.sites import RunClasses, site_shards
 from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import image_shape
 
@@ -246,10 +247,14 @@ ALGORITHMS = ("mdgan", "flgan", "standalone", "pwgan", "dpgan")  # pwgan, dpgan:
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
              evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
              crash_every: int | None = None, byzantine: int = 0, attack: str | None = None,
+             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
              pwgan=None, dpgan=None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
+    Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
+    SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
+    (mdgan.sites; classes: the run's class names, as the server's --classes).
     crash_every: MD-GAN, P-WGAN and the data-parallel GAN, the paper's crash experiment: every this
     many iterations one more worker fails (the last by rank), and its data leaves with it.
     byzantine, attack: MD-GAN only, the last `byzantine` workers by rank send wrong feedback
@@ -269,9 +274,16 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
         if attack not in ATTACKS:
             raise ConfigError(f"unknown attack {attack!r}; choose from {ATTACKS}")
     if algorithm == "standalone":  # one G, one D, the whole dataset
+        if site_dirs:
+            raise ConfigError("a standalone GAN trains on one dataset: give it --data-root, not --site-dirs")
         config = replace(config, workers=1, kappa=1)
     config.validate()
-    shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
+    if site_dirs:
+        run_classes = RunClasses(classes, config.model.num_classes, config.model.conditional)
+        shards = site_shards(site_dirs, data.dataset, config.workers, config.model.sample_shape, run_classes,
+                             bad_images)
+    else:
+        shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
                                evaluation.reference)
@@ -303,5 +315,6 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
         wall = recorder.close(result.iterations if result else None)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
                          {"algorithm": algorithm, "crash_every": crash_every,
-                          "byzantine": byzantine, "attack": attack},
+                          "byzantine": byzantine, "attack": attack,
+                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}},
                          scores=recorder.scores)

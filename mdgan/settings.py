@@ -100,15 +100,49 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", choices=DATASETS, default="mnist", help="mnist, cifar10, or a small synthetic set")
+    g.add_argument("--dataset", choices=DATASETS, default="mnist",
+                   help="mnist, cifar10, a small synthetic set, or imagefolder: a folder of images, one sub-folder "
+                        "per class (torchvision's ImageFolder layout) or unlabelled images for a plain GAN")
     g.add_argument("--data-root", default="data",
-                   help="folder holding MNIST/raw or cifar-10-batches-py (torchvision's layout; never downloads)")
-    g.add_argument("--split-seed", type=int, default=0, help="seed of the split (the same on every worker)")
+                   help="folder holding MNIST/raw or cifar-10-batches-py (torchvision's layout; never downloads), "
+                        "or the image folder")
+    g.add_argument("--bad-images", choices=("refuse", "skip"), default="refuse",
+                   help="imagefolder: an image that cannot be read, or cannot be resized like the others (another "
+                        "aspect ratio), stops the load with its name (refuse) or is left out with a warning (skip)")
+    g.add_argument("--split-seed", type=int, default=0,
+                   help="emulation (a shared dataset cut into shards): seed of the split (the same on every worker)")
     g.add_argument("--split", choices=SPLITS, default="iid",
                    help="iid: equal random shards (the paper); dirichlet: non-i.i.d. shards, per class "
                         "proportions ~ Dir(alpha) (workers then need an explicit --shard-index)")
     g.add_argument("--dirichlet-alpha", type=float, default=0.5,
                    help="concentration of the dirichlet split (smaller: more skewed shards)")
+
+
+def add_site_arguments(parser: argparse.ArgumentParser, launcher: bool) -> None:
+    """Flags of runs whose workers bring their own data (mdgan/sites.py)."""
+    g = parser.add_argument_group("sites (every worker brings its own data)")
+    if launcher:
+        g.add_argument("--site-dirs", default=None,
+                       help="a folder of site-0, site-1, ... (`mdgan split` writes one): worker i reads only "
+                            "SITE_DIRS/site-i, in the --dataset format, instead of a shard of --data-root "
+                            "(--workers defaults to the number of sites)")
+    g.add_argument("--classes", default=None,
+                   help="the run's class names, comma-separated (image folders): each site may hold a subset and "
+                        "its labels are mapped to these; default: the first site's classes, and every site must "
+                        "have all of them")
+
+
+def class_names(args: argparse.Namespace) -> tuple[str, ...] | None:
+    raw = getattr(args, "classes", None)
+    if not raw:
+        return None
+    from mdgan.sites import check_class_names
+
+    names = tuple(n.strip() for n in raw.split(","))
+    malformed = check_class_names(names)
+    if malformed:
+        raise ConfigError(f"--classes must be distinct names separated by commas ({malformed}), got {raw[:200]!r}")
+    return names
 
 
 def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,11 +185,13 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
     elif native is not None and tuple(native) != tuple(sample_shape):
         raise ConfigError(f"--architecture {args.architecture} works on samples of shape {tuple(native)}, but "
                           f"--dataset {dataset} has samples of shape {tuple(sample_shape)}")
+    classes = class_names(args)
     return TrainingConfig(
         workers=args.workers, iterations=args.iterations, batch_size=args.batch_size, kappa=args.kappa,
         disc_steps=args.disc_steps, swap_epochs=args.swap_epochs, swap_every=args.swap_every,
         swap_optimizer_state=args.swap_optimizer_state, seed=args.seed, device=getattr(args, "device", "cpu"),
-        model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss, sample_shape=tuple(sample_shape)),
+        model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss, sample_shape=tuple(sample_shape),
+                        num_classes=len(classes) if classes else ModelSpec.num_classes),
         generator_optimizer=OptimizerSpec(args.gen_lr, args.beta1, args.beta2),
         discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),
         wire_dtype=args.wire_dtype, aggregation=args.aggregation, trim_fraction=args.trim_fraction,

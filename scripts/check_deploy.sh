@@ -5,7 +5,8 @@
 #     schema in kubernetes-validate, so it gets a structural check against the rendered Services)
 #   - deploy/k8s/manifests up to date with the chart, and valid through kubectl kustomize
 #   - hadolint on Dockerfile.server and Dockerfile.worker
-#   - docker-compose config -q on docker-compose.yml (default, scaled, with the download profile)
+#   - docker-compose config -q on docker-compose.yml (default, scaled, with the download profile) and with
+#     the per-site override docker-compose.sites.yml
 # Exits non-zero when any check fails; runs them all first.
 set -uo pipefail
 
@@ -89,6 +90,10 @@ step "helm template | kubernetes-validate --strict -k $K8S_VERSION (default valu
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (8 workers, synthetic, no persistence, no metrics)" \
     render_and_validate variant --set workers.replicas=8 --set global.dataset=synthetic \
     --set server.persistence.enabled=false --set metrics.enabled=false --set server.runDirPerStart=false
+step "helm template | kubernetes-validate --strict -k $K8S_VERSION (sites bound to existing volumes)" \
+    render_and_validate sites --set workers.replicas=3 --set-json 'workers.data.claim.existingVolumes=["pv-a","pv-b","pv-c"]'
+step "helm template | kubernetes-validate --strict -k $K8S_VERSION (emulation, download demo)" \
+    render_and_validate emulation --set workers.data.mode=emulation --set workers.data.download=true --set global.dataset=mnist
 echo "note: kubernetes-validate has no schema for the ServiceMonitor CRD (monitoring.coreos.com/v1); it validates"
 echo "      the core kinds of that render and the ServiceMonitor gets a structural check instead"
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (ServiceMonitor + dashboard on)" \
@@ -102,6 +107,8 @@ step "hadolint Dockerfile.server Dockerfile.worker" "$HADOLINT" Dockerfile.serve
 step "docker-compose config -q" "$COMPOSE" -f docker-compose.yml config -q
 step "docker-compose config -q (MDGAN_WORKERS=5, bind-mounted data, download profile)" \
     env MDGAN_WORKERS=5 MDGAN_DATA_DIR=/srv/mnist "$COMPOSE" -f docker-compose.yml --profile download config -q
+step "docker-compose config -q (+ docker-compose.sites.yml: one service per site)" \
+    "$COMPOSE" -f docker-compose.yml -f docker-compose.sites.yml config -q
 
 echo
 if (( ${#failures[@]} )); then

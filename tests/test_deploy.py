@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import yaml
 
@@ -145,7 +146,7 @@ def test_optional_servicemonitor_and_dashboard(tmp_path):
 
 
 def test_workers_replicas_is_the_one_scaling_value():
-    docs = render("--set", "workers.replicas=5")
+    docs = render("--set", "workers.replicas=5", "--set", "workers.data.mode=emulation", "--set", "global.dataset=mnist")
     [statefulset] = by_kind(docs, "StatefulSet")
     assert statefulset["spec"]["replicas"] == 5
     config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
@@ -153,11 +154,48 @@ def test_workers_replicas_is_the_one_scaling_value():
     assert config["mdgan-worker"]["MDGAN_NUM_SHARDS"] == "5"
     assert config["mdgan-worker"]["MDGAN_SHARD_INDEX"] == "auto"
     assert config["mdgan-server"]["MDGAN_DATASET"] == config["mdgan-worker"]["MDGAN_DATASET"] == "mnist"
+    # sites (the default): no shards, each worker's data is its own
+    sites = {c["metadata"]["name"]: c["data"] for c in by_kind(render("--set", "workers.replicas=5"), "ConfigMap")}
+    assert sites["mdgan-server"]["MDGAN_WORKERS"] == "5" and "MDGAN_NUM_SHARDS" not in sites["mdgan-worker"]
+    assert sites["mdgan-server"]["MDGAN_DATASET"] == sites["mdgan-worker"]["MDGAN_DATASET"] == "imagefolder"
     # the derived settings cannot be overridden out of step with workers.replicas
     for flag in ("server.settings.MDGAN_WORKERS=3", "workers.settings.MDGAN_NUM_SHARDS=3",
                  "workers.settings.MDGAN_DATASET=synthetic"):
         result = helm_template("--set", flag, check=False)
         assert result.returncode != 0 and "set by the chart" in result.stderr
+
+
+def test_each_worker_mounts_its_own_site_volume():
+    """Site mode (default): a claim per worker, read-only, no shared data volume, no download."""
+    [statefulset] = by_kind(render(), "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert "data" not in [v["name"] for v in pod["volumes"]]  # not one volume for every pod ...
+    [claim] = statefulset["spec"]["volumeClaimTemplates"]  # ... but one claim per pod
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data"]
+    assert mount["mountPath"] == "/data" and mount["readOnly"] is True
+    assert not by_kind(render(), "PersistentVolumeClaim")[1:]  # only the server's runs claim
+
+    # the sites' existing volumes, in worker order: claim data-<statefulset>-i bound to volume i, kept
+    docs = render("--set", "workers.replicas=3", "--set-json", 'workers.data.claim.existingVolumes=["pv-a","pv-b","pv-c"]')
+    claims = {c["metadata"]["name"]: c for c in by_kind(docs, "PersistentVolumeClaim")}
+    for i, volume in enumerate(["pv-a", "pv-b", "pv-c"]):
+        claim = claims[f"data-mdgan-worker-{i}"]
+        assert claim["spec"]["volumeName"] == volume
+        assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    result = validate(helm_template("--set-json", 'workers.data.claim.existingVolumes=["pv-a","pv-b"]').stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for bad, why in ((["--set-json", 'workers.data.claim.existingVolumes=["pv-a"]'], "1 volumes for 2 workers"),
+                     (["--set", "workers.data.download=true"], "needs workers.data.mode=emulation"),
+                     (["--set", "workers.data.mode=shared"], "must be site or emulation")):
+        result = helm_template(*bad, check=False)
+        assert result.returncode != 0 and why in result.stderr, result.stderr
+
+    # emulation: one shared volume source, the download init container only when asked (demos)
+    [emulated] = by_kind(render("--set", "workers.data.mode=emulation"), "StatefulSet")
+    assert "volumeClaimTemplates" not in emulated["spec"] and "initContainers" not in emulated["spec"]["template"]["spec"]
+    assert {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}} in emulated["spec"]["template"]["spec"]["volumes"]
 
 
 def test_pods_are_locked_down_and_probed():
@@ -228,6 +266,29 @@ def test_compose_config_is_valid():
     assert "data" in with_data
 
 
+def test_compose_sites_override_mounts_only_each_sites_folder():
+    compose = tool("docker-compose")
+    sites_file = os.path.join(REPO, "docker-compose.sites.yml")
+    services = json.loads(run([compose, "-f", COMPOSE_FILE, "-f", sites_file, "config", "--format", "json"],
+                              env={"MDGAN_SITE_0": "/srv/paris", "MDGAN_SITE_1": "/srv/lyon"}).stdout)["services"]
+    sites = sorted(name for name in services if name.startswith("site-"))
+    assert sites == ["site-0", "site-1"]
+    assert services["worker"]["deploy"]["replicas"] == 0  # the emulation's workers are off
+    assert services["server"]["environment"]["MDGAN_WORKERS"] == str(len(sites))
+    assert services["server"]["environment"]["MDGAN_DATASET"] == "imagefolder"
+    sources = []
+    for i, name in enumerate(sites):
+        service = services[name]
+        [volume] = service["volumes"]  # one folder, its own, read-only, and nothing else
+        assert volume["type"] == "bind" and volume["target"] == "/data" and volume["read_only"] is True
+        sources.append(volume["source"])
+        env = service["environment"]
+        assert "MDGAN_NUM_SHARDS" not in env and env["MDGAN_DATA_ROOT"] == "/data"  # its own data, not a shard
+        assert env["MDGAN_SHARD_INDEX"] == str(i) and env["MDGAN_ADVERTISE_ADDRESS"] == f"{name}:50052"
+        assert "worker" in service["networks"]["default"]["aliases"]  # Prometheus' DNS discovery finds it
+    assert sources == ["/srv/paris", "/srv/lyon"]
+
+
 # ------------------------------------------------- the compose services, run as local processes
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -296,10 +357,28 @@ def scrape(port: int) -> str | None:
         return None
 
 
+def write_site_folders(root, sizes: list[int]) -> list[str]:
+    """Small image folders (10 classes of random 28x28 grey PNGs), one per site, of different sizes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folders = []
+    for site, per_class in enumerate(sizes):
+        folder = os.path.join(root, f"site-{site}")
+        for label in range(10):
+            os.makedirs(os.path.join(folder, str(label)))
+            for i in range(per_class):
+                pixels = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+                Image.fromarray(pixels).save(os.path.join(folder, str(label), f"{i}.png"))
+        folders.append(folder)
+    return folders
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
+@pytest.mark.parametrize("dataset", ["synthetic", "mnist", "sites"])
 def test_compose_services_run_as_local_processes(tmp_path, dataset):
-    """Runs the compose file's own service commands and environment as local processes (no containers)."""
+    """Runs the compose file's own service commands and environment as local processes (no containers).
+    "sites": with the docker-compose.sites.yml override, every site's worker on its own folder."""
     if dataset == "mnist" and not os.path.isdir(os.path.join(SHARED_DATA, "MNIST", "raw")):
         if IN_CI:
             pytest.fail(f"MNIST missing under {SHARED_DATA}")
@@ -310,9 +389,20 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
     knobs = {"MDGAN_WORKERS": str(workers), "MDGAN_ITERATIONS": str(iterations), "MDGAN_DATASET": dataset,
              "MDGAN_BATCH_SIZE": "10", "MDGAN_SWAP_EPOCHS": "0.02" if dataset == "synthetic" else "0.0005",
              "MDGAN_DATA_DIR": SHARED_DATA if dataset == "mnist" else ""}
+    if dataset == "sites":  # 30 and 50 images: S = ceil(0.5 * 30 / 10) = 2
+        sites = write_site_folders(tmp_path / "sites", [3, 5])
+        knobs.update(MDGAN_DATASET="", MDGAN_SWAP_EPOCHS="0.5", MDGAN_SITE_0=sites[0], MDGAN_SITE_1=sites[1])
     with open(COMPOSE_FILE) as fh:
         compose = interpolate(yaml.safe_load(fh), knobs)
     services = compose["services"]
+    worker_services = ["worker"] * int(services["worker"]["deploy"]["replicas"])
+    if dataset == "sites":  # the override, merged as compose does for these keys
+        with open(os.path.join(REPO, "docker-compose.sites.yml")) as fh:
+            override = interpolate(yaml.safe_load(fh), knobs)["services"]
+        services["server"]["environment"].update(override["server"]["environment"])
+        assert override["worker"]["deploy"]["replicas"] == 0
+        worker_services = sorted(name for name in override if name.startswith("site-"))
+        services.update({name: override[name] for name in worker_services})
 
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MDGAN_")}
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), console_script_shims(tmp_path),
@@ -383,19 +473,23 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
         if has_metrics:
             scraped["server"] = scrape(server_metrics)
 
-        replicas = int(services["worker"]["deploy"]["replicas"])
-        assert replicas == workers
+        assert len(worker_services) == workers
         worker_metrics = []
-        for i in range(replicas):
+        for i, service in enumerate(worker_services):
             grpc_port, metrics_port = free_port(), free_port()
-            env = environment("worker", grpc_port, metrics_port)
-            # a container advertises its IP on the compose network; here that is loopback
+            # a container advertises its IP (or its service name) on the compose network; here that is loopback
+            network[f"{service}:50052"] = f"127.0.0.1:{grpc_port}"
+            env = environment(service, grpc_port, metrics_port)
             env["MDGAN_ADVERTISE_ADDRESS"] = f"127.0.0.1:{grpc_port}"
             assert env["MDGAN_SERVER"] == f"127.0.0.1:{server_port}"
-            assert env["MDGAN_NUM_SHARDS"] == str(workers) and env["MDGAN_SHARD_INDEX"] == "assign"
+            if dataset == "sites":  # its own folder, nothing else: no shards
+                assert "MDGAN_NUM_SHARDS" not in env and env["MDGAN_SHARD_INDEX"] == str(i)
+                assert env["MDGAN_DATA_ROOT"] == sites[i] and env["MDGAN_DATASET"] == "imagefolder"
+            else:
+                assert env["MDGAN_NUM_SHARDS"] == str(workers) and env["MDGAN_SHARD_INDEX"] == "assign"
             if dataset == "mnist":
                 assert env["MDGAN_DATA_ROOT"] == SHARED_DATA
-            procs.append(Proc(f"worker-{i}", argv("worker"), str(logs / f"worker-{i}.log"), env=env, cwd=str(logs)))
+            procs.append(Proc(f"worker-{i}", argv(service), str(logs / f"worker-{i}.log"), env=env, cwd=str(logs)))
             worker_metrics.append(metrics_port)
 
         deadline = time.monotonic() + 300
@@ -423,6 +517,8 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
     assert summary["iterations"] == iterations
     assert summary["workers"] == workers and summary["workers_alive"] == workers
     assert summary["swaps"] >= 1, summary  # peer to peer, at the addresses the workers advertised
+    if dataset == "sites":
+        assert summary["worker_sizes"] == {"worker-0": 30, "worker-1": 50}
     for name in ("history.jsonl", "samples.png", "checkpoint.pt"):
         assert os.path.isfile(os.path.join(out, name)), name
     if has_metrics:
@@ -438,7 +534,8 @@ def test_data_download_commands_run(tmp_path):
         if IN_CI:
             pytest.fail(f"MNIST missing under {SHARED_DATA}")
         pytest.skip(f"MNIST not found under {SHARED_DATA}")
-    [statefulset] = by_kind(render(), "StatefulSet")
+    [statefulset] = by_kind(render("--set", "workers.data.mode=emulation", "--set", "workers.data.download=true",
+                                   "--set", "global.dataset=mnist"), "StatefulSet")
     [init] = statefulset["spec"]["template"]["spec"]["initContainers"]
     with open(COMPOSE_FILE) as fh:
         data_service = interpolate(yaml.safe_load(fh), {})["services"]["data"]

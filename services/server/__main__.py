@@ -16,8 +16,8 @@ from mdgan.cluster import IterationRecord, Trainer
 from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.run import RunRecorder, make_evaluator, write_outputs
-from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_threads_argument, add_training_arguments,
-                            apply_threads, training_config)
+from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_site_arguments, add_threads_argument,
+                            add_training_arguments, apply_threads, class_names, training_config)
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -54,6 +54,7 @@ def build_parser() -> EnvArgumentParser:
                         help="folder holding MNIST/raw: score the generator (MNIST score, FID) against its test set")
     add_threads_argument(parser, default=0)
     add_training_arguments(parser)
+    add_site_arguments(parser, launcher=False)
     add_evaluation_arguments(parser)
     return parser
 
@@ -69,7 +70,7 @@ async def serve(args) -> dict:
                "discriminator": codec.layout_of(initial_discriminator.state_dict())}
     coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
                               swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
-                              model_layouts=layouts)
+                              model_layouts=layouts, class_names=class_names(args))
     server = grpc.aio.server(options=rpc.options())
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
@@ -118,6 +119,7 @@ async def serve(args) -> dict:
         observe_scores(telemetry, recorder.scores)
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
             "algorithm": args.algorithm,
+            "worker_sizes": {w.worker_id: w.shard_size for w in workers},  # each worker's m
             "message_bytes": {
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",

@@ -18,6 +18,7 @@ from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
+from mdgan.sites import RunClasses, check_class_names, model_image_shape, resizable
 from mdgan.mdgan import StepResult, WorkerBatch
 from services.common import codec
 from services.common.telemetry import Telemetry
@@ -294,8 +295,11 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
-                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None):
+                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None,
+                 class_names: tuple[str, ...] | None = None):
         self.config = config
+        # The run's class names: declared (--classes) or set by the first site with class folders.
+        self.classes = RunClasses(class_names, config.model.num_classes, config.model.conditional)
         self.algorithm = algorithm
         self.model_layouts = model_layouts
         self.telemetry = telemetry or Telemetry("server")
@@ -337,10 +341,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         cfg = self.config
         if self.started:
             raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, "the run has started; it takes no new workers")
-        if tuple(join.sample_shape) != tuple(cfg.model.sample_shape) or join.num_classes != cfg.model.num_classes:
-            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
-                f"data of shape {tuple(join.sample_shape)} with {join.num_classes} classes does not fit the model "
-                f"({tuple(cfg.model.sample_shape)}, {cfg.model.num_classes} classes)"))
+        self._check_data(join)
         if cfg.workers > 1 and not join.peer_address:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap")
         taken = {i for i, w in self.workers.items() if not w.closed.is_set()}
@@ -354,14 +355,46 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             free = [i for i in range(cfg.workers) if i not in taken]
             if not free:
                 raise JoinRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {cfg.workers} shards have a worker")
-            if join.dataset_size < cfg.workers:
+            if join.own_data:  # a site: its slot is the lowest free one, its m is all of its data
+                index, size = free[0], join.shard_size
+            elif join.dataset_size < cfg.workers:
                 raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"a dataset of {join.dataset_size} samples cannot "
                                                                     f"be cut into {cfg.workers} shards")
-            index = free[0]
-            size = shard_sizes(join.dataset_size, cfg.workers)[index]
+            else:
+                index = free[0]
+                size = shard_sizes(join.dataset_size, cfg.workers)[index]
         if size < cfg.batch_size:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard of {size} samples < batch size {cfg.batch_size}")
+        classes = tuple(join.class_names) if join.class_names else (() if join.own_data and not join.num_classes
+                                                                    else None)
+        why = self.classes.check(classes, join.num_classes)  # last: a refused join must not fix the run's classes
+        if why:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"this worker's classes do not fit the run: {why}")
         return index, size
+
+    def _check_data(self, join: pb.Join) -> None:
+        """The worker's samples fit the model: the same flat shape, or images it can resize to the model's."""
+        model = self.config.model
+        malformed = check_class_names(tuple(join.class_names))
+        if malformed:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad class names: {malformed}")
+        if join.image_shape:
+            image = tuple(join.image_shape)
+            try:
+                target = model_image_shape(model.sample_shape)
+            except ValueError as exc:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if not resizable(image, target):
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"this worker's images of shape {image} (C, H, W) cannot be resized to the model's {target}: "
+                    "not 1 or 3 channels, or another aspect ratio"))
+        elif tuple(join.sample_shape) != tuple(model.sample_shape):
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data of shape {tuple(join.sample_shape)} does not fit the model's samples "
+                f"{tuple(model.sample_shape)}"))
+        if not join.own_data and join.num_classes != model.num_classes:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data with {join.num_classes} classes does not fit the model ({model.num_classes} classes)"))
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -383,10 +416,12 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
         self._changed.set()
-        log.info("%s joined from %s (shard of %d, peer %s)", worker.worker_id, context.peer(), size,
-                 join.peer_address)
+        log.info("%s joined from %s (%s of %d samples, peer %s)", worker.worker_id, context.peer(),
+                 "its own data" if join.own_data else "a shard", size, join.peer_address)
+        spec = codec.spec_from_config(self.config, self.algorithm)
+        spec.class_names.extend(self.classes.names or ())
         await worker.send(pb.ServerMessage(welcome=pb.Welcome(
-            worker_id=worker.worker_id, shard_index=index, spec=codec.spec_from_config(self.config, self.algorithm),
+            worker_id=worker.worker_id, shard_index=index, spec=spec,
             heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000))))
         reader = asyncio.create_task(worker.read_loop())
         beats = asyncio.create_task(self._heartbeats(worker))

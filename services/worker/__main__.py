@@ -1,4 +1,8 @@
-"""mdgan-worker: loads its data shard, serves the Peer service, joins the server and trains."""
+"""mdgan-worker: loads its data, serves the Peer service, joins the server and trains.
+
+Its data is either the site's own (the default: everything under --data-root is this worker's,
+whatever its size) or, to emulate sites from one shared dataset as in the paper (--num-shards N),
+shard --shard-index of N cut from it."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import grpc
 from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
+from mdgan.sites import load_site
 from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
 from services.common import rpc
 from services.common.proto import peer_pb2_grpc
@@ -31,10 +36,13 @@ def build_parser() -> EnvArgumentParser:
                         help="HOST or HOST:PORT peers use to reach this worker (default: this host's name; the port "
                              "defaults to the bound one)")
     parser.add_argument("--shard-index", default="auto",
-                        help="which shard of the data this worker holds: a number; 'auto', the trailing number of "
-                             "the host name (a StatefulSet pod's ordinal); or 'assign', the lowest free shard, "
-                             "chosen by the server")
-    parser.add_argument("--num-shards", type=int, default=1, help="number of shards the data is split into (N)")
+                        help="this worker's slot (rank), and with --num-shards N > 1 the shard of the shared data it "
+                             "keeps: a number; 'auto', the trailing number of the host name (a StatefulSet pod's "
+                             "ordinal); or 'assign', the lowest free slot, chosen by the server")
+    parser.add_argument("--num-shards", type=int, default=None,
+                        help="emulation: --data-root is a dataset shared by N workers, cut into N shards (--split, "
+                             "--split-seed), and this worker keeps one; unset (default): all of --data-root is this "
+                             "site's own data")
     parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
     parser.add_argument("--server-timeout", type=float, default=120.0,
                         help="leave when the server is silent this long (s)")
@@ -54,8 +62,11 @@ def build_parser() -> EnvArgumentParser:
     return parser
 
 
-def resolve_shard_index(value: str) -> int | None:
-    """The shard index, or None when the server is to assign one."""
+def resolve_shard_index(value: str, ordinal_required: bool = True) -> int | None:
+    """The shard index (a site's: its slot), or None when the server is to assign one.
+
+    'auto' without a trailing number in the host name: an error for a shard of a shared dataset,
+    'assign' for a site (whose data does not depend on its slot)."""
     if value == "assign":
         return None
     if value != "auto":
@@ -64,6 +75,8 @@ def resolve_shard_index(value: str) -> int | None:
         except ValueError:
             raise ConfigError(f"--shard-index must be a number or 'auto', got {value!r}") from None
     match = re.search(r"-(\d+)$", socket.gethostname())
+    if not match and not ordinal_required:
+        return None
     if not match:
         raise ConfigError(f"--shard-index auto: host name {socket.gethostname()!r} does not end in -<number>")
     return int(match.group(1))
@@ -75,15 +88,23 @@ def advertise_address(value: str | None, bound_port: int) -> str:
 
 
 async def serve(args) -> str:
-    data = data_config(args, args.num_shards)
+    own_data = args.num_shards is None
+    data = data_config(args, 1 if own_data else args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
     if not args.slow_factor >= 1:
         raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
-    index = resolve_shard_index(args.shard_index)
-    if index is None and data.split != "iid":
+    index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
+    if own_data:  # a site: all of its data is this worker's, whatever its size
+        site = load_site(data.dataset, data.data_root, args.bad_images)
+        source = {"site": site, "slot": index}
+        classes = (f"{len(site.class_names)} classes" if site.class_names else "unlabelled") \
+            if site.class_names is not None else f"{site.num_classes} numbered classes"
+        log.info("this site holds %d samples (%s, %s)%s", len(site), classes, site.image_shape,
+                 f"; {len(site.skipped)} unusable images skipped" if site.skipped else "")
+    elif index is None and data.split != "iid":
         raise ConfigError("--shard-index assign works with --split iid only (the server sizes the shards it "
                           "assigns from the i.i.d. split); give each worker its --shard-index")
-    if index is None:
+    elif index is None:
         images, labels = load_stored_dataset(data)  # uint8 where stored so: 4x less until the shard is cut
         source = {"dataset": (images, labels, data)}
         log.info("loaded %d samples; the server will assign a shard", images.shape[0])

@@ -14,8 +14,9 @@ from dataclasses import replace
 
 from mdgan import compression
 from mdgan.attacks import FeedbackAttack
-from mdgan.config import DataConfig
+from mdgan.config import ConfigError, DataConfig
 from mdgan.data import Shard, take_shard
+from mdgan.sites import NUMERIC_CLASSES, SiteData, map_labels
 from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc
@@ -138,18 +139,23 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
 
 class WorkerNode:
-    """Holds either its shard (index chosen by the operator) or the whole dataset it will cut its
-    shard from once the server assigns an index."""
+    """Holds one of: its site's own data (shaped for the model once the server's spec arrives; its
+    slot chosen by the operator or by the server), its shard of a shared dataset (emulation; index
+    chosen by the operator), or the whole shared dataset it will cut its shard from once the server
+    assigns an index."""
 
     def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
                  dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
+                 site: SiteData | None = None, slot: int | None = None,
                  connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
                  telemetry: Telemetry | None = None, device: str = "cpu", attack: str | None = None,
                  slow_factor: float = 1.0):
-        if (shard is None) == (dataset is None):
-            raise ValueError("give a shard, or a dataset to take the assigned shard from")
+        if sum(x is not None for x in (shard, dataset, site)) != 1:
+            raise ValueError("give a site's data, a shard, or a dataset to take the assigned shard from")
         self.shard = shard
         self.dataset = dataset
+        self.site = site
+        self.slot = slot  # sites: the slot (rank) asked for; None: the server assigns one
         self.telemetry = telemetry or Telemetry("worker")
         self.device = device  # this worker's own choice; the run's spec does not carry one
         # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
@@ -203,6 +209,18 @@ class WorkerNode:
         return message
 
     def _join_message(self) -> pb.WorkerMessage:
+        if self.site is not None:
+            site = self.site
+            join = pb.Join(own_data=True, shard_size=len(site), num_classes=site.num_classes if site.labelled else 0,
+                           class_names=site.class_names or ())
+            if self.slot is not None:
+                join.shard_index = self.slot
+            if site.files is not None:  # images: shaped for the model once its spec is known
+                join.image_shape.extend(site.image_shape)
+            else:
+                join.sample_shape.extend(site.image_shape)
+            join.peer_address = self.advertise_address
+            return pb.WorkerMessage(join=join)
         if self.shard is not None:
             images, labels = self.shard.images, self.shard.labels
             join = pb.Join(shard_index=self.shard.index, shard_size=len(self.shard))
@@ -211,7 +229,8 @@ class WorkerNode:
             join = pb.Join(dataset_size=images.shape[0])
         join.peer_address = self.advertise_address
         join.sample_shape.extend(images.shape[1:])
-        join.num_classes = int(labels.max()) + 1
+        # the dataset's classes, not the shard's: a non-i.i.d. shard may lack the last ones
+        join.num_classes = max(NUMERIC_CLASSES, int(labels.max()) + 1)
         return pb.WorkerMessage(join=join)
 
     async def run(self) -> str:
@@ -237,7 +256,17 @@ class WorkerNode:
 
     def _on_welcome(self, welcome: pb.Welcome) -> None:
         config = replace(codec.config_from_spec(welcome.spec), device=self.device).validate()
-        if self.shard is None:
+        if self.site is not None:
+            site, classes = self.site, tuple(welcome.spec.class_names) or None
+            try:
+                images, labels = site.conform(config.model.sample_shape), map_labels(site, classes)
+            except ConfigError as exc:
+                raise ServerGone(f"this site's data does not fit the run: {exc}") from exc
+            self.shard = Shard(images, labels, welcome.shard_index, config.workers)
+            self.site = None  # keep only the shaped samples
+            log.info("slot %d of %d: this site's %d samples, shaped %s", welcome.shard_index, config.workers,
+                     len(self.shard), tuple(config.model.sample_shape))
+        elif self.shard is None:
             images, labels, data = self.dataset
             data = replace(data, num_shards=config.workers)
             self.shard = take_shard(images, labels, welcome.shard_index, data, config.model.sample_shape)

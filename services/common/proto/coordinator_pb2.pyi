@@ -47,23 +47,29 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size")
+    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "own_data", "class_names", "image_shape")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OWN_DATA_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_size: int
     peer_address: str
     sample_shape: _containers.RepeatedScalarFieldContainer[int]
     num_classes: int
     dataset_size: int
-    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ...) -> None: ...
+    own_data: bool
+    class_names: _containers.RepeatedScalarFieldContainer[str]
+    image_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "wire_dtype")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +89,7 @@ class TrainingSpec(_message.Message):
     GEN_LR_FIELD_NUMBER: _ClassVar[int]
     GEN_BETA1_FIELD_NUMBER: _ClassVar[int]
     GEN_BETA2_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     gan: str
@@ -103,8 +110,9 @@ class TrainingSpec(_message.Message):
     gen_lr: float
     gen_beta1: float
     gen_beta2: float
+    class_names: _containers.RepeatedScalarFieldContainer[str]
     wire_dtype: str
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index")
