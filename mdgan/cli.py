@@ -32,6 +32,7 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_simulate(args) -> int:
+    from mdgan.algorithms.options import dpgan_options, pwgan_options
     from mdgan.run import simulate
     from mdgan.settings import apply_threads, class_names, data_config, evaluation_options, training_config
 
@@ -47,7 +48,8 @@ def cmd_simulate(args) -> int:
                        churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
                        keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
                        run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
-                       byzantine=args.byzantine, attack=args.attack)
+                       byzantine=args.byzantine, attack=args.attack,
+                       pwgan=pwgan_options(args), dpgan=dpgan_options(args, config.workers))
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
@@ -381,6 +383,8 @@ def cmd_local(args) -> int:
         attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
+    if args.algorithm in ("pwgan", "dpgan"):  # docs/ALGORITHMS.md: what their transport needs
+        raise ConfigError(f"--algorithm {args.algorithm} runs in `mdgan simulate` only for now")
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = False
@@ -488,6 +492,7 @@ def cmd_sample(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mdgan.algorithms.options import add_algorithm_arguments
     from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
@@ -500,12 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--algorithm", choices=ALGORITHMS, default="mdgan",
                        help="MD-GAN, or a baseline: FL-GAN (federated averaging of G and D every ceil(E*m/b) "
-                            "iterations) or a standalone GAN on the whole dataset")
+                            "iterations), a standalone GAN on the whole dataset, the parallel Wasserstein GAN "
+                            "(pwgan) or the data-parallel parameter-server GAN (dpgan); see docs/ALGORITHMS.md")
         add_training_arguments(p)
         p.set_defaults(workers=None)  # 4, or the number of --site-dirs
         add_data_arguments(p)
         add_site_arguments(p, launcher=True)
         add_evaluation_arguments(p)
+        add_algorithm_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
         # in-process run and the gRPC cluster agree bit for bit.
         add_threads_argument(p, default=1)

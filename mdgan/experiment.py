@@ -18,9 +18,11 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
 Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
-every I/N iterations, the paper's crash experiment; MD-GAN only), wire_dtype, aggregation, trim_fraction,
-clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper: README), label (the curve's name), series
-(final-vs-workers: the line(s) a run belongs to, a name or a list; default: its name without N).
+every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs), wire_dtype,
+aggregation, trim_fraction, clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper:
+README), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
+docs/ALGORITHMS.md), label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a name
+or a list; default: its name without N).
 
 Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
 again, so an interrupted experiment resumes where it stopped (its label and series may change in
@@ -53,15 +55,19 @@ DEFAULTS = {
     # beyond the paper (README "Beyond the paper")
     "wire_dtype": "float32", "aggregation": "mean", "trim_fraction": 0.2, "clip_norm": 0.0, "byzantine": 0,
     "attack": None, "sync": "all", "quorum": 0, "max_staleness": 4,
+    # P-WGAN and the data-parallel GAN (docs/ALGORITHMS.md)
+    "potential_rounds": 5, "potential_lr": 1.0, "gradient_penalty": 10.0, "dp_threshold": None,
 }
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
              "architecture", "gan", "loss", "split", "iterations", "wire_dtype", "aggregation", "trim_fraction",
-             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "seed")
+             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "potential_rounds",
+             "potential_lr", "gradient_penalty", "dp_threshold", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
          "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
-         "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S"}
+         "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
+         "potential_rounds": "T", "potential_lr": "eta", "gradient_penalty": "gp", "dp_threshold": "Q"}
 
 
 def load_config(path: str) -> dict:
@@ -132,12 +138,14 @@ def crash_period(run: dict) -> int | None:
         return None
     if run["crash"] != "every I/N":
         raise ConfigError(f"crash: only 'every I/N' is known, got {run['crash']!r}")
-    if run["algorithm"] != "mdgan":
-        raise ConfigError("crash schedules apply to MD-GAN runs")
+    if run["algorithm"] not in ("mdgan", "pwgan", "dpgan"):
+        raise ConfigError("crash schedules apply to MD-GAN, P-WGAN and data-parallel runs")
     return max(1, run["iterations"] // run["workers"])
 
 
 def run_one(run: dict, out_dir: str, progress: bool) -> dict:
+    from mdgan.algorithms.dpgan import DPGANOptions
+    from mdgan.algorithms.pwgan import PWGANOptions
     from mdgan.run import EvaluationOptions, simulate
 
     config = training_config(run)
@@ -148,7 +156,8 @@ def run_one(run: dict, out_dir: str, progress: bool) -> dict:
                                    reference=run["eval_reference"])
     return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
                     crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
-                    attack=run["attack"] if run["byzantine"] else None)
+                    attack=run["attack"] if run["byzantine"] else None, dpgan=DPGANOptions(run["dp_threshold"]),
+                    pwgan=PWGANOptions(run["potential_rounds"], run["potential_lr"], run["gradient_penalty"]))
 
 
 def collect(runs: list[dict], out: str) -> list[dict]:

@@ -387,7 +387,7 @@ class EvaluationOptions:
     reference: int = 2000
 
 
-ALGORITHMS = ("mdgan", "flgan", "standalone")
+ALGORITHMS = ("mdgan", "flgan", "standalone", "pwgan", "dpgan")  # pwgan, dpgan: mdgan/algorithms/
 
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
@@ -395,21 +395,23 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              crash_every: int | None = None, churn: list[tuple[int, str, int]] | None = None,
              checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
              run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
-             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None) -> dict:
+             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
+             pwgan=None, dpgan=None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
     Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
     SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
     (mdgan.sites; classes: the run's class names, as the server's --classes).
-    crash_every: MD-GAN only, the paper's crash experiment: every this many iterations one more
-    worker fails (the last by rank), and its data leaves with it.
+    crash_every: MD-GAN, P-WGAN and the data-parallel GAN, the paper's crash experiment: every this
+    many iterations one more worker fails (the last by rank), and its data leaves with it.
     churn: MD-GAN only, [(iteration, "leave" | "join", slot)]: at that iteration boundary the worker
     of that slot leaves, or comes back (with its saved state if it has one, else a copy of a live
     peer's discriminator), through the same roster as over gRPC.
     checkpoint_every / resume: as for the server; each worker keeps its state in OUT/workers/worker-K.
     byzantine, attack: MD-GAN only, the last `byzantine` workers by rank send wrong feedback
     (mdgan/attacks.py), to measure the robust aggregation rules.
+    pwgan, dpgan: PWGANOptions, DPGANOptions of those algorithms (None: their defaults).
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
@@ -449,6 +451,12 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
                                                  churn or [], checkpoint_every, keep_checkpoints, byzantine, attack))
         elif algorithm == "standalone":
             result = run_standalone(config, generator_side, shards[0], on_iteration=recorder)
+        elif algorithm in ("pwgan", "dpgan"):
+            from mdgan.algorithms import dpgan as dp, pwgan as pw
+
+            result = (pw.run_pwgan(config, pwgan or pw.PWGANOptions(), generator_side, shards, recorder, crash_every)
+                      if algorithm == "pwgan" else
+                      dp.run_dpgan(config, dpgan or dp.DPGANOptions(), generator_side, shards, recorder, crash_every))
         else:
             result = run_flgan(config, generator_side, shards, on_iteration=recorder, on_round=recorder.swap)
     finally:
