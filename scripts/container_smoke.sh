@@ -21,6 +21,8 @@
 #   scripts/container_smoke.sh 2>&1 | tee /tmp/container_smoke.log
 # Environment: SMOKE_DIR (work dir, default /tmp/mdgan-container-smoke), SMOKE_ITERATIONS (default 2000),
 # SMOKE_PROJECT (compose project, default mdgan-smoke), SMOKE_TAG (image tag, default latest),
+# SMOKE_KILL_SERVER (default 1: SIGKILL the server container after its first complete checkpoint; the
+# engine restarts it, it resumes its run, the workers reconnect, the run must still finish),
 # SMOKE_REBUILD_BASE=1 (debootstrap again), SMOKE_KEEP_IMAGES=0 (remove the built images at the end).
 # Disk: the images hold PyTorch's CUDA build (the only torch 2.14.1 wheel reachable offline), ~6 GB each;
 # about 12 GB while building. Time: ~6 min when the base exists (~8 min from scratch).
@@ -181,6 +183,27 @@ outsider "a certificate of another CA" \
 outsider "plaintext" 'exec mdgan-worker --insecure'
 [[ "$(podman inspect "$server_ctr" --format '{{.State.Running}}')" == true ]] \
     || die "the run ended before the outsider checks were done: inconclusive (raise SMOKE_ITERATIONS)"
+
+# --- 4c. the server is killed mid-run: compose restarts it, it resumes, the workers reconnect -------------
+if [[ "${SMOKE_KILL_SERVER:-1}" == 1 ]]; then
+    for _ in $(seq 180); do
+        log=$(podman logs "$server_ctr" 2>&1)
+        [[ "$log" == *"checkpoint "*" complete"* ]] && break
+        [[ "$(podman inspect "$server_ctr" --format '{{.State.Running}}')" == true ]] || die "the run ended before a checkpoint"
+        sleep 1
+    done
+    [[ "$log" == *"checkpoint "*" complete"* ]] || die "no complete checkpoint within 180 s"
+    say "server: $(echo "$log" | grep -E "checkpoint [0-9]+ complete" | tail -1 | sed 's/^.* INFO //'); SIGKILL to $server_ctr"
+    podman kill --signal KILL "$server_ctr" >/dev/null
+    restarted=""
+    for _ in $(seq 120); do
+        log=$(podman logs "$server_ctr" 2>&1)
+        if [[ "$log" == *"resumed from iteration"* ]]; then restarted=yes; break; fi
+        sleep 1
+    done
+    [[ -n "$restarted" ]] || die "the server was not restarted into its run (restart: on-failure, MDGAN_RESUME=auto)"
+    say "server restarted by the engine (restarts: $(podman inspect "$server_ctr" --format '{{.RestartCount}}')): $(echo "$log" | grep -E "resumed from iteration" | tail -1 | sed 's/^.* INFO //')"
+fi
 
 # --- 5. health, metrics, the run ----------------------------------------------------------------------
 scrape() {  # scrape CONTAINER PORT: /metrics on the container's own loopback
