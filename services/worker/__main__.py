@@ -28,7 +28,7 @@ from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
 from mdgan.checkpoint import CheckpointError
-from services.worker.node import PEER_SERVICE, JoinRefused, PeerServicer, ServerGone, WorkerNode
+from services.worker.node import FINAL_REFUSALS, PEER_SERVICE, JoinRefused, PeerServicer, ServerGone, WorkerNode
 
 log = logging.getLogger("mdgan.worker")
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except grpc.aio.AioRpcError as exc:
         log.error("the server refused us: %s %s", exc.code().name, exc.details())
-        return 2
+        return 3 if exc.code() in FINAL_REFUSALS else 2  # 3: refused, as a JoinRefused
     except asyncio.CancelledError:
         log.info("terminated by signal")
         return 0
