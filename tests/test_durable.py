@@ -12,10 +12,11 @@ import time
 import pytest
 
 from conftest import REPO
-from procs import python_module, read_json, read_jsonl, start_worker
+from procs import python_module, read_json, read_jsonl, start_worker, tls_flags
 
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.run import EvaluationOptions, simulate
+from services.common import pki
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,9 @@ class Cluster:
 
     def __init__(self, out: str, *server_flags: str):
         self.out = out
+        # over mutual TLS, as by default: a restarted worker comes back with the same identity
+        self.pki = os.path.join(out, "pki")
+        pki.provision_run(self.pki, [f"worker-{i}" for i in range(N)])
         self.port = _free_port()
         self.server_flags = server_flags
         self.procs = []
@@ -47,14 +51,16 @@ class Cluster:
         self.server = python_module(f"server-{self.restarts}", [
             "services.server", "--listen", f"127.0.0.1:{self.port}", "--out", self.out, "--threads", "1",
             "--metrics-port", "0", "--checkpoint-every", str(CHECKPOINT_EVERY), "--step-timeout", "30",
-            "--heartbeat-interval", "1", *TRAINING, *self.server_flags, *extra], self.out)
+            "--heartbeat-interval", "1", *TRAINING, *tls_flags(self.pki, "mdgan-server"), *self.server_flags, *extra],
+            self.out)
         self.procs.append(self.server)
         return self.server
 
     def start_worker(self, index: int, *extra: str):
         self.restarts += 1
         worker = start_worker(self.out, self.port, index, N, "--dataset", "synthetic", "--state-dir",
-                              os.path.join(self.out, "state", f"worker-{index}"), "--server-timeout", "90", *extra)
+                              os.path.join(self.out, "state", f"worker-{index}"), "--server-timeout", "90",
+                              *tls_flags(self.pki, f"worker-{index}"), *extra)
         worker.name = f"worker-{index}-{self.restarts}"
         self.workers[index] = worker
         self.procs.append(worker)
