@@ -231,7 +231,7 @@ def site_worker(tmp_path, port: int, name: str, root) -> "Proc":
     return python_module(name, ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                                 "--advertise-address", "127.0.0.1", "--shard-index", "assign", "--threads", "1",
                                 "--metrics-port", "0", "--connect-timeout", "30", "--dataset", "imagefolder",
-                                "--data-root", str(root)], str(tmp_path))
+                                "--data-root", str(root), "--insecure"], str(tmp_path))
 
 
 @pytest.mark.slow
