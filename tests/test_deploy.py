@@ -171,8 +171,9 @@ def test_each_worker_mounts_its_own_site_volume():
     pod = statefulset["spec"]["template"]["spec"]
     assert "initContainers" not in pod
     assert "data" not in [v["name"] for v in pod["volumes"]]  # not one volume for every pod ...
-    [claim] = statefulset["spec"]["volumeClaimTemplates"]  # ... but one claim per pod
-    assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    claims = {c["metadata"]["name"]: c for c in statefulset["spec"]["volumeClaimTemplates"]}  # ... but per pod
+    assert set(claims) == {"data", "state"}  # its site's data, and its own state (durable runs)
+    assert claims["data"]["spec"]["resources"]["requests"]["storage"] == "1Gi"
     [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data"]
     assert mount["mountPath"] == "/data" and mount["readOnly"] is True
     assert not by_kind(render(), "PersistentVolumeClaim")[1:]  # only the server's runs claim
@@ -194,7 +195,8 @@ def test_each_worker_mounts_its_own_site_volume():
 
     # emulation: one shared volume source, the download init container only when asked (demos)
     [emulated] = by_kind(render("--set", "workers.data.mode=emulation"), "StatefulSet")
-    assert "volumeClaimTemplates" not in emulated["spec"] and "initContainers" not in emulated["spec"]["template"]["spec"]
+    assert [c["metadata"]["name"] for c in emulated["spec"]["volumeClaimTemplates"]] == ["state"]  # no data claim
+    assert "initContainers" not in emulated["spec"]["template"]["spec"]
     assert {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}} in emulated["spec"]["template"]["spec"]["volumes"]
 
 
