@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mdgan.algorithms.inprocess import InProcessRounds
 from mdgan.baselines import fedavg
 from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
                            tell_to_stop, with_deadline)
@@ -293,25 +294,8 @@ class ReplicaHandle(abc.ABC):
         """The run is over (or this worker is dropped from it)."""
 
 
-class InProcessReplica(ReplicaHandle):
-    def __init__(self, side: ReplicaSide):
-        self.side = side
-        self.shard_index = side.shard_index
-        self.worker_id = f"worker-{side.shard_index}"
-        self.shard_size = len(side.sampler.shard)
-        self.crashed = False
-
-    def crash(self) -> None:
-        """The worker and its data leave the run."""
-        self.crashed = True
-
-    async def round(self, order: GradientOrder) -> GradientReply:
-        if self.crashed:
-            raise WorkerLost(f"{self.worker_id} crashed")
-        return self.side.handle(order)
-
-    async def stop(self, reason: str) -> None:
-        return None
+class InProcessReplica(InProcessRounds, ReplicaHandle):
+    """ReplicaSide in this process (mdgan/algorithms/inprocess.py)."""
 
 
 class DataParallelTrainer:

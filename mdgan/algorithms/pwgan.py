@@ -85,6 +85,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mdgan.algorithms.inprocess import InProcessRounds
 from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
                            tell_to_stop, with_deadline)
 from mdgan.config import ConfigError, TrainingConfig
@@ -320,25 +321,8 @@ class CriticHandle(abc.ABC):
         """The run is over (or this worker is dropped from it)."""
 
 
-class InProcessCritic(CriticHandle):
-    def __init__(self, side: CriticSide):
-        self.side = side
-        self.shard_index = side.shard_index
-        self.worker_id = f"worker-{side.shard_index}"
-        self.shard_size = len(side.sampler.shard)
-        self.crashed = False
-
-    def crash(self) -> None:
-        """The worker and its data leave the run."""
-        self.crashed = True
-
-    async def round(self, order: PotentialOrder) -> RoundReply:
-        if self.crashed:
-            raise WorkerLost(f"{self.worker_id} crashed")
-        return self.side.handle(order)
-
-    async def stop(self, reason: str) -> None:
-        return None
+class InProcessCritic(InProcessRounds, CriticHandle):
+    """CriticSide in this process (mdgan/algorithms/inprocess.py)."""
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
