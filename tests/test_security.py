@@ -25,7 +25,7 @@ from services.common import codec, pki, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, tensor_pb2
 from services.common.tls import TLSConfig
-from services.server.servicer import Coordinator
+from services.server.coordinator import Coordinator
 
 from procs import read_json, read_jsonl, start_server, start_worker, tls_flags
 

@@ -15,7 +15,7 @@ from mdgan.mdgan import DiscriminatorSide
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
-from services.server.servicer import Coordinator
+from services.server.coordinator import Coordinator
 from services.worker.node import PeerServicer, WorkerNode, push_discriminator
 
 from procs import read_json, read_jsonl, start_server, start_worker
