@@ -244,7 +244,8 @@ class LocalCluster:
             *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
             *security["server"],
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
-            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a)])
+            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a),
+            *(["--dp-threshold", str(a.dp_threshold)] if a.dp_threshold is not None else [])])
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
@@ -383,8 +384,14 @@ def cmd_local(args) -> int:
         attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
-    if args.algorithm in ("pwgan", "dpgan"):  # docs/ALGORITHMS.md: what their transport needs
+    if args.algorithm == "pwgan":  # docs/ALGORITHMS.md: what its transport needs
         raise ConfigError(f"--algorithm {args.algorithm} runs in `mdgan simulate` only for now")
+    if args.algorithm == "dpgan":
+        from mdgan.algorithms.options import dpgan_options
+
+        dpgan_options(args, args.workers)  # a bad --dp-threshold fails here, not in the server
+        if args.byzantine:
+            raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = False

@@ -55,8 +55,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
                  algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
                  run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
-                 authenticated: bool = False, allowed_workers: list[str] | None = None):
+                 authenticated: bool = False, allowed_workers: list[str] | None = None,
+                 spec_fields: dict | None = None):
         self.config = config
+        self.spec_fields = spec_fields or {}  # the algorithm's own TrainingSpec fields (its options)
         self.authenticated = authenticated
         self.allowed_workers = set(allowed_workers) if allowed_workers else None
         self._pending_joins = 0
@@ -211,6 +213,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  f": restores its state of iteration {plan.restore}" if plan.restore
                  else ": takes a copy of a peer's discriminator" if plan.copy else "")
         spec = codec.spec_from_config(self.config, self.algorithm)
+        spec.MergeFrom(pb.TrainingSpec(**self.spec_fields))
         spec.class_names.extend(self.classes.names or ())
         # every identity bound in this run: a discriminator one of them pushes early is kept for the order
         members = sorted(set(self.roster.bindings.values()) | {w.identity for w in self._live()})

@@ -7,10 +7,12 @@ Coordinator builds for every admitted worker (see docs/ALGORITHMS.md, "How to ad
 
 from __future__ import annotations
 
+from services.server.algorithms.dpgan import DataParallelServer
 from services.server.algorithms.flgan import FederatedServer
 from services.server.algorithms.mdgan import MDGANServer
 
 ALGORITHMS = {
     "mdgan": MDGANServer,
     "flgan": FederatedServer,
+    "dpgan": DataParallelServer,
 }

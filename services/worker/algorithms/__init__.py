@@ -6,10 +6,12 @@ spec.algorithm (see docs/ALGORITHMS.md, "How to add an algorithm")."""
 from __future__ import annotations
 
 from services.worker.algorithms.base import WorkerAlgorithm
+from services.worker.algorithms.dpgan import DPGANWorker
 from services.worker.algorithms.flgan import FLGANWorker
 from services.worker.algorithms.mdgan import MDGANWorker
 
 ALGORITHMS: dict[str, type[WorkerAlgorithm]] = {
     "mdgan": MDGANWorker,
     "flgan": FLGANWorker,
+    "dpgan": DPGANWorker,
 }
