@@ -167,6 +167,7 @@ async def serve(args) -> dict:
                                                   side="receiver"),
                 "worker_to_worker": session.worker_to_worker_bytes(coordinator),
             },
+            **getattr(session, "summary_fields", dict)(),  # the algorithm's options, for its record
         })
         log.info("done: run %s, %d iterations, %d/%d workers alive, generator %s", run.run_id, result.iterations,
                  result.workers_alive, result.workers, summary["generator_sha256"][:16])

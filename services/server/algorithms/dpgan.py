@@ -192,6 +192,10 @@ class DataParallelServer:
     def swap_round(self) -> int:
         return 0
 
+    def summary_fields(self) -> dict:
+        """summary.json's record of the options, as `mdgan simulate` writes it."""
+        return {"dpgan": {"threshold": self.options.resolve(self.ctx.config.workers)}}
+
     async def run(self, coordinator, stopping: asyncio.Event):
         """(RunResult, wall seconds) once the iterations are done, or fewer than Q workers are left."""
         ctx = self.ctx
