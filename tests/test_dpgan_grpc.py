@@ -104,15 +104,20 @@ def test_with_a_threshold_a_worker_sigkilled_mid_run_does_not_stop_the_run(tmp_p
     assert sum(r["lost"] for r in history) == 1
 
 
-async def _hostile_worker(port: int) -> list[pb.Rejection]:
-    """Joins as worker 1 and answers each iteration's round with something wrong, then behaves."""
+def _join(shard: int) -> pb.WorkerMessage:
+    return pb.WorkerMessage(join=pb.Join(shard_index=shard, shard_size=1000, peer_address="127.0.0.1:9",
+                                         sample_shape=[784], num_classes=10))
+
+
+async def _hostile_worker(port: int) -> tuple[list[pb.Rejection], grpc.StatusCode]:
+    """Joins as worker 1 and answers each iteration's round with something wrong, then behaves; and
+    tries a join once the run started."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=120)
-        await call.write(pb.WorkerMessage(join=pb.Join(shard_index=1, shard_size=1000, peer_address="127.0.0.1:9",
-                                                       sample_shape=[784], num_classes=10)))
+        await call.write(_join(1))
         await asyncio.wait_for(call.read(), 60)  # welcome
         weights: dict[str, list[dpgan_pb2.ReplicaPart]] = {}
-        rejections = []
+        rejections, late_join = [], None
         while True:
             message = await asyncio.wait_for(call.read(), 60)
             kind = message.WhichOneof("body")
@@ -120,6 +125,10 @@ async def _hostile_worker(port: int) -> list[pb.Rejection]:
                 weights.setdefault(message.replica_part.model, []).append(message.replica_part)
             elif kind == "replica_round":
                 r = message.replica_round
+                if late_join is None:  # the run has started: a newcomer is refused
+                    late = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=30)
+                    await late.write(_join(0))
+                    late_join = await late.code()
                 # the MLPs' parameters are their whole state: the weights, echoed, have the gradients' layout
                 parts = []
                 for model in ("discriminator", "generator"):
@@ -144,22 +153,23 @@ async def _hostile_worker(port: int) -> list[pb.Rejection]:
                 rejections.append(message.rejection)
             elif kind == "stop":
                 await call.done_writing()
-                return rejections
+                return rejections, late_join
 
 
 @pytest.mark.slow
-def test_hostile_gradients_are_rejected_with_invalid_argument_and_the_run_goes_on(tmp_path):
+def test_hostile_gradients_are_rejected_with_invalid_argument_and_the_run_goes_on_without_newcomers(tmp_path):
     out = str(tmp_path)
     server, port = start_server(out, "--algorithm", "dpgan", "--dp-threshold", "1", "--workers", "2",
                                 "--iterations", "5", "--gan", "gan")
     worker = start_worker(out, port, 0, 2, "--dataset", "synthetic")
     try:
-        rejections = asyncio.run(_hostile_worker(port))
+        rejections, late_join = asyncio.run(_hostile_worker(port))
         assert server.wait(60) == 0, server.log()
         assert worker.wait(30) == 0, worker.log()
     finally:
         server.kill()
         worker.kill()
+    assert late_join == grpc.StatusCode.FAILED_PRECONDITION
     assert [(r.iteration, r.code, r.reason) for r in rejections] == [
         (1, INVALID_ARGUMENT, "shape"), (2, INVALID_ARGUMENT, "nonfinite"), (3, INVALID_ARGUMENT, "protocol"),
         (4, INVALID_ARGUMENT, "protocol")]
