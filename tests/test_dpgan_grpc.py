@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -27,7 +26,7 @@ from services.worker.algorithms.base import ServerGone
 from services.worker.algorithms.dpgan import DPGANWorker
 from services.worker.node import WorkerNode
 
-from procs import read_json, read_jsonl, start_server, start_worker, tls_flags
+from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 INVALID_ARGUMENT = 3
 
@@ -85,10 +84,7 @@ def test_with_a_threshold_a_worker_sigkilled_mid_run_does_not_stop_the_run(tmp_p
                             "--tls-server-name", "mdgan-server", *tls_flags(authority, f"worker-{i}"))
                for i in range(3)]
     try:
-        deadline = time.monotonic() + 120
-        while len(read_jsonl(os.path.join(out, "history.jsonl"))) < 2:
-            assert time.monotonic() < deadline and server.popen.poll() is None, server.log()
-            time.sleep(0.1)
+        wait_for_iterations(server, out, 2)
         workers[2].popen.send_signal(signal.SIGKILL)
         assert server.wait(120) == 0, server.log()
         for w in workers[:2]:
