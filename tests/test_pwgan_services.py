@@ -238,3 +238,47 @@ def test_a_worker_refuses_a_server_that_breaks_the_protocol(tmp_path, case):
     code, log = asyncio.run(scenario())
     assert code == 2, log
     assert expected in log and "Traceback" not in log, log
+
+
+def test_a_join_after_the_start_is_refused():
+    """P-WGAN's critics are fixed when the run starts: a late worker gets FAILED_PRECONDITION."""
+    from services.server.coordinator import Coordinator
+
+    async def scenario() -> tuple[grpc.StatusCode, str]:
+        coordinator = Coordinator(TrainingConfig(workers=2, batch_size=10).validate(), algorithm="pwgan")
+        coordinator.roster.started = True
+        server = grpc.aio.server()
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
+                await call.write(pb.WorkerMessage(join=pb.Join(shard_index=1, shard_size=1000, sample_shape=[D],
+                                                               num_classes=10, peer_address="127.0.0.1:9")))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call.read()
+                return refused.value.code(), refused.value.details()
+        finally:
+            await server.stop(None)
+
+    code, details = asyncio.run(scenario())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "P-WGAN" in details
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--checkpoint-every", "5"], "checkpoints and resume work with --algorithm mdgan only"),
+    (["--wire-dtype", "int8"], "travel as float32 only"),
+    (["--sync", "quorum"], "wait for every live worker"),
+    (["--potential-rounds", "0"], "--potential-rounds must be at least 1"),
+])
+def test_options_that_do_not_apply_are_refused(tmp_path, capsys, flags, message):
+    from mdgan.cli import main
+
+    for command in ("local", "simulate"):
+        if command == "simulate" and "--checkpoint-every" in flags:
+            continue  # simulate's own refusal says the same for --churn too (mdgan/run.py)
+        with pytest.raises(SystemExit) as exited:  # before any process starts
+            main([command, "--algorithm", "pwgan", "--workers", "2", "--dataset", "synthetic", "--iterations", "2",
+                  "--out", str(tmp_path / command), "--no-progress", *flags])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
