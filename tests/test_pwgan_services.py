@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from conftest import REPO
 from mdgan.config import TrainingConfig
-from procs import read_json, read_jsonl, start_server, start_worker, tls_flags
+from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 from services.common import codec, pki
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, pwgan_pb2
@@ -96,11 +95,7 @@ def test_a_worker_killed_mid_run_leaves_and_the_others_go_on(tmp_path):
                             *tls_flags(pki_dir, f"worker-{i}")) for i in range(3)]
     try:
         history = os.path.join(out, "history.jsonl")
-        deadline = time.monotonic() + 120
-        while len(read_jsonl(history)) < 15:
-            assert time.monotonic() < deadline, server.log()
-            assert server.popen.poll() is None, server.log()
-            time.sleep(0.02)
+        wait_for_iterations(server, out, 15)
         workers[1].popen.send_signal(signal.SIGKILL)
         assert server.wait(120) == 0, server.log()
         summary = read_json(os.path.join(out, "summary.json"))
