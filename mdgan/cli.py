@@ -88,6 +88,16 @@ def _forwarded_training_flags(args) -> list[str]:
     return flags
 
 
+def _forwarded_algorithm_flags(args) -> list[str]:
+    """The options of the run's algorithm (mdgan/algorithms/options.py), for mdgan-server."""
+    if args.algorithm == "pwgan":
+        return ["--potential-rounds", str(args.potential_rounds), "--potential-lr", repr(args.potential_lr),
+                "--gradient-penalty", repr(args.gradient_penalty)]
+    if args.algorithm == "dpgan" and args.dp_threshold is not None:
+        return ["--dp-threshold", str(args.dp_threshold)]
+    return []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -245,7 +255,7 @@ class LocalCluster:
             *security["server"],
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
             *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a),
-            *(["--dp-threshold", str(a.dp_threshold)] if a.dp_threshold is not None else [])])
+            *_forwarded_algorithm_flags(a)])
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
@@ -384,12 +394,20 @@ def cmd_local(args) -> int:
         attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
-    if args.algorithm == "pwgan":  # docs/ALGORITHMS.md: what its transport needs
-        raise ConfigError(f"--algorithm {args.algorithm} runs in `mdgan simulate` only for now")
+    if args.algorithm == "pwgan":  # refused here, with a clear message, rather than in the server
+        from mdgan.algorithms.options import pwgan_options
+        from mdgan.algorithms.pwgan import check_config
+
+        pwgan_options(args)
+        check_config(training_config(args))
+        if args.checkpoint_every or args.resume:
+            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
     if args.algorithm == "dpgan":
         from mdgan.algorithms.options import dpgan_options
 
         dpgan_options(args, args.workers)  # a bad --dp-threshold fails here, not in the server
+        if args.checkpoint_every or args.resume:
+            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
         if args.byzantine:
             raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
     cluster = LocalCluster(args)

@@ -49,8 +49,8 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="mdgan",
-                        help="MD-GAN, or over the same services the FL-GAN baseline (FedAvg of whole GANs) or the "
-                             "data-parallel parameter-server GAN (dpgan)")
+                        help="MD-GAN, or over the same services the FL-GAN baseline (FedAvg of whole GANs), "
+                             "the parallel Wasserstein GAN (pwgan) or the data-parallel parameter-server GAN (dpgan)")
     parser.add_argument("--round-timeout", type=float, default=3600.0,
                         help="FL-GAN: deadline for a worker's local round (s)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
@@ -132,7 +132,7 @@ async def serve(args) -> dict:
                               model_layouts=layouts, roster=roster, run_id=run.run_id,
                               swap_round=session.swap_round, class_names=class_names(args),
                               authenticated=credentials is not None, allowed_workers=allowed,
-                              spec_fields=getattr(algorithm, "spec_fields", lambda _: {})(args))
+                              describe_run=getattr(session, "describe", None))
     receive, send = message_limits(config)
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)

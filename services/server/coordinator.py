@@ -55,10 +55,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
                  algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
                  run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
-                 authenticated: bool = False, allowed_workers: list[str] | None = None,
-                 spec_fields: dict | None = None):
+                 authenticated: bool = False, allowed_workers: list[str] | None = None, describe_run=None):
         self.config = config
-        self.spec_fields = spec_fields or {}  # the algorithm's own TrainingSpec fields (its options)
+        # The run's algorithm adds its own options to the Welcome's TrainingSpec (P-WGAN's T, eta, ...).
+        self.describe_run = describe_run
         self.authenticated = authenticated
         self.allowed_workers = set(allowed_workers) if allowed_workers else None
         self._pending_joins = 0
@@ -213,8 +213,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  f": restores its state of iteration {plan.restore}" if plan.restore
                  else ": takes a copy of a peer's discriminator" if plan.copy else "")
         spec = codec.spec_from_config(self.config, self.algorithm)
-        spec.MergeFrom(pb.TrainingSpec(**self.spec_fields))
         spec.class_names.extend(self.classes.names or ())
+        if self.describe_run is not None:
+            self.describe_run(spec)
         # every identity bound in this run: a discriminator one of them pushes early is kept for the order
         members = sorted(set(self.roster.bindings.values()) | {w.identity for w in self._live()})
         try:

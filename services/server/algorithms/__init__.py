@@ -10,9 +10,11 @@ from __future__ import annotations
 from services.server.algorithms.dpgan import DataParallelServer
 from services.server.algorithms.flgan import FederatedServer
 from services.server.algorithms.mdgan import MDGANServer
+from services.server.algorithms.pwgan import PWGANServer
 
 ALGORITHMS = {
     "mdgan": MDGANServer,
     "flgan": FederatedServer,
+    "pwgan": PWGANServer,
     "dpgan": DataParallelServer,
 }

@@ -179,15 +179,14 @@ class DataParallelServer:
                               "while --dp-threshold of them are alive")
         DPGANOptions(args.dp_threshold).resolve(run.config.workers)
 
-    @staticmethod
-    def spec_fields(args) -> dict:
-        """This algorithm's TrainingSpec fields (the run's record; only the server uses the threshold)."""
-        return {"dp_threshold": args.dp_threshold or 0}
-
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
         self.options = DPGANOptions(ctx.args.dp_threshold)
         self.trainer: DataParallelTrainer | None = None
+
+    def describe(self, spec: pb.TrainingSpec) -> None:
+        """The Welcome's spec records Q (the run's record; only the server uses it)."""
+        spec.dp_threshold = self.options.resolve(self.ctx.config.workers)
 
     def swap_round(self) -> int:
         return 0

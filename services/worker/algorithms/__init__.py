@@ -9,9 +9,11 @@ from services.worker.algorithms.base import WorkerAlgorithm
 from services.worker.algorithms.dpgan import DPGANWorker
 from services.worker.algorithms.flgan import FLGANWorker
 from services.worker.algorithms.mdgan import MDGANWorker
+from services.worker.algorithms.pwgan import PWGANWorker
 
 ALGORITHMS: dict[str, type[WorkerAlgorithm]] = {
     "mdgan": MDGANWorker,
     "flgan": FLGANWorker,
+    "pwgan": PWGANWorker,
     "dpgan": DPGANWorker,
 }
