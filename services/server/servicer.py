@@ -13,7 +13,6 @@ import time
 import grpc
 import torch
 
-from mdgan import compression
 from mdgan.baselines import FederatedWorker, LocalRoundResult
 from mdgan.cluster import RUN_FINISHED, InputRejected, SwapOrder, SwapReport, WorkerHandle, WorkerLost
 from mdgan.config import TrainingConfig
@@ -26,7 +25,6 @@ from services.common.rpc import MalformedMessage, RateLimitedWarnings
 from services.common.telemetry import Telemetry
 from services.common.tls import peer_certificate
 from services.common.proto import coordinator_pb2 as pb
-from services.common.proto import tensor_pb2
 from services.common.proto import coordinator_pb2_grpc
 
 log = logging.getLogger("mdgan.server")
@@ -62,29 +60,10 @@ def _payload(message) -> int:
     return 0
 
 
-class BatchEncoder:
-    """Encodes each of an iteration's kappa batches once, however many of the N workers get it."""
-
-    def __init__(self) -> None:
-        self._iteration = -1
-        self._encoded: dict[int, tuple[torch.Tensor, tensor_pb2.Tensor]] = {}
-
-    def encode(self, iteration: int, tensor: torch.Tensor, wire_dtype: str | None = None) -> tensor_pb2.Tensor:
-        """`wire_dtype`: a float tensor in the run's wire form (mdgan/compression.py); None: as it is."""
-        if iteration != self._iteration:
-            self._iteration, self._encoded = iteration, {}
-        hit = self._encoded.get(id(tensor))
-        if hit is None or hit[0] is not tensor:
-            encoded = codec.encode_tensor(tensor) if wire_dtype is None else \
-                codec.encode_packed(compression.pack(tensor, wire_dtype))
-            hit = self._encoded[id(tensor)] = (tensor, encoded)  # holding it pins its id
-        return hit[1]
-
-
 class GrpcWorker(WorkerHandle, FederatedWorker):
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
                  config: TrainingConfig, telemetry: Telemetry, liveness_timeout: float,
-                 model_layouts: dict[str, dict] | None = None, encoder: BatchEncoder | None = None,
+                 model_layouts: dict[str, dict] | None = None, encoder: codec.BatchEncoder | None = None,
                  identity: str = ""):
         self.worker_id = f"worker-{shard_index}"
         self.identity = identity or self.worker_id  # who holds the shard (certificate name under mTLS)
@@ -113,7 +92,7 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self._rounds: dict[int, asyncio.Future] = {}
         self._returning: dict[tuple[int, str], codec.StateAssembler] = {}
         self._discarding = -1  # a round already refused: the rest of its parts are dropped quietly
-        self.encoder = encoder or BatchEncoder()  # shared by the run's workers
+        self.encoder = encoder or codec.BatchEncoder()  # shared by the run's workers
         self.last_write = time.monotonic()
 
     # -- sending -----------------------------------------------------------------------------
@@ -130,14 +109,7 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
         self.telemetry.count("server_to_worker", _kind(message), "sender", message, _payload(message))
 
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
-        encode, wire = self.encoder.encode, self.config.wire_dtype
-        message = pb.ServerMessage(batches=pb.Batches(
-            iteration=iteration,
-            generated=encode(iteration, batch.generated, wire),
-            discriminated=encode(iteration, batch.discriminated, wire),
-            generated_labels=None if batch.generated_labels is None else encode(iteration, batch.generated_labels),
-            discriminated_labels=None if batch.discriminated_labels is None
-            else encode(iteration, batch.discriminated_labels)))
+        message = self.encoder.message(iteration, batch, self.config.wire_dtype)  # shared by the workers of a batch
         future = asyncio.get_running_loop().create_future()
         self._steps[iteration] = future
         try:
@@ -214,7 +186,8 @@ class GrpcWorker(WorkerHandle, FederatedWorker):
     async def read_loop(self) -> None:
         while not self.closed.is_set():
             try:
-                message = await asyncio.wait_for(self.context.read(), self.liveness_timeout)
+                async with asyncio.timeout(self.liveness_timeout):  # (wait_for would make a task per read)
+                    message = await self.context.read()
             except asyncio.TimeoutError:
                 self.lose(f"silent for {self.liveness_timeout:.0f} s")
                 return
@@ -368,7 +341,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.address_book: dict[str, str] = {}  # worker id -> peer address, shared by every handle
         self.identity_book: dict[str, str] = {}  # worker id -> identity, shared by every handle
         self.departed_swap_bytes = 0  # swap bytes reported by handles since replaced
-        self.encoder = BatchEncoder()
+        self.encoder = codec.BatchEncoder()
 
     async def wait_for_workers(self, timeout: float) -> list[GrpcWorker]:
         """Block until every slot has a live worker (FL-GAN, whose rounds take a fixed set)."""
