@@ -133,13 +133,6 @@ def _run_service(module: str, argv: list[str], log_path: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     main = importlib.import_module(f"{module}.__main__").main
-    if os.environ.get("MDGAN_CPROFILE_DIR"):  # TEMP perf experiment
-        import cProfile, time as _t
-        prof = cProfile.Profile(timer=_t.thread_time)
-        try:
-            sys.exit(prof.runcall(main, argv))
-        finally:
-            prof.dump_stats(os.path.join(os.environ["MDGAN_CPROFILE_DIR"], os.path.basename(log_path) + ".prof"))
     sys.exit(main(argv))
 
 
