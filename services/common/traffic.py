@@ -220,11 +220,12 @@ def traffic_report(run_dir: str) -> dict:
 
 def format_table(report: dict) -> str:
     mb = 1e6
+    formula_name = "Table III MB" if report["algorithm"] == "mdgan" else "formula MB"  # the paper's, or its own
     lines = [f"{report['run']} ({report['algorithm']}): I={report['iterations']} N={report['workers']} "
              f"b={report['batch_size']} "
              f"d={report['sample_size']} wire={report.get('wire_dtype', 'float32')} "
              f"|theta| on the wire={report['discriminator_bytes']} B swaps={report['swaps']}",
-             f"{'':5} {'counted at':20} {'payload MB':>12} {'Table III MB':>13} {'match':>6} {'per worker MB':>14} "
+             f"{'':5} {'counted at':20} {'payload MB':>12} {formula_name:>13} {'match':>6} {'per worker MB':>14} "
              f"{'serialized MB':>14} {'overhead':>9} {'x fp32':>7}"]
     for r in report["rows"]:
         overhead = "-" if r["overhead"] is None else f"{100 * r['overhead']:.2f}%"
