@@ -270,3 +270,16 @@ def config_from_spec(spec) -> "TrainingConfig":
                           model=model, wire_dtype=spec.wire_dtype or "float32",
                           generator_optimizer=OptimizerSpec(spec.gen_lr or 2e-4, spec.gen_beta1, spec.gen_beta2 or 0.999),
                           discriminator_optimizer=OptimizerSpec(spec.disc_lr, spec.disc_beta1, spec.disc_beta2)).validate()
+
+
+def pwgan_spec_fields(options) -> dict:
+    """P-WGAN's options (mdgan.algorithms.pwgan.PWGANOptions) as TrainingSpec fields 30..32."""
+    return {"potential_rounds": options.potential_rounds, "potential_lr": options.potential_lr,
+            "gradient_penalty": options.gradient_penalty}
+
+
+def pwgan_options_from_spec(spec):
+    """The worker's view of P-WGAN's options; raises mdgan.config.ConfigError on nonsense (e.g. T = 0)."""
+    from mdgan.algorithms.pwgan import PWGANOptions
+
+    return PWGANOptions(spec.potential_rounds, spec.potential_lr, spec.gradient_penalty).validate()

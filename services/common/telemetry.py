@@ -5,7 +5,8 @@ counters. Wire traffic is counted where it is sent (side="sender") and where it 
 (side="receiver"), by direction and kind:
 
   direction  server_to_worker | worker_to_server | worker_to_worker
-  kind       batches | feedback | discriminator | generator (FL-GAN) | control
+  kind       batches | feedback | discriminator | generator (FL-GAN) | potentials | counts (P-WGAN)
+             | control
 
 `*_payload_bytes_total` counts the tensors of the paper's Table III (generated samples, feedback
 gradients, discriminator states); `*_message_bytes_total` counts whole serialized messages
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 disable_created_metrics()  # no `_created` series beside every counter: less noise, same information
 
 DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
-KINDS = ("batches", "feedback", "discriminator", "generator", "control")
+KINDS = ("batches", "feedback", "discriminator", "generator", "potentials", "counts", "control")
 SIDES = ("sender", "receiver")
 SERVER_PHASES = ("generate", "wait_feedback", "update", "swap")
 WORKER_PHASES = ("disc_steps", "feedback", "swap")
