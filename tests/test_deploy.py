@@ -173,12 +173,13 @@ def test_one_value_picks_the_algorithm():
         return config
 
     default = server_config()
-    assert default["MDGAN_ALGORITHM"] == "mdgan"
+    assert default["MDGAN_ALGORITHM"] == "mdgan" and default["MDGAN_CHECKPOINT_EVERY"] == "100"
     assert not {"MDGAN_POTENTIAL_ROUNDS", "MDGAN_DP_THRESHOLD"} & set(default)
     pwgan = server_config("--set", "algorithm=pwgan", "--set", "pwgan.potentialRounds=3",
                           "--set", "pwgan.potentialLr=0.5")
     assert (pwgan["MDGAN_ALGORITHM"], pwgan["MDGAN_POTENTIAL_ROUNDS"], pwgan["MDGAN_POTENTIAL_LR"],
             pwgan["MDGAN_GRADIENT_PENALTY"]) == ("pwgan", "3", "0.5", "10")
+    assert pwgan["MDGAN_CHECKPOINT_EVERY"] == "0"  # checkpoints are MD-GAN's; the other servers refuse them
     dpgan = server_config("--set", "algorithm=dpgan", "--set", "workers.replicas=3", "--set", "dpgan.threshold=2")
     assert (dpgan["MDGAN_ALGORITHM"], dpgan["MDGAN_DP_THRESHOLD"]) == ("dpgan", "2")
     assert "MDGAN_DP_THRESHOLD" not in server_config("--set", "algorithm=dpgan")  # every worker
