@@ -462,11 +462,16 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
             result = run_flgan(config, generator_side, shards, on_iteration=recorder, on_round=recorder.swap)
     finally:
         wall = recorder.close(result.iterations if result else None)
-    return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
-                         {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
-                          "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
-                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}},
-                         scores=recorder.scores)
+    extra = {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
+             "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
+             "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}
+    if algorithm in ("pwgan", "dpgan"):  # the options its traffic formula (`mdgan traffic`) and its record need
+        from mdgan.algorithms import dpgan as dp, pwgan as pw
+
+        extra["pwgan" if algorithm == "pwgan" else "dpgan"] = (
+            asdict(pwgan or pw.PWGANOptions()) if algorithm == "pwgan"
+            else {"threshold": (dpgan or dp.DPGANOptions()).resolve(config.workers)})
+    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores)
 
 
 async def _simulate_mdgan(config, shards, generator_side, recorder, out_dir, run: RunStart, crash_every, churn,
