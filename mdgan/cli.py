@@ -432,17 +432,9 @@ def cmd_local(args) -> int:
         summary = json.load(fh)
     summary["mode"] = "local"
     summary["exit_codes"] = codes
-    if args.algorithm in ("pwgan", "dpgan") and args.algorithm not in summary:
-        # the options its traffic formula needs (`mdgan traffic`), recorded as `simulate` records them
-        from dataclasses import asdict
+    from mdgan.checkpoint import atomic_write_json
 
-        from mdgan.algorithms.options import dpgan_options, pwgan_options
-
-        summary[args.algorithm] = (asdict(pwgan_options(args)) if args.algorithm == "pwgan" else
-                                   {"threshold": dpgan_options(args, summary["workers"]).resolve(summary["workers"])})
-    with open(os.path.join(cluster.out, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
-        fh.write("\n")
+    atomic_write_json(os.path.join(cluster.out, "summary.json"), summary)
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0

@@ -158,6 +158,7 @@ async def serve(args) -> dict:
         observe_scores(telemetry, recorder.scores)
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
             "algorithm": args.algorithm,
+            **(session.summary_fields() if hasattr(session, "summary_fields") else {}),  # its options, say
             "run_id": run.run_id,
             "resumed_from": run.resumed_from,
             "worker_sizes": {w.worker_id: w.shard_size for w in coordinator.workers.values()},  # each worker's m
