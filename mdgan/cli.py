@@ -283,10 +283,11 @@ class LocalCluster:
         raise ServiceFailed(f"the server did not start within {timeout:.0f} s")
 
     def check_children(self, started: bool) -> None:
-        """Before the run starts, any service that exits fails the cluster; afterwards, only the
-        server's exit ends the run (a worker lost mid-run is the algorithm's business)."""
+        """Before the run starts, any service that fails fails the cluster; afterwards, only the
+        server's exit ends the run (a worker lost mid-run is the algorithm's business). An exit with
+        code 0 is a run that ended (a run of a few iterations can end between two looks), not a failure."""
         for name, process in self.processes:
-            if process.exitcode is not None and not (started and name != "server"):
+            if process.exitcode not in (None, 0) and not (started and name != "server"):
                 code = process.exitcode
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 raise ServiceFailed(f"{name} {how} before the run started; the end of {self.log_path(name)}:\n"
