@@ -285,10 +285,11 @@ class LocalCluster:
         raise ServiceFailed(f"the server did not start within {timeout:.0f} s")
 
     def check_children(self, started: bool) -> None:
-        """Before the run starts, any service that exits fails the cluster; afterwards, only the
-        server's exit ends the run (a worker lost mid-run is the algorithm's business)."""
+        """Before the run starts, any service that fails fails the cluster; afterwards, only the
+        server's exit ends the run (a worker lost mid-run is the algorithm's business). An exit with
+        code 0 is a run that ended (a run of a few iterations can end between two looks), not a failure."""
         for name, process in self.processes:
-            if process.exitcode is not None and not (started and name != "server"):
+            if process.exitcode not in (None, 0) and not (started and name != "server"):
                 code = process.exitcode
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 raise ServiceFailed(f"{name} {how} before the run started; the end of {self.log_path(name)}:\n"
@@ -440,9 +441,9 @@ def cmd_local(args) -> int:
         summary = json.load(fh)
     summary["mode"] = "local"
     summary["exit_codes"] = codes
-    with open(os.path.join(cluster.out, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
-        fh.write("\n")
+    from mdgan.checkpoint import atomic_write_json
+
+    atomic_write_json(os.path.join(cluster.out, "summary.json"), summary)
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
@@ -490,11 +491,33 @@ def cmd_models(args) -> int:
 
 def cmd_traffic(args) -> int:
     # The report reads Prometheus expositions: a service-side module, imported only here.
-    from services.common.traffic import format_table, traffic_report
+    from services.common.traffic import format_formulas, format_table, traffic_report
 
+    if args.run is None:  # the formulas alone
+        report = _traffic_formulas(args)
+        print(json.dumps(report, indent=2) if args.json else format_formulas(report))
+        return 0
     report = traffic_report(args.run)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0 if all(r["payload_matches_formula"] for r in report["rows"]) else 1
+
+
+def _traffic_formulas(args) -> dict:
+    from mdgan.algorithms.pwgan import PWGANOptions
+    from mdgan.config import TrainingConfig
+    from mdgan.data import DATASET_SAMPLE_SHAPES
+    from services.common.traffic import ALGORITHMS, DATASET_TRAIN_SIZES, formula_table
+
+    if args.shard_size is None and args.dataset not in DATASET_TRAIN_SIZES:
+        raise ConfigError(f"--dataset {args.dataset}: give the worker's shard size with --shard-size")
+    shard_size = args.shard_size or DATASET_TRAIN_SIZES[args.dataset] // args.workers
+    config = TrainingConfig(workers=args.workers, iterations=1, batch_size=args.batch_size, disc_steps=args.disc_steps,
+                            swap_epochs=args.swap_epochs, swap_every=args.swap_every,
+                            swap_optimizer_state=args.swap_optimizer_state, wire_dtype=args.wire_dtype,
+                            model=ModelSpec(architecture=args.architecture, gan=args.gan,
+                                            sample_shape=tuple(DATASET_SAMPLE_SHAPES[args.dataset]))).validate()
+    algorithms = list(ALGORITHMS) if args.algorithm == "all" else [args.algorithm]
+    return formula_table(algorithms, config, shard_size, PWGANOptions(potential_rounds=args.potential_rounds).validate())
 
 
 def cmd_experiment(args) -> int:
@@ -611,9 +634,34 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument("--out", required=True, help="folder to write site-0, site-1, ... into")
     split.set_defaults(func=cmd_split)
     sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
-    traffic = sub.add_parser("traffic", help="A run's measured traffic against the paper's Table III.")
-    traffic.add_argument("run", help="run directory of `mdgan local`")
+    traffic = sub.add_parser(
+        "traffic", help="A run's measured traffic against its algorithm's formula, or (without RUN) the formulas.",
+        description="mdgan traffic RUN: the bytes the run's processes counted, next to the per-iteration formula of "
+                    "its algorithm (docs/ALGORITHMS.md); exit status 1 if they differ. Without RUN: each algorithm's "
+                    "payload bytes per iteration for the settings given (the flags below; a run's come from its "
+                    "summary.json).")
+    traffic.add_argument("run", nargs="?", default=None, help="run directory of `mdgan local`")
     traffic.add_argument("--json", action="store_true", help="print the report as JSON")
+    formulas = traffic.add_argument_group("the formulas alone (without RUN)")
+    formulas.add_argument("--algorithm", choices=("all", "mdgan", "flgan", "pwgan", "dpgan"), default="all",
+                          help="one algorithm, or all four side by side")
+    formulas.add_argument("--workers", type=int, default=10, help="N")
+    formulas.add_argument("--batch-size", type=int, default=10, help="b (pwgan: n_g = n_r = b)")
+    formulas.add_argument("--disc-steps", type=int, default=1, help="L (dpgan: D rounds per iteration)")
+    formulas.add_argument("--swap-epochs", type=float, default=1.0, help="E: S = ceil(E m / b) (MD-GAN swaps, "
+                                                                         "FL-GAN rounds)")
+    formulas.add_argument("--swap-every", type=int, default=None, help="S, instead of ceil(E m / b)")
+    formulas.add_argument("--swap-optimizer-state", action="store_true",
+                          help="MD-GAN: Adam moments travel with a swapped discriminator")
+    formulas.add_argument("--architecture", default="mlp", help="see `mdgan models`")
+    formulas.add_argument("--gan", choices=GAN_KINDS, default="acgan")
+    formulas.add_argument("--dataset", choices=("mnist", "cifar10", "synthetic"), default="mnist",
+                          help="sets d (and m, with --shard-size unset)")
+    formulas.add_argument("--shard-size", type=int, default=None, help="m, samples per worker (default: the "
+                                                                       "dataset's training set / N)")
+    formulas.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16", "int8"), default="float32",
+                          help="MD-GAN's compressed wire")
+    formulas.add_argument("--potential-rounds", type=int, default=5, help="pwgan: T")
     traffic.set_defaults(func=cmd_traffic)
     experiment = sub.add_parser("experiment", help="Run a grid of trainings and plot the paper's figures.")
     experiment.add_argument("config", help="experiment YAML (see experiments/)")

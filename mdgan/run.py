@@ -170,8 +170,9 @@ class RunRecorder:
         self._history.write(json.dumps(row) + "\n")
         self._history.flush()
         self._bar.update(1)
-        self._bar.set_postfix(workers=record.active_workers, g=f"{record.gen_loss:.3f}", d=f"{record.disc_loss:.3f}",
-                              refresh=False)
+        if not self._bar.disable:  # (formatting the postfix costs even when no bar is shown)
+            self._bar.set_postfix(workers=record.active_workers, g=f"{record.gen_loss:.3f}",
+                                  d=f"{record.disc_loss:.3f}", refresh=False)
 
     def swap(self, record: dict) -> None:
         """One line per swap round: the plan (sender -> receiver) and what each worker reported."""
@@ -461,11 +462,16 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
             result = run_flgan(config, generator_side, shards, on_iteration=recorder, on_round=recorder.swap)
     finally:
         wall = recorder.close(result.iterations if result else None)
-    return write_outputs(out_dir, config, generator_side, result, wall, "simulate",
-                         {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
-                          "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
-                          "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}},
-                         scores=recorder.scores)
+    extra = {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
+             "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
+             "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}
+    if algorithm in ("pwgan", "dpgan"):  # the options its traffic formula (`mdgan traffic`) and its record need
+        from mdgan.algorithms import dpgan as dp, pwgan as pw
+
+        extra["pwgan" if algorithm == "pwgan" else "dpgan"] = (
+            asdict(pwgan or pw.PWGANOptions()) if algorithm == "pwgan"
+            else {"threshold": (dpgan or dp.DPGANOptions()).resolve(config.workers)})
+    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores)
 
 
 async def _simulate_mdgan(config, shards, generator_side, recorder, out_dir, run: RunStart, crash_every, churn,

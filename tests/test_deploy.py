@@ -165,6 +165,40 @@ def test_workers_replicas_is_the_one_scaling_value():
         assert result.returncode != 0 and "set by the chart" in result.stderr
 
 
+def test_one_value_picks_the_algorithm():
+    """`algorithm` is the server's MDGAN_ALGORITHM (workers take it from the server's spec); each
+    algorithm's options reach the server only with it; values.schema.json refuses what no run takes."""
+    def server_config(*args: str) -> dict:
+        [config] = [c["data"] for c in by_kind(render(*args), "ConfigMap") if c["metadata"]["name"] == "mdgan-server"]
+        return config
+
+    default = server_config()
+    assert default["MDGAN_ALGORITHM"] == "mdgan" and default["MDGAN_CHECKPOINT_EVERY"] == "100"
+    assert not {"MDGAN_POTENTIAL_ROUNDS", "MDGAN_DP_THRESHOLD"} & set(default)
+    pwgan = server_config("--set", "algorithm=pwgan", "--set", "pwgan.potentialRounds=3",
+                          "--set", "pwgan.potentialLr=0.5")
+    assert (pwgan["MDGAN_ALGORITHM"], pwgan["MDGAN_POTENTIAL_ROUNDS"], pwgan["MDGAN_POTENTIAL_LR"],
+            pwgan["MDGAN_GRADIENT_PENALTY"]) == ("pwgan", "3", "0.5", "10")
+    assert pwgan["MDGAN_CHECKPOINT_EVERY"] == "0"  # checkpoints are MD-GAN's; the other servers refuse them
+    dpgan = server_config("--set", "algorithm=dpgan", "--set", "workers.replicas=3", "--set", "dpgan.threshold=2")
+    assert (dpgan["MDGAN_ALGORITHM"], dpgan["MDGAN_DP_THRESHOLD"]) == ("dpgan", "2")
+    assert "MDGAN_DP_THRESHOLD" not in server_config("--set", "algorithm=dpgan")  # every worker
+    assert "MDGAN_POTENTIAL_ROUNDS" not in dpgan
+    workers = [c["data"] for c in by_kind(render("--set", "algorithm=pwgan"), "ConfigMap")
+               if c["metadata"]["name"] == "mdgan-worker"]
+    assert workers and "MDGAN_ALGORITHM" not in workers[0]
+    result = validate(helm_template("--set", "algorithm=dpgan", "--set", "dpgan.threshold=1").stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for bad, says in ((("--set", "algorithm=wgan"), "algorithm"),
+                      (("--set", "pwgan.potentialRounds=0"), "potentialRounds"),
+                      (("--set", "pwgan.potentialLr=fast"), "potentialLr"),
+                      (("--set", "dpgan.threshold=0"), "threshold"),
+                      (("--set", "algorithm=dpgan", "--set", "dpgan.threshold=3"), "more than workers.replicas 2"),
+                      (("--set", "server.settings.MDGAN_ALGORITHM=pwgan"), "set by the chart")):
+        result = helm_template(*bad, check=False)
+        assert result.returncode != 0 and says in result.stderr, (bad, result.stderr)
+
+
 def test_each_worker_mounts_its_own_site_volume():
     """Site mode (default): a claim per worker, read-only, no shared data volume, no download."""
     [statefulset] = by_kind(render(), "StatefulSet")
@@ -321,6 +355,14 @@ def test_compose_config_is_valid():
     assert scaled["worker"]["deploy"]["replicas"] == 5
     assert scaled["worker"]["environment"]["MDGAN_NUM_SHARDS"] == "5"
     assert scaled["server"]["environment"]["MDGAN_WORKERS"] == "5"
+    # one variable picks the algorithm (the server's; workers take it from its spec)
+    assert scaled["server"]["environment"]["MDGAN_ALGORITHM"] == "mdgan"
+    assert scaled["server"]["environment"]["MDGAN_DP_THRESHOLD"] is None  # unset unless the shell sets it
+    picked = json.loads(run([compose, "-f", COMPOSE_FILE, "config", "--format", "json"],
+                            env={"MDGAN_ALGORITHM": "dpgan", "MDGAN_DP_THRESHOLD": "1"}).stdout)["services"]
+    assert (picked["server"]["environment"]["MDGAN_ALGORITHM"], picked["server"]["environment"]["MDGAN_DP_THRESHOLD"]) \
+        == ("dpgan", "1")
+    assert "MDGAN_ALGORITHM" not in picked["worker"]["environment"]
     assert scaled["worker"]["volumes"][0]["type"] == "bind"
     assert {"server", "worker", "prometheus", "grafana"} <= set(scaled)
     with_data = run([compose, "-f", COMPOSE_FILE, "--profile", "download", "config", "--services"]).stdout.split()
@@ -498,6 +540,10 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
         env = dict(base_env)
         paths = volume_paths(services[name])
         for key, value in services[name]["environment"].items():
+            if value is None:  # a bare key: compose passes it from the shell when set there, else leaves it unset
+                if key not in knobs:
+                    continue
+                value = knobs[key]
             value = str(value)
             if key == "MDGAN_LISTEN":
                 value = f"127.0.0.1:{grpc_port}"

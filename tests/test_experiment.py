@@ -124,3 +124,31 @@ def test_runs_in_parallel_processes_give_the_runs_of_one_by_one(tmp_path):
     assert len(set(results[1].values())) == 3  # three different generators, each equal to its twin
     with pytest.raises(ConfigError, match="jobs"):
         run_experiment(path, progress=False, jobs=0)
+
+
+def test_pwgan_and_dpgan_runs_take_their_options_and_the_runs_table_compares_them(tmp_path):
+    out = tmp_path / "out"
+    path = _write(tmp_path, {
+        "name": "four", "out": str(out),
+        "base": {"dataset": "synthetic", "iterations": 3, "workers": 3, "batch_size": 5, "gan": "gan"},
+        "runs": [{"algorithm": "mdgan"},
+                 {"algorithm": "pwgan", "potential_rounds": 2, "potential_lr": 0.5, "gradient_penalty": 1.0},
+                 {"algorithm": "dpgan", "dp_threshold": 2}],
+    })
+    result = run_experiment(path, progress=False)
+    assert result["ran"] == 3
+    summaries = {s["algorithm"]: s for s in (json.loads((d / "summary.json").read_text())
+                                             for d in (out / "runs").iterdir())}
+    assert summaries["pwgan"]["pwgan"] == {"potential_rounds": 2, "potential_lr": 0.5, "gradient_penalty": 1.0}
+    assert summaries["dpgan"]["dpgan"] == {"threshold": 2}
+    # T shows in the bytes: per worker per iteration 4 b d + 4 T b each way (docs/ALGORITHMS.md)
+    assert summaries["pwgan"]["payload_bytes"]["server_to_worker"] == 3 * 3 * (4 * 5 * 784 + 4 * 2 * 5)
+
+    with open(out / "runs.csv") as fh:
+        rows = {row["algorithm"]: row for row in csv.DictReader(fh)}
+    assert sorted(rows) == ["dpgan", "mdgan", "pwgan"]
+    for name, row in rows.items():
+        for direction in ("server_to_worker", "worker_to_server", "worker_to_worker"):
+            assert float(row[f"{direction}_bytes_per_iteration"]) == summaries[name]["payload_bytes"][direction] / 3
+        assert float(row["seconds_per_iteration"]) > 0 and row["iterations"] == "3"
+    assert float(rows["mdgan"]["server_to_worker_bytes_per_iteration"]) == 3 * 2 * 5 * 784 * 4  # Table III

@@ -101,3 +101,21 @@ def test_a_worker_that_cannot_load_its_data_stops_the_cluster_with_its_error(tmp
         assert time.monotonic() - started < 120  # not the server's 600 s join timeout
     finally:
         kill_everything(launcher, set())
+
+
+def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
+    """A run of a few iterations can end (workers exit 0) between two looks of the launcher: that
+    is not a service failing before the start; an exit with another code is."""
+    from types import SimpleNamespace
+
+    from mdgan.cli import LocalCluster, ServiceFailed
+
+    def cluster(*codes):
+        return SimpleNamespace(processes=[(f"worker-{i}", SimpleNamespace(exitcode=c)) for i, c in enumerate(codes)],
+                               log_path=lambda name: str(tmp_path / f"{name}.log"))
+
+    LocalCluster.check_children(cluster(None, 0, 0), started=False)  # no raise
+    with pytest.raises(ServiceFailed, match="worker-1 exited with code 2"):
+        LocalCluster.check_children(cluster(0, 2), started=False)
+    with pytest.raises(ServiceFailed, match="worker-0 was killed by SIGKILL"):
+        LocalCluster.check_children(cluster(-9), started=False)

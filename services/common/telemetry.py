@@ -85,6 +85,7 @@ class Telemetry:
                               registry=r)
         self.checkpoints = Counter("mdgan_checkpoints_total", "Checkpoints taken, by outcome (complete: the server "
                                    "and every live worker saved their state)", ["outcome"], registry=r)
+        self._wire_series: dict[tuple[str, str, str], tuple] = {}  # (direction, kind, side) -> its three series
         self._prime()
 
     def _prime(self) -> None:
@@ -105,10 +106,15 @@ class Telemetry:
 
     # -- wire accounting ---------------------------------------------------------------------
     def count(self, direction: str, kind: str, side: str, message, payload: int = 0) -> None:
-        self.messages.labels(direction, kind, side).inc()
-        self.message_bytes.labels(direction, kind, side).inc(message.ByteSize())
+        key = (direction, kind, side)
+        series = self._wire_series.get(key)
+        if series is None:  # labels() validates and locks on every call: look each series up once
+            series = self._wire_series[key] = (self.messages.labels(*key), self.message_bytes.labels(*key),
+                                               self.payload_bytes.labels(*key))
+        series[0].inc()
+        series[1].inc(message.ByteSize())
         if payload:
-            self.payload_bytes.labels(direction, kind, side).inc(payload)
+            series[2].inc(payload)
 
     # -- exposition ----------------------------------------------------------------------------
     def serve(self, port: int, addr: str = "0.0.0.0") -> int | None:

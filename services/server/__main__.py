@@ -158,6 +158,7 @@ async def serve(args) -> dict:
         observe_scores(telemetry, recorder.scores)
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
             "algorithm": args.algorithm,
+            **(session.summary_fields() if hasattr(session, "summary_fields") else {}),  # its options, say
             "run_id": run.run_id,
             "resumed_from": run.resumed_from,
             "worker_sizes": {w.worker_id: w.shard_size for w in coordinator.workers.values()},  # each worker's m
@@ -167,7 +168,6 @@ async def serve(args) -> dict:
                                                   side="receiver"),
                 "worker_to_worker": session.worker_to_worker_bytes(coordinator),
             },
-            **getattr(session, "summary_fields", dict)(),  # the algorithm's options, for its record
         })
         log.info("done: run %s, %d iterations, %d/%d workers alive, generator %s", run.run_id, result.iterations,
                  result.workers_alive, result.workers, summary["generator_sha256"][:16])

@@ -5,6 +5,7 @@ counts (up), protos/mdgan/v1/pwgan.proto."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -152,6 +153,10 @@ class PWGANServer:
         """The Welcome's spec carries T, eta and lambda to the workers."""
         for name, value in codec.pwgan_spec_fields(self.options).items():
             setattr(spec, name, value)
+
+    def summary_fields(self) -> dict:
+        """summary.json records T, eta and lambda, as `mdgan simulate` does (`mdgan traffic` needs T)."""
+        return {"pwgan": dataclasses.asdict(self.options)}
 
     def swap_round(self) -> int:
         return 0
