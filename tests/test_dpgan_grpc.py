@@ -5,6 +5,7 @@ mid-run, and hostile input both ways."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +72,9 @@ def test_local_equals_simulate_bit_for_bit_and_the_wire_carries_the_formula(tmp_
     for direction in ("server_to_worker", "worker_to_server"):
         assert counted[(direction, "sender")] == counted[(direction, "receiver")] == expected[direction]
     assert counted.get(("worker_to_worker", "sender"), 0) == 0
+    report = json.loads(mdgan("traffic", str(tmp_path / "local"), "--json").stdout)  # the same, as users see it
+    assert report["algorithm"] == "dpgan" and len(report["rows"]) == 6
+    assert all(row["payload_bytes"] == row["formula_bytes"] == expected[row["direction"]] for row in report["rows"])
 
 
 @pytest.mark.slow
