@@ -21,8 +21,9 @@ Two measures:
   late, and the final MNIST score and FID.
 - `--wall-budget S`: every mode trains S seconds (the sum of its iterations' wall times from the
   second on: start-up and the first iteration, the workers' warm-up, excluded), then the server gets
-  SIGTERM, checkpoints the iteration under way and stops; the bench scores that checkpoint's generator (MNIST score and FID, --eval-samples images against 2,000 MNIST
-  test images, the same fixed noise for every mode). This is the comparison that matters: what each
+  SIGTERM, checkpoints the iteration under way and stops; the bench scores that checkpoint's generator
+  (MNIST score and FID, --eval-samples images against 2,000 MNIST test images, the same fixed noise
+  for every mode). This is the comparison that matters: what each
   mode has learnt after the same time, not how many (smaller, staler) updates it made.
 
 A timing measurement: run it on a quiet machine, or niced and with the load average stated; compare
