@@ -27,6 +27,7 @@ does not, so a delay cannot be added):
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -88,6 +89,14 @@ class ShapedNamespace:
             self.__exit__()
             raise
         return self
+
+    def bytes_shaped(self) -> tuple[int, int]:
+        """(host -> namespace, namespace -> host): bytes that went through each token bucket so far."""
+        def sent(prefix: list[str], dev: str) -> int:
+            text = subprocess.run([*prefix, "tc", "-s", "qdisc", "show", "dev", dev], check=True,
+                                  capture_output=True, text=True).stdout
+            return int(re.search(r"Sent (\d+) bytes", text).group(1))
+        return sent([], self.host_dev), sent(["ip", "netns", "exec", self.name], self.ns_dev)
 
     def wrap(self, command: list[str]) -> list[str]:
         """The command, run inside the namespace."""
