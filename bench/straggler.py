@@ -125,6 +125,7 @@ def run(mode: list[str], args, out: str, namespace: ShapedNamespace | None) -> d
             workers.append(subprocess.Popen(command, cwd=REPO, stdout=logs, stderr=subprocess.STDOUT))
         history = os.path.join(out, "history.jsonl")
         load_before = os.getloadavg()[0]
+        shaped_before = namespace.bytes_shaped() if namespace else (0, 0)
         if args.wall_budget:
             while server.poll() is None and training_seconds(history)[1] < args.wall_budget:
                 time.sleep(0.5)
@@ -142,6 +143,8 @@ def run(mode: list[str], args, out: str, namespace: ShapedNamespace | None) -> d
             with open(os.path.join(out, "summary.json")) as fh:
                 summary = json.load(fh)
         summary["load"] = (load_before, os.getloadavg()[0])
+        if namespace:  # what crossed the straggler's link in this mode (in, out)
+            summary["shaped_bytes"] = [b - a for a, b in zip(shaped_before, namespace.bytes_shaped())]
     finally:
         for p in [server, *workers]:
             if p.poll() is None:
@@ -197,8 +200,10 @@ def main() -> int:
         for name in order:
             results[name] = run(flags[name], args, os.path.join(root, name), namespace)
             s = results[name]
+            link = f", {s['shaped_bytes'][0]:,} B in / {s['shaped_bytes'][1]:,} B out through the straggler's " \
+                "link" if namespace else ""
             print(f"  {name} done: {s['iterations']} iterations in {s['wall_seconds']:.1f} s, load average "
-                  f"{s['load'][0]:.1f} -> {s['load'][1]:.1f}", flush=True)
+                  f"{s['load'][0]:.1f} -> {s['load'][1]:.1f}{link}", flush=True)
     base = results["all"]["iterations"] / results["all"]["wall_seconds"]
     for name, s in results.items():
         rate = s["iterations"] / s["wall_seconds"]
