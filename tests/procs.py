@@ -100,3 +100,15 @@ def read_jsonl(path: str) -> list[dict]:
 def read_json(path: str) -> dict:
     with open(path) as fh:
         return json.load(fh)
+
+
+def wait_for_iterations(server: Proc, out: str | os.PathLike, count: int, timeout: float = 120.0) -> list[dict]:
+    """Block until the server's history.jsonl holds `count` iterations; fails (with the server's log)
+    if the server exits first or `timeout` passes. Returns the records read."""
+    history = os.path.join(out, "history.jsonl")
+    deadline = time.monotonic() + timeout
+    while len(records := read_jsonl(history)) < count:
+        assert time.monotonic() < deadline, f"{len(records)} of {count} iterations in {timeout:.0f} s\n{server.log()}"
+        assert server.popen.poll() is None, server.log()
+        time.sleep(0.05)
+    return records

@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import REPO
-from procs import read_json, read_jsonl, start_server, start_worker
+from procs import read_json, read_jsonl, start_server, start_worker, wait_for_iterations
 
 pytestmark = pytest.mark.slow
 
@@ -89,11 +88,7 @@ def test_a_worker_killed_mid_run_costs_at_most_one_deadline(tmp_path):
     workers = [start_worker(out, port, i, 3, "--dataset", "synthetic") for i in range(3)]
     try:
         history = os.path.join(out, "history.jsonl")
-        deadline = time.monotonic() + 120
-        while len(read_jsonl(history)) < 30:
-            assert time.monotonic() < deadline, server.log()
-            assert server.popen.poll() is None, server.log()
-            time.sleep(0.05)
+        wait_for_iterations(server, out, 30)
         workers[1].popen.send_signal(signal.SIGKILL)
         assert server.wait(180) == 0, server.log()
         summary = read_json(os.path.join(out, "summary.json"))

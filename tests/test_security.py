@@ -23,11 +23,11 @@ from mdgan.config import ModelSpec, TrainingConfig
 from mdgan.models import build_discriminator
 from services.common import codec, pki, rpc
 from services.common.proto import coordinator_pb2 as pb
-from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, tensor_pb2
+from services.common.proto import coordinator_pb2_grpc, peer_pb2, tensor_pb2
 from services.common.tls import TLSConfig
-from services.server.servicer import Coordinator
+from services.server.coordinator import Coordinator
 
-from procs import read_json, read_jsonl, start_server, start_worker, tls_flags
+from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 TRAIN = "/mdgan.v1.Coordinator/Train"
 PUSH = "/mdgan.v1.Peer/PushDiscriminator"
@@ -176,9 +176,7 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
     mallory, impostor = credentials(pki_dir, "mallory"), credentials(pki_dir, "worker-1")
     try:
         target = peer_port(workers[0].log_path)
-        while not read_jsonl(os.path.join(out, "history.jsonl")):  # the run is under way
-            assert server.popen.poll() is None, server.log()
-            time.sleep(0.05)
+        wait_for_iterations(server, out, 1)  # the run is under way
 
         async def attack():
             codes = []

@@ -26,7 +26,7 @@ from mdgan.sites import RunClasses, find_images, load_imagefolder, load_site, ma
 from services.common import rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
-from services.server.servicer import Coordinator
+from services.server.coordinator import Coordinator
 
 NO_EVAL = EvaluationOptions(every=-1)
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
-from procs import read_json, read_jsonl, start_server, start_worker
+from procs import read_json, read_jsonl, start_server, start_worker, wait_for_iterations
 from test_e2e import mdgan
 
 pytestmark = pytest.mark.slow
@@ -41,11 +40,7 @@ def test_a_straggler_and_a_killed_worker_do_not_hold_the_run_back(tmp_path, sync
                             *(["--slow-factor", "8"] if i == 3 else [])) for i in range(4)]
     try:
         history = os.path.join(out, "history.jsonl")
-        deadline = time.monotonic() + 120
-        while len(read_jsonl(history)) < 30:
-            assert time.monotonic() < deadline, server.log()
-            assert server.popen.poll() is None, server.log()
-            time.sleep(0.05)
+        wait_for_iterations(server, out, 30)
         workers[1].popen.send_signal(signal.SIGKILL)
         assert server.wait(180) == 0, server.log()
         summary = read_json(os.path.join(out, "summary.json"))

@@ -15,8 +15,10 @@ from mdgan.mdgan import DiscriminatorSide
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
-from services.server.servicer import Coordinator
-from services.worker.node import PeerServicer, WorkerNode, push_discriminator
+from services.server.coordinator import Coordinator
+from services.worker.algorithms.mdgan import MDGANWorker
+from services.worker.node import WorkerNode
+from services.worker.peer import PeerServicer, push_discriminator
 
 from procs import read_json, read_jsonl, start_server, start_worker
 
@@ -188,8 +190,8 @@ def test_peer_service_checks_every_pushed_discriminator():
         server, port = await _serve(lambda s: peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), s))
         try:
             results = {"before joining": await push(list(codec.state_chunks(state, 1, "worker-1")))}
-            node.side = DiscriminatorSide(config, shard)
-            node.mailbox.expect(1, "worker-1")  # the swap order: round 1 comes from worker-1
+            node.algorithm = MDGANWorker(node, config, shard)  # what the run's welcome builds
+            node.algorithm.mailbox.expect(1, "worker-1")  # the swap order: round 1 comes from worker-1
             good = list(codec.state_chunks(state, 1, "worker-1"))
             wrong = dict(state)
             wrong["stack.4.weight"] = torch.zeros(11, 511)
@@ -202,7 +204,7 @@ def test_peer_service_checks_every_pushed_discriminator():
             results["unexpected round"] = await push(list(codec.state_chunks(state, 9, "worker-1")))
             results["good"] = await push(good)
             results["same round again"] = await push(good)
-            sender, received = await node.mailbox.collect(1, timeout=1)
+            sender, received = await node.algorithm.mailbox.collect(1, timeout=1)
             return results, sender, received
         finally:
             await server.stop(None)
@@ -276,3 +278,47 @@ def test_a_malformed_flgan_model_is_refused_and_the_round_goes_on(tmp_path):
     assert summary["workers_alive"] == 2 and summary["rejections"] == 1
     history = read_jsonl(os.path.join(out, "history.jsonl"))
     assert [r["answered"] for r in history] == [1, 1, 2, 2, 2, 2]
+
+
+def test_each_algorithm_takes_only_its_own_messages():
+    """A stream speaks its run's algorithm only: the server answers another algorithm's message with a
+    rejection ("protocol") and the stream goes on; the worker modules take disjoint message kinds."""
+    config = TrainingConfig(workers=2, batch_size=B).validate()
+    foreign = {  # a message of the other algorithm, for a stream of each
+        "mdgan": pb.WorkerMessage(model_part=pb.ModelPart(round=1, model="generator", data=b"\0")),
+        "flgan": pb.WorkerMessage(feedback=pb.Feedback(iteration=1, gradient=codec.encode_tensor(torch.zeros(B, 784)))),
+    }
+
+    async def scenario(algorithm: str):
+        coordinator = Coordinator(config, algorithm=algorithm, model_layouts={})
+        server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, s))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
+                await call.write(_join(shard_index=0))
+                welcome = (await call.read()).welcome
+                await call.write(foreign[algorithm])
+                reply = await call.read()
+                await call.write(pb.WorkerMessage(heartbeat=pb.Heartbeat()))
+                alive = not coordinator.workers[0].connection.closed.is_set()
+                call.cancel()
+                return welcome.spec.algorithm, reply, alive
+        finally:
+            await server.stop(None)
+
+    for algorithm in ("mdgan", "flgan"):
+        spec_algorithm, reply, alive = asyncio.run(scenario(algorithm))
+        assert spec_algorithm == algorithm
+        assert reply.WhichOneof("body") == "rejection", reply
+        assert (reply.rejection.code, reply.rejection.reason) == (INVALID_ARGUMENT, "protocol")
+        assert alive
+
+    from services.worker.algorithms import ALGORITHMS
+    shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
+    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    taken = {name: set(cls(node, config, shard).receivers()) for name, cls in ALGORITHMS.items()}
+    names = list(taken)
+    for i, a in enumerate(names):
+        assert taken[a] <= {f.name for f in pb.ServerMessage.DESCRIPTOR.oneofs_by_name["body"].fields}, a
+        for b in names[i + 1:]:
+            assert not taken[a] & taken[b], (a, b, taken[a] & taken[b])

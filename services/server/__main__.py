@@ -8,13 +8,11 @@ import math
 import os
 import signal
 import sys
-import time
 
 
 from mdgan.checkpoint import CheckpointError
 from mdgan.config import DATASETS, ConfigError
-from mdgan.baselines import FederatedTrainer
-from mdgan.cluster import IterationRecord, Trainer
+from mdgan.cluster import IterationRecord
 from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.roster import Roster
@@ -24,7 +22,9 @@ from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_sit
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
-from services.server.servicer import Coordinator
+from services.server.algorithms import ALGORITHMS
+from services.server.context import ServerContext
+from services.server.coordinator import Coordinator
 
 log = logging.getLogger("mdgan.server")
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -47,7 +47,7 @@ def build_parser() -> EnvArgumentParser:
                         help="write the final metrics exposition to this file (default: OUT/metrics/server.prom)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", default="INFO", help="logging level")
-    parser.add_argument("--algorithm", choices=("mdgan", "flgan"), default="mdgan",
+    parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="mdgan",
                         help="MD-GAN, or the FL-GAN baseline (FedAvg of whole GANs) over the same services")
     parser.add_argument("--round-timeout", type=float, default=3600.0,
                         help="FL-GAN: deadline for a worker's local round (s)")
@@ -98,8 +98,8 @@ async def serve(args) -> dict:
     run = open_run(args.out, training_config(args), args.resume, args.run_id)
     config = run.config
     log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
-    if args.algorithm == "flgan" and (args.checkpoint_every or run.state is not None):
-        raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
+    algorithm = ALGORITHMS[args.algorithm]
+    algorithm.check(args, run)
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")
     telemetry.run_info.labels(run.run_id).set(1)
@@ -117,30 +117,17 @@ async def serve(args) -> dict:
                            resume_at=run.resumed_from)
     saver = ServerCheckpoints(args.out, run.run_id, args.keep_checkpoints)
 
-    def on_iteration(record: IterationRecord) -> None:
+    def on_iteration(record: IterationRecord, alive: int) -> None:
         recorder(record)
-        observe_iteration(telemetry, record, len(trainer.active))
+        observe_iteration(telemetry, record, alive)
         observe_scores(telemetry, recorder.scores)
 
-    def on_swap(record: dict) -> None:
-        recorder.swap(record)
-        if "round" in record:
-            complete = all(w["sent"] and w["received"] for w in record["workers"].values())
-            telemetry.swaps.labels("complete" if complete else "incomplete").inc()
-
-    def save_checkpoint(iteration: int, wrote_all: bool) -> None:
-        saver.save(iteration, wrote_all, generator, trainer, recorder)
-        telemetry.checkpoints.labels("complete" if wrote_all else "incomplete").inc()
-
-    trainer = Trainer(config, generator, roster=roster, step_timeout=args.step_timeout,
-                      swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=on_iteration, on_swap=on_swap,
-                      checkpoint_every=args.checkpoint_every, save_checkpoint=save_checkpoint)
-    if run.state is not None:
-        ServerCheckpoints.restore(run.state, generator, trainer, recorder)
+    session = algorithm(ServerContext(args, config, run, telemetry, generator, initial_discriminator.state_dict(),
+                                      roster, recorder, saver, on_iteration))
     coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
                               swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
                               model_layouts=layouts, roster=roster, run_id=run.run_id,
-                              swap_round=lambda: trainer.swaps, class_names=class_names(args),
+                              swap_round=session.swap_round, class_names=class_names(args),
                               authenticated=credentials is not None, allowed_workers=allowed)
     receive, send = message_limits(config)
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
@@ -163,27 +150,7 @@ async def serve(args) -> dict:
         loop.add_signal_handler(sig, stopping.set)
     result = None
     try:
-        if args.algorithm == "flgan":
-            workers = await _until(coordinator.wait_for_workers(args.join_timeout), stopping)
-            recorder.started = time.perf_counter()
-            trainer = FederatedTrainer(config, generator, workers, initial_discriminator.state_dict(),
-                                       round_timeout=args.round_timeout, on_iteration=on_iteration,
-                                       on_round=recorder.swap)
-            try:
-                result = await _until(trainer.run(), stopping)
-            finally:
-                wall = recorder.close(result.iterations if result else None)
-        else:
-            await _until(trainer.wait_to_start(args.join_timeout), stopping)
-            recorder.started = time.perf_counter()  # the run's wall time starts with its first iteration
-            try:
-                result = await _until(trainer.run(), stopping, lambda: setattr(trainer, "stop_requested", True),
-                                      args.stop_grace)
-            finally:
-                wall = recorder.close(result.iterations if result else None)
-            if result.stopped_early and trainer.stop_requested:
-                log.info("stopped at iteration %d by a signal; resume with --resume", result.iterations)
-                raise SystemExit("terminated by signal")
+        result, wall = await session.run(coordinator, stopping)
         observe_scores(telemetry, recorder.scores)
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
             "algorithm": args.algorithm,
@@ -194,8 +161,7 @@ async def serve(args) -> dict:
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",
                                                   side="receiver"),
-                "worker_to_worker": coordinator.departed_swap_bytes
-                + sum(w.swap_message_bytes for w in coordinator.workers.values()),
+                "worker_to_worker": session.worker_to_worker_bytes(coordinator),
             },
         })
         log.info("done: run %s, %d iterations, %d/%d workers alive, generator %s", run.run_id, result.iterations,
@@ -204,7 +170,7 @@ async def serve(args) -> dict:
     finally:
         telemetry.dump(args.metrics_dump or os.path.join(args.out, "metrics", "server.prom"))
         await rpc.set_serving(health, [SERVICE], False)
-        await server.stop(grace=5 if result is not None and not getattr(trainer, "stop_requested", False) else 0)
+        await server.stop(grace=5 if result is not None and not session.stop_requested else 0)
 
 
 def observe_scores(telemetry: Telemetry, scores: dict | None) -> None:
@@ -231,25 +197,6 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
     telemetry.workers_alive.set(alive)
     telemetry.last_iteration.set_to_current_time()
 
-
-
-async def _until(work, stopping: asyncio.Event, ask_to_stop=None, grace: float = 0.0):
-    """Run `work`, or give up when a termination signal arrives. With ask_to_stop, the signal first
-    asks the work to end by itself (the trainer checkpoints at the next boundary), for up to `grace` s."""
-    task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(stopping.wait())
-    done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        stop.cancel()
-        return task.result()
-    if ask_to_stop is not None:
-        ask_to_stop()
-        done, _ = await asyncio.wait({task}, timeout=grace)
-        if task in done:
-            return task.result()
-        log.warning("the iteration under way did not end within %.0f s: stopping without a checkpoint", grace)
-    task.cancel()
-    raise SystemExit("terminated by signal")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,8 @@ from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
 from mdgan.checkpoint import CheckpointError
-from services.worker.node import FINAL_REFUSALS, PEER_SERVICE, JoinRefused, PeerServicer, ServerGone, WorkerNode
+from services.worker.node import FINAL_REFUSALS, JoinRefused, ServerGone, WorkerNode
+from services.worker.peer import PEER_SERVICE, PeerServicer
 
 log = logging.getLogger("mdgan.worker")
 

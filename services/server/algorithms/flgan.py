@@ -1,0 +1,148 @@
+"""FL-GAN (FedAvg of whole GANs) on the server: the library's FederatedWorker over a worker's stream,
+and the run around mdgan.baselines.FederatedTrainer. Speaks model parts and local rounds."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from mdgan.baselines import FederatedTrainer, FederatedWorker, LocalRoundResult
+from mdgan.cluster import InputRejected
+from mdgan.config import ConfigError
+from services.common import codec
+from services.common.proto import coordinator_pb2 as pb
+from services.server.connection import CONTROL, StreamHandle, WorkerConnection
+from services.server.context import ServerContext, until
+
+MODELS = ("generator", "discriminator")
+
+
+@dataclass
+class FederatedRun:
+    """What an FL-GAN run's handles share."""
+
+    model_layouts: dict[str, dict]  # model -> the layout every returning state is checked against
+
+
+class GrpcFederatedWorker(StreamHandle, FederatedWorker):
+    """FL-GAN's FederatedWorker for a worker on the other end of a stream."""
+
+    algorithm = "flgan"
+    late_join_refusal = "an FL-GAN run takes no workers once it started"
+
+    def __init__(self, connection: WorkerConnection, run: FederatedRun, needs_copy: bool = False):
+        super().__init__(connection)
+        self.model_layouts = run.model_layouts
+        self._rounds = connection.answers("round")  # round -> Future[LocalRoundResult]
+        # the models coming back in the current round, checked against model_layouts
+        self._returning: dict[tuple[int, str], codec.StateAssembler] = {}
+        self._discarding = -1  # a round already refused: the rest of its parts are dropped quietly
+
+    @classmethod
+    def run_state(cls, coordinator) -> FederatedRun:
+        return FederatedRun(coordinator.model_layouts or {})
+
+    def receivers(self):
+        return {"model_part": self._on_model_part, "local_round_done": self._on_local_round_done}
+
+    @staticmethod
+    def traffic(body: str | None, message) -> tuple[str, int]:
+        if body == "model_part":
+            return message.model_part.model, len(message.model_part.data)  # generator or discriminator
+        return CONTROL
+
+    async def local_round(self, round_: int, first_iteration: int, iterations: int,
+                          generator: dict[str, torch.Tensor], discriminator: dict[str, torch.Tensor]) -> LocalRoundResult:
+        future = asyncio.get_running_loop().create_future()
+        self._rounds[round_] = future
+        self._returning = {(round_, model): codec.StateAssembler(layout) for model, layout in self.model_layouts.items()}
+        send = self.connection.send
+        try:
+            for model, state in (("generator", generator), ("discriminator", discriminator)):
+                for part in codec.model_parts(state, round_, model):
+                    await send(pb.ServerMessage(model_part=part))
+            await send(pb.ServerMessage(local_round=pb.LocalRound(
+                round=round_, first_iteration=first_iteration, iterations=iterations)))
+            return await future
+        finally:
+            self._rounds.pop(round_, None)
+            self._returning = {}
+
+    async def _fail_round(self, round_: int, reason: str, detail: str) -> None:
+        self._discarding = round_
+        await self.connection.reject(round_, reason, detail)
+        future = self._rounds.get(round_)
+        if future is not None and not future.done():
+            future.set_exception(InputRejected(reason, detail))
+        self._returning = {}
+
+    async def _on_model_part(self, part: pb.ModelPart) -> None:
+        if part.round == self._discarding:
+            return
+        assembler = self._returning.get((part.round, part.model))
+        if assembler is None:
+            await self.connection.reject(part.round, "round", f"no {part.model!r} expected for round {part.round}")
+            return
+        try:
+            assembler.accept(part)
+        except codec.InvalidTensor as exc:
+            await self._fail_round(part.round, exc.reason, f"{part.model}: {exc}")
+
+    async def _on_local_round_done(self, done: pb.LocalRoundDone) -> None:
+        if done.round == self._discarding:
+            return
+        future = self._rounds.get(done.round)
+        if future is None or future.done():
+            await self.connection.reject(done.round, "round", f"no local round {done.round} pending")
+            return
+        try:
+            states = {model: self._returning[(done.round, model)].finish() for model in MODELS}
+        except (codec.InvalidTensor, KeyError) as exc:
+            await self._fail_round(done.round, getattr(exc, "reason", "protocol"), f"models of round {done.round}: {exc}")
+            return
+        stats = [{"gen_loss": s.gen_loss, "disc_loss": s.disc_loss, "real_accuracy": s.real_accuracy,
+                  "fake_accuracy": s.fake_accuracy} for s in done.stats]
+        sent = sum(t.numel() * t.element_size() for state in states.values() for t in state.values())
+        future.set_result(LocalRoundResult(states["generator"], states["discriminator"], stats, sent))
+
+
+class FederatedServer:
+    """An FL-GAN run on the server: FederatedTrainer over a fixed set of GrpcFederatedWorkers."""
+
+    handle = GrpcFederatedWorker
+    stop_requested = False
+
+    @staticmethod
+    def check(args, run) -> None:
+        if args.checkpoint_every or run.state is not None:
+            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+        self.trainer: FederatedTrainer | None = None
+
+    def swap_round(self) -> int:
+        return 0
+
+    async def run(self, coordinator, stopping: asyncio.Event):
+        """(RunResult, wall seconds) once every slot's worker trained its rounds."""
+        ctx = self.ctx
+        workers = await until(coordinator.wait_for_workers(ctx.args.join_timeout), stopping)
+        ctx.recorder.started = ctx.clock()
+        self.trainer = FederatedTrainer(ctx.config, ctx.generator, workers, ctx.initial_discriminator,
+                                        round_timeout=ctx.args.round_timeout,
+                                        on_iteration=lambda record: ctx.on_iteration(record,
+                                                                                     len(self.trainer.active)),
+                                        on_round=ctx.recorder.swap)
+        result = None
+        try:
+            result = await until(self.trainer.run(), stopping)
+        finally:
+            wall = ctx.recorder.close(result.iterations if result else None)
+        return result, wall
+
+    @staticmethod
+    def worker_to_worker_bytes(coordinator) -> int:
+        return 0  # FL-GAN workers talk to the server only

@@ -1,0 +1,234 @@
+"""MD-GAN on the server: the library's WorkerHandle over a worker's stream, and the run around
+mdgan.cluster.Trainer. Speaks batches/feedback, swap orders/reports/cancels, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from mdgan import compression
+from mdgan.cluster import InputRejected, IterationRecord, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.config import TrainingConfig
+from mdgan.mdgan import StepResult, WorkerBatch
+from mdgan.run import ServerCheckpoints
+from services.common import codec
+from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import tensor_pb2
+from services.server.connection import CONTROL, StreamHandle, WorkerConnection, tensor_payload
+from services.server.context import ServerContext, until
+
+log = logging.getLogger("mdgan.server")
+
+
+class BatchEncoder:
+    """Encodes each of an iteration's kappa batches once, however many of the N workers get it."""
+
+    def __init__(self) -> None:
+        self._iteration = -1
+        self._encoded: dict[int, tuple[torch.Tensor, tensor_pb2.Tensor]] = {}
+
+    def encode(self, iteration: int, tensor: torch.Tensor, wire_dtype: str | None = None) -> tensor_pb2.Tensor:
+        """`wire_dtype`: a float tensor in the run's wire form (mdgan/compression.py); None: as it is."""
+        if iteration != self._iteration:
+            self._iteration, self._encoded = iteration, {}
+        hit = self._encoded.get(id(tensor))
+        if hit is None or hit[0] is not tensor:
+            encoded = codec.encode_tensor(tensor) if wire_dtype is None else \
+                codec.encode_packed(compression.pack(tensor, wire_dtype))
+            hit = self._encoded[id(tensor)] = (tensor, encoded)  # holding it pins its id
+        return hit[1]
+
+
+@dataclass
+class MDGANRun:
+    """What an MD-GAN run's handles share."""
+
+    config: TrainingConfig
+    run_id: str = ""
+    encoder: BatchEncoder = field(default_factory=BatchEncoder)
+    address_book: dict[str, str] = field(default_factory=dict)  # worker id -> peer address
+    identity_book: dict[str, str] = field(default_factory=dict)  # worker id -> identity
+    swap_message_bytes: int = 0  # serialized bytes the workers report pushing to peers, all handles
+
+
+class GrpcWorker(StreamHandle, WorkerHandle):
+    """MD-GAN's WorkerHandle for a worker on the other end of a stream."""
+
+    algorithm = "mdgan"
+
+    def __init__(self, connection: WorkerConnection, run: MDGANRun, needs_copy: bool = False):
+        super().__init__(connection)
+        self.run = run
+        self.config = run.config
+        self.needs_copy = needs_copy
+        self.encoder = run.encoder  # shared by the run's workers
+        self._steps = connection.answers("step")  # iteration -> Future[StepResult]
+        # Swap rounds and copy boundaries share this map: a copy happens before an iteration and a
+        # swap after it, each awaited to the end, so their numbers are never pending at once.
+        self._swaps = connection.answers("swap")
+        self._checkpoints = connection.answers("checkpoint")
+        run.address_book[self.worker_id] = connection.peer_address
+        run.identity_book[self.worker_id] = self.identity
+
+    @classmethod
+    def run_state(cls, coordinator) -> MDGANRun:
+        return MDGANRun(coordinator.config, coordinator.run_id)
+
+    def receivers(self):
+        return {"feedback": self._on_feedback, "swap_report": self._on_swap_report,
+                "checkpoint_done": self._on_checkpoint_done}
+
+    @staticmethod
+    def traffic(body: str | None, message) -> tuple[str, int]:
+        """Table III's tensors: X_g and X_d down, F_n up (labels are not in it)."""
+        if body == "batches":
+            b = message.batches
+            return "batches", tensor_payload(b.generated) + tensor_payload(b.discriminated)
+        if body == "feedback":
+            return "feedback", tensor_payload(message.feedback.gradient)
+        return CONTROL
+
+    # -- the training loop's calls -----------------------------------------------------------
+    async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        encode, wire = self.encoder.encode, self.config.wire_dtype
+        message = pb.ServerMessage(batches=pb.Batches(
+            iteration=iteration,
+            generated=encode(iteration, batch.generated, wire),
+            discriminated=encode(iteration, batch.discriminated, wire),
+            generated_labels=None if batch.generated_labels is None else encode(iteration, batch.generated_labels),
+            discriminated_labels=None if batch.discriminated_labels is None
+            else encode(iteration, batch.discriminated_labels)))
+        future = asyncio.get_running_loop().create_future()
+        self._steps[iteration] = future
+        try:
+            await self.connection.send(message)
+            return await future
+        finally:
+            self._steps.pop(iteration, None)
+
+    async def swap(self, order: SwapOrder) -> SwapReport:
+        future = asyncio.get_running_loop().create_future()
+        self._swaps[order.swap_round] = future
+        book, identities = self.run.address_book, self.run.identity_book
+        try:
+            await self.connection.send(pb.ServerMessage(swap_order=pb.SwapOrder(
+                round=order.swap_round, send_to_worker=order.send_to,
+                send_to_address=book.get(order.send_to, ""), receive_from_worker=order.receive_from,
+                receive_from_identity=identities.get(order.receive_from, ""),
+                send_to_identity=identities.get(order.send_to, ""), kind=order.kind)))
+            return await future
+        finally:
+            self._swaps.pop(order.swap_round, None)
+
+    async def checkpoint(self, iteration: int) -> str | None:
+        future = asyncio.get_running_loop().create_future()
+        self._checkpoints[iteration] = future
+        try:
+            await self.connection.send(pb.ServerMessage(checkpoint=pb.CheckpointOrder(iteration=iteration,
+                                                                                      run_id=self.run.run_id)))
+            return await future
+        finally:
+            self._checkpoints.pop(iteration, None)
+
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
+        await self.connection.send(pb.ServerMessage(swap_cancel=pb.SwapCancel(round=swap_round, sender_worker=sender,
+                                                                              reason=reason)))
+
+    # -- the worker's messages ---------------------------------------------------------------
+    async def _on_feedback(self, feedback: pb.Feedback) -> None:
+        future = self._steps.get(feedback.iteration)
+        if future is None or future.done():
+            await self.connection.reject(feedback.iteration, "iteration",
+                                         f"no batch pending for iteration {feedback.iteration}")
+            return
+        shape = (self.config.batch_size, *self.config.model.sample_shape)
+        try:
+            if not feedback.HasField("gradient"):
+                raise codec.InvalidTensor("missing", "feedback without gradient")
+            gradient = codec.decode_packed(feedback.gradient, shape=shape, wire_dtype=self.config.wire_dtype,
+                                           field="gradient")
+        except codec.InvalidTensor as exc:
+            await self.connection.reject(feedback.iteration, exc.reason, str(exc))
+            future.set_exception(InputRejected(exc.reason, str(exc)))
+            return
+        s = feedback.stats
+        future.set_result(StepResult(gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy))
+
+    async def _on_swap_report(self, report: pb.SwapReport) -> None:
+        future = self._swaps.get(report.round)
+        if future is not None and not future.done():
+            self.run.swap_message_bytes += report.sent_message_bytes
+            future.set_result(SwapReport(report.round, report.sent, report.received, report.sent_payload_bytes,
+                                         report.error))
+
+    async def _on_checkpoint_done(self, done: pb.CheckpointDone) -> None:
+        future = self._checkpoints.get(done.iteration)
+        if future is None or future.done():
+            await self.connection.reject(done.iteration, "iteration", f"no checkpoint pending for {done.iteration}")
+        else:
+            future.set_result(None if done.ok else (done.error or "the worker could not save its state"))
+
+
+class MDGANServer:
+    """An MD-GAN run on the server: mdgan.cluster.Trainer over the roster's GrpcWorkers."""
+
+    handle = GrpcWorker
+
+    @staticmethod
+    def check(args, run) -> None:
+        """Every option works with MD-GAN."""
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+        args, telemetry, recorder = ctx.args, ctx.telemetry, ctx.recorder
+
+        def on_swap(record: dict) -> None:
+            recorder.swap(record)
+            if "round" in record:
+                complete = all(w["sent"] and w["received"] for w in record["workers"].values())
+                telemetry.swaps.labels("complete" if complete else "incomplete").inc()
+
+        def save_checkpoint(iteration: int, wrote_all: bool) -> None:
+            ctx.saver.save(iteration, wrote_all, ctx.generator, self.trainer, recorder)
+            telemetry.checkpoints.labels("complete" if wrote_all else "incomplete").inc()
+
+        self.trainer = Trainer(ctx.config, ctx.generator, roster=ctx.roster, step_timeout=args.step_timeout,
+                               swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=self._on_iteration,
+                               on_swap=on_swap, checkpoint_every=args.checkpoint_every,
+                               save_checkpoint=save_checkpoint)
+        if ctx.run.state is not None:
+            ServerCheckpoints.restore(ctx.run.state, ctx.generator, self.trainer, recorder)
+
+    def _on_iteration(self, record: IterationRecord) -> None:
+        self.ctx.on_iteration(record, len(self.trainer.active))
+
+    def swap_round(self) -> int:
+        """Swap rounds done so far (a joining worker's mailbox starts after them)."""
+        return self.trainer.swaps
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.trainer.stop_requested
+
+    async def run(self, coordinator, stopping: asyncio.Event):
+        """(RunResult, wall seconds); SystemExit when a signal stopped it (checkpointed if it could)."""
+        ctx, trainer = self.ctx, self.trainer
+        await until(trainer.wait_to_start(ctx.args.join_timeout), stopping)
+        ctx.recorder.started = ctx.clock()  # the run's wall time starts with its first iteration
+        result = None
+        try:
+            result = await until(trainer.run(), stopping, lambda: setattr(trainer, "stop_requested", True),
+                                 ctx.args.stop_grace)
+        finally:
+            wall = ctx.recorder.close(result.iterations if result else None)
+        if result.stopped_early and trainer.stop_requested:
+            log.info("stopped at iteration %d by a signal; resume with --resume", result.iterations)
+            raise SystemExit("terminated by signal")
+        return result, wall
+
+    @staticmethod
+    def worker_to_worker_bytes(coordinator) -> int:
+        return coordinator.run_state.swap_message_bytes

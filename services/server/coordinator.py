@@ -1,0 +1,257 @@
+"""The Coordinator service: admits workers, and gives each admitted worker's stream to the handle of
+the run's algorithm (services/server/algorithms/), which the training loop holds.
+
+Admission is the same for every algorithm: identity (certificate or claimed name), roster slot,
+data checks, the Welcome with the run's spec. What follows on the stream belongs to the
+connection (services/server/connection.py) and the algorithm's handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from mdgan.cluster import WorkerLost
+from mdgan.config import TrainingConfig
+from mdgan.data import shard_sizes
+from mdgan.sites import RunClasses, check_class_names, model_image_shape, resizable
+from mdgan.roster import RejoinPlan, Roster, SlotRefused
+from services.common import codec, pki
+from services.common.rpc import RateLimitedWarnings
+from services.common.telemetry import Telemetry
+from services.common.tls import peer_certificate
+from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import coordinator_pb2_grpc
+from services.server.algorithms import ALGORITHMS
+from services.server.connection import StreamHandle, WorkerConnection
+
+log = logging.getLogger("mdgan.server")
+
+MAX_PENDING_JOINS = 32  # streams that opened but have not been admitted yet (each waits for its join)
+MAX_ADDRESS_CHARS = 255
+MAX_SAMPLES = 1 << 40  # a bound on shard and dataset sizes: beyond it a number is nonsense, not data
+
+
+class JoinRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, detail: str):
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    """Admits workers into the roster's slots, at any time (they take part from the next iteration
+    boundary), and refuses those of another run or another identity.
+
+    Under mutual TLS (`authenticated`) a worker's identity is the name in its client certificate,
+    which gRPC has verified against the run's CA; it must be a worker certificate (or be on
+    `allowed_workers`). With --insecure it is the name the worker claims in its Join. The roster
+    binds each slot to the first identity that holds it.
+    """
+
+    def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
+                 swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
+                 algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
+                 run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
+                 authenticated: bool = False, allowed_workers: list[str] | None = None):
+        self.config = config
+        self.authenticated = authenticated
+        self.allowed_workers = set(allowed_workers) if allowed_workers else None
+        self._pending_joins = 0
+        self.warnings = RateLimitedWarnings(log)  # a flood of bad joins makes a few lines, not a flood
+        # The run's class names: declared (--classes) or set by the first site with class folders.
+        self.classes = RunClasses(class_names, config.model.num_classes, config.model.conditional)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+        self.algorithm = algorithm
+        self.handle_class: type[StreamHandle] = ALGORITHMS[algorithm].handle
+        self.model_layouts = model_layouts
+        self.telemetry = telemetry or Telemetry("server")
+        self.telemetry.workers_expected.set(config.workers)
+        self.telemetry.run_iterations.set(config.iterations)
+        self.heartbeat_interval = heartbeat_interval
+        self.swap_timeout = swap_timeout
+        self.liveness_timeout = liveness_timeout
+        self.join_read_timeout = join_read_timeout
+        self.roster = roster or Roster(config.workers)
+        self.run_id = run_id
+        self.swap_round = swap_round  # swap rounds done so far (the Trainer's count)
+        self.workers: dict[int, StreamHandle] = {}  # slot -> the latest handle (for the summary's shard sizes)
+        self.run_state = self.handle_class.run_state(self)  # what the algorithm's handles share
+
+    async def wait_for_workers(self, timeout: float) -> list[StreamHandle]:
+        """Block until every slot has a live worker (FL-GAN, whose rounds take a fixed set)."""
+        if not await self.roster.wait_for(self.config.workers, timeout):
+            raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
+        self.roster.started = True
+        return self._live()
+
+    def _live(self) -> list[StreamHandle]:
+        return self.roster.alive()
+
+    def identify(self, join: pb.Join, context: grpc.aio.ServicerContext) -> str | None:
+        """The joining worker's identity; None: unnamed (insecure mode only; named after its shard)."""
+        if not self.authenticated:
+            if join.name and not pki.NAME_PATTERN.match(join.name):
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{join.name[:64]!r} is not a valid worker name")
+            return join.name or None
+        identity, role = peer_certificate(context)
+        if identity is None:  # cannot happen with require_client_auth; refuse rather than trust
+            raise JoinRefused(grpc.StatusCode.UNAUTHENTICATED, "no client certificate")
+        if self.allowed_workers is not None:
+            if identity not in self.allowed_workers:
+                raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED, f"{identity!r} is not on --allowed-workers")
+        elif role != pki.ROLE_WORKER:
+            raise JoinRefused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{identity!r} holds a {role or 'role-less'} certificate, not a worker's "
+                              f"(OU={pki.ROLE_WORKER}); or list it in --allowed-workers")
+        return identity
+
+    def _admit(self, join: pb.Join, identity: str | None) -> tuple[int, int, str, RejoinPlan]:
+        """(slot, shard size, identity, how it gets its discriminator) for a joining worker; raises JoinRefused."""
+        cfg = self.config
+        if join.run_id and self.run_id and join.run_id != self.run_id:
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"this worker belongs to run {join.run_id!r}, but this server runs run {self.run_id!r}; "
+                f"point it at its own run's server, or empty its --state-dir to join run {self.run_id!r}"))
+        if self.handle_class.late_join_refusal and self.roster.started:
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, self.handle_class.late_join_refusal)
+        if len(join.peer_address) > MAX_ADDRESS_CHARS or len(join.sample_shape) > 8 or len(join.image_shape) > 8 \
+                or join.shard_size > MAX_SAMPLES or join.dataset_size > MAX_SAMPLES:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "absurd join: address, shape or sizes out of bounds")
+        self._check_data(join)
+        if cfg.workers > 1 and not join.peer_address:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap")
+        if join.HasField("shard_index"):
+            index, size = join.shard_index, join.shard_size
+            if index >= cfg.workers:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard index {index} >= workers {cfg.workers}")
+        else:
+            held = self.roster.slot_bound_to(identity) if identity is not None else None
+            taken = {self.roster.slot_of(w) for w in self.roster.alive()}
+
+            def unbound(i: int) -> bool:  # (unnamed workers cannot be told apart: any may take an unnamed one's)
+                owner = self.roster.bindings.get(i)
+                return owner is None or (identity is None and owner == f"worker-{i}")
+
+            # an identity coming back gets its own slot; others get the lowest slot nobody holds
+            free = [held] if held is not None else [i for i in range(cfg.workers) if i not in taken and unbound(i)]
+            if not free:
+                raise JoinRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {cfg.workers} shards have a worker")
+            index = free[0]
+            if join.own_data:  # a site: its m is all of its data
+                size = join.shard_size
+            elif join.dataset_size < cfg.workers:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"a dataset of {join.dataset_size} samples cannot "
+                                                                    f"be cut into {cfg.workers} shards")
+            else:
+                size = shard_sizes(join.dataset_size, cfg.workers)[index]
+        if size < cfg.batch_size:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard of {size} samples < batch size {cfg.batch_size}")
+        identity = identity or f"worker-{index}"  # an unnamed worker (--insecure) is named after its slot
+        try:
+            self.roster.claim(index, identity)
+        except SlotRefused as refused:
+            code = {"taken_by_other": grpc.StatusCode.PERMISSION_DENIED, "busy": grpc.StatusCode.ALREADY_EXISTS,
+                    "full": grpc.StatusCode.RESOURCE_EXHAUSTED}.get(refused.kind, grpc.StatusCode.INVALID_ARGUMENT)
+            raise JoinRefused(code, f"shard {index}: {refused}") from None
+        classes = tuple(join.class_names) if join.class_names else (() if join.own_data and not join.num_classes
+                                                                    else None)
+        why = self.classes.check(classes, join.num_classes)  # last: a refused join must not fix the run's classes
+        if why:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"this worker's classes do not fit the run: {why}")
+        # Only what this run saved counts as the worker's state.
+        same_run = bool(join.run_id) and join.run_id == self.run_id
+        plan = self.roster.rejoin_plan(list(join.checkpoints) if same_run else [],
+                                       join.trained_iteration if same_run else 0)
+        return index, size, identity, plan
+
+    def _check_data(self, join: pb.Join) -> None:
+        """The worker's samples fit the model: the same flat shape, or images it can resize to the model's."""
+        model = self.config.model
+        malformed = check_class_names(tuple(join.class_names))
+        if malformed:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad class names: {malformed}")
+        if join.image_shape:
+            image = tuple(join.image_shape)
+            try:
+                target = model_image_shape(model.sample_shape)
+            except ValueError as exc:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if not resizable(image, target):
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"this worker's images of shape {image} (C, H, W) cannot be resized to the model's {target}: "
+                    "not 1 or 3 channels, or another aspect ratio"))
+        elif tuple(join.sample_shape) != tuple(model.sample_shape):
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data of shape {tuple(join.sample_shape)} does not fit the model's samples "
+                f"{tuple(model.sample_shape)}"))
+        if not join.own_data and join.num_classes != model.num_classes:
+            raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"data with {join.num_classes} classes does not fit the model ({model.num_classes} classes)"))
+
+    async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        if self._pending_joins >= MAX_PENDING_JOINS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins in progress; try again")
+        self._pending_joins += 1
+        try:
+            join, index, size, identity, plan = await self._join(context)
+        finally:
+            self._pending_joins -= 1
+        connection = WorkerConnection(index, size, join, context, self.telemetry, self.liveness_timeout, identity)
+        worker = self.handle_class(connection, self.run_state, needs_copy=plan.copy)
+        self.workers[index] = worker
+        self.roster.arrive(index, identity, worker)  # takes part from the next iteration boundary
+        self.telemetry.joins.inc()
+        self.telemetry.workers_alive.set(len(self._live()))
+        log.info("%s joined as %r from %s (%s of %d samples, peer %s)%s", worker.worker_id, worker.identity,
+                 context.peer(), "its own data" if join.own_data else "a shard", size, join.peer_address,
+                 f": restores its state of iteration {plan.restore}" if plan.restore
+                 else ": takes a copy of a peer's discriminator" if plan.copy else "")
+        spec = codec.spec_from_config(self.config, self.algorithm)
+        spec.class_names.extend(self.classes.names or ())
+        # every identity bound in this run: a discriminator one of them pushes early is kept for the order
+        members = sorted(set(self.roster.bindings.values()) | {w.identity for w in self._live()})
+        try:
+            await connection.send(pb.ServerMessage(welcome=pb.Welcome(
+                worker_id=worker.worker_id, shard_index=index, spec=spec,
+                heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000),
+                run_id=self.run_id, swap_round=self.swap_round(), restore_iteration=plan.restore, copy=plan.copy,
+                identity=worker.identity, members=members)))
+        except WorkerLost:
+            self.roster.depart(worker)
+            return
+        reader = asyncio.create_task(connection.read_loop())
+        beats = asyncio.create_task(connection.heartbeats(self.heartbeat_interval))
+        try:
+            await connection.closed.wait()
+        finally:  # also on cancellation, when the worker's connection drops
+            connection.lose("stream ended")
+            self.roster.depart(worker)
+            self.telemetry.workers_alive.set(len(self._live()))
+            reader.cancel()
+            beats.cancel()
+        if connection.malformed is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {connection.malformed}")
+
+    async def _join(self, context: grpc.aio.ServicerContext) -> tuple[pb.Join, int, int, str, RejoinPlan]:
+        """Read and admit the first message; every refusal ends the call with its status."""
+        try:
+            first = await asyncio.wait_for(context.read(), self.join_read_timeout)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no join message in time")
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "join":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a join")
+        self.telemetry.count("worker_to_server", "control", "receiver", first)
+        join = first.join
+        try:
+            index, size, identity, plan = self._admit(join, self.identify(join, context))
+        except JoinRefused as refused:
+            self.warnings.warn(refused.code.name, "join refused (%s, %s): %s", context.peer(), refused.code.name,
+                               refused.detail)
+            if refused.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                self.telemetry.rejected.labels("identity").inc()
+            await context.abort(refused.code, refused.detail)
+        return join, index, size, identity, plan

@@ -1,0 +1,57 @@
+"""What every algorithm module on the worker side implements, and the errors they end a session with."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Awaitable, Callable, ClassVar
+
+from mdgan.config import TrainingConfig
+from mdgan.data import Shard
+
+if TYPE_CHECKING:
+    from services.worker.node import WorkerNode
+
+
+class ServerGone(Exception):
+    """The worker cannot go on with this server: it sent something invalid, or (StreamBroken) the
+    stream broke and reconnecting did not bring it back within --server-timeout."""
+
+
+class StreamBroken(ServerGone):
+    """The stream ended without a stop (the server restarted, the network blipped): reconnect."""
+
+
+CONTROL = ("control", 0)  # the telemetry kind and payload of a message that carries no tensors
+
+
+class WorkerAlgorithm:
+    """One algorithm's part of a worker: built at the first welcome of a run (the spec's
+    `algorithm` picks the class, services/worker/algorithms/__init__.py), it takes the server's
+    messages of that algorithm only and answers them through `node.write(call, message)`. The
+    node keeps the connection (join, welcome, heartbeats, reconnects, stop, rejections)."""
+
+    name: ClassVar[str] = ""
+    trained_iteration = 0  # the last iteration this worker trained (sent in the join of a rejoin)
+
+    def __init__(self, node: WorkerNode, config: TrainingConfig, shard: Shard):
+        self.node = node
+        self.config = config
+        self.shard = shard
+
+    def continues(self, config: TrainingConfig) -> bool:
+        """Back in the same run after a reconnect: keep this object (and its model) for `config`."""
+        return False
+
+    async def welcome(self, welcome) -> None:
+        """A (re)join was welcomed: set up what the welcome says (saved state to restore, ...)."""
+
+    def receivers(self) -> dict[str, Callable[[object, object], Awaitable[None]]]:
+        """Body name (of ServerMessage's oneof) -> coroutine taking (call, that body)."""
+        return {}
+
+    @staticmethod
+    def traffic(body: str | None, message) -> tuple[str, int]:
+        """(telemetry kind, payload bytes) of a message of this algorithm, either way."""
+        return CONTROL
+
+    async def end_session(self) -> None:
+        """The stream ended (stopped or broken): cancel background work, close peer channels."""

@@ -1,0 +1,70 @@
+"""FL-GAN (FedAvg of whole GANs) on a worker: a whole GAN on the local shard. Takes the global models
+(model parts) and a local round order, trains, sends both models back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
+from mdgan.config import TrainingConfig
+from mdgan.data import Shard
+from services.common import codec
+from services.common.proto import coordinator_pb2 as pb
+from services.worker.algorithms.base import CONTROL, ServerGone, WorkerAlgorithm
+
+MODELS = ("generator", "discriminator")
+
+
+class FLGANWorker(WorkerAlgorithm):
+    name = "flgan"
+
+    def __init__(self, node, config: TrainingConfig, shard: Shard):
+        super().__init__(node, config, shard)
+        self.gan: LocalGAN = make_flgan_worker_gan(config, shard)
+        self._incoming: dict[tuple[int, str], codec.StateAssembler] = {}
+
+    def receivers(self):
+        return {"model_part": self._on_model_part, "local_round": self._on_local_round}
+
+    @staticmethod
+    def traffic(body: str | None, message) -> tuple[str, int]:
+        if body == "model_part":
+            part = message.model_part
+            return (part.model if part.model in MODELS else "control"), len(part.data)
+        return CONTROL
+
+    async def _on_model_part(self, call, part: pb.ModelPart) -> None:
+        key = (part.round, part.model)
+        if key not in self._incoming:
+            modules = {"generator": self.gan.g.generator, "discriminator": self.gan.d.discriminator}
+            if part.model not in modules:
+                raise ServerGone(f"the server sent an unknown model {part.model!r}")
+            self._incoming[key] = codec.StateAssembler(codec.layout_of(modules[part.model].state_dict()))
+        try:
+            self._incoming[key].accept(part)
+        except codec.InvalidTensor as exc:
+            raise ServerGone(f"the server sent an invalid {part.model}: {exc}") from exc
+
+    async def _on_local_round(self, call, order: pb.LocalRound) -> None:
+        try:
+            states = {m: self._incoming.pop((order.round, m)).finish() for m in MODELS}
+        except (KeyError, codec.InvalidTensor) as exc:
+            raise ServerGone(f"round {order.round} came without valid models: {exc!r}") from exc
+        self._incoming.clear()
+        started = time.perf_counter()
+        result = await asyncio.to_thread(train_local_round, self.gan, states["generator"], states["discriminator"],
+                                         order.iterations)
+        write = self.node.write
+        for model, state in (("generator", result.generator), ("discriminator", result.discriminator)):
+            for part in codec.model_parts(state, order.round, model):
+                await write(call, pb.WorkerMessage(model_part=part))
+        await write(call, pb.WorkerMessage(local_round_done=pb.LocalRoundDone(
+            round=order.round, stats=[pb.StepStats(**s) for s in result.stats])))
+        t = self.node.telemetry
+        t.iterations.inc(order.iterations)
+        t.iteration_seconds.observe((time.perf_counter() - started) / max(1, order.iterations))
+        if result.stats:
+            t.generator_loss.set(result.stats[-1]["gen_loss"])
+            t.discriminator_loss.set(result.stats[-1]["disc_loss"])
+        t.last_iteration.set_to_current_time()

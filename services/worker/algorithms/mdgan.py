@@ -1,0 +1,246 @@
+"""MD-GAN on a worker: a discriminator on the local shard. Takes batches (answers feedback), swap
+orders and cancels (pushes its D to a peer over the Peer service, takes one from its mailbox),
+copies for late joiners, checkpoint orders; emulates a Byzantine worker or a straggler on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from mdgan import compression
+from mdgan.attacks import FeedbackAttack
+from mdgan.config import TrainingConfig
+from mdgan.data import Shard
+from mdgan.mdgan import DiscriminatorSide, WorkerBatch
+from services.common import codec, rpc, tls as tls_
+from services.common.proto import coordinator_pb2 as pb
+from services.common.proto import peer_pb2_grpc
+from services.worker.algorithms.base import CONTROL, ServerGone, WorkerAlgorithm
+from services.worker.peer import CopyMailbox, PeerInbox, SwapMailbox, push_discriminator
+
+log = logging.getLogger("mdgan.worker")
+
+
+class MDGANWorker(WorkerAlgorithm, PeerInbox):
+    name = "mdgan"
+
+    def __init__(self, node, config: TrainingConfig, shard: Shard):
+        super().__init__(node, config, shard)
+        self.side = DiscriminatorSide(config, shard)
+        # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
+        self.attack = None
+        if node.attack_kind:
+            self.attack = FeedbackAttack(node.attack_kind, config.seed, shard.index)
+            log.warning("emulating a Byzantine worker: %s feedback", node.attack_kind)
+        self.slow_factor = node.slow_factor
+        self.mailbox = SwapMailbox()
+        self.copies = CopyMailbox()
+        self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._swaps: set[asyncio.Task] = set()  # swaps under way (a swap_cancel may come meanwhile)
+
+    def continues(self, config: TrainingConfig) -> bool:
+        return self.side.config == config  # back in the same run: keep our discriminator
+
+    async def welcome(self, welcome: pb.Welcome) -> None:
+        """The swap rounds done, our own saved state or a copy to wait for."""
+        node = self.node
+        self.mailbox = SwapMailbox()
+        self.mailbox.completed_round = welcome.swap_round
+        self.copies = CopyMailbox()
+        self.copies.awaiting = welcome.copy
+        self.mailbox.members.update(welcome.members)
+        node.remember_run()
+        if welcome.restore_iteration:
+            store = node.store()
+            if store is None:
+                raise ServerGone(f"asked to restore iteration {welcome.restore_iteration} but keeping no state")
+            state = await asyncio.to_thread(store.load, welcome.restore_iteration, "worker")
+            self.side.load_state_dict(state)
+            self.trained_iteration = welcome.restore_iteration
+            log.info("restored our state of iteration %d", welcome.restore_iteration)
+        elif welcome.copy:
+            log.info("waiting for a copy of a live peer's discriminator")
+
+    def receivers(self):
+        return {"batches": self._on_batches, "checkpoint": self._on_checkpoint,
+                "swap_order": self._on_swap_order, "swap_cancel": self._on_swap_cancel}
+
+    @staticmethod
+    def traffic(body: str | None, message) -> tuple[str, int]:
+        """Table III's tensors: X_g and X_d down, F_n up (labels are not in it)."""
+        if body == "batches":
+            b = message.batches
+            return "batches", sum(len(t.data) + len(t.scales) for t in (b.generated, b.discriminated))
+        if body == "feedback":
+            g = message.feedback.gradient
+            return "feedback", len(g.data) + len(g.scales)
+        return CONTROL
+
+    async def end_session(self) -> None:
+        for task in self._swaps:
+            task.cancel()
+        self._swaps.clear()
+        channels, self._peer_channels = self._peer_channels, {}  # a later session opens its own
+        for channel in channels.values():
+            await channel.close()
+
+    # -- batches -> feedback -----------------------------------------------------------------
+    async def _on_batches(self, call, batches: pb.Batches) -> None:
+        config = self.side.config
+        shape = (config.batch_size, *config.model.sample_shape)
+        classes, conditional = config.model.num_classes, config.model.conditional
+        wire = config.wire_dtype
+        try:  # the server's input is checked like anyone's
+            batch = WorkerBatch(
+                generated=codec.decode_packed(batches.generated, shape=shape, wire_dtype=wire, field="generated"),
+                generated_labels=codec.decode_labels(batches.generated_labels, shape[0], classes, "generated_labels")
+                if conditional else None,
+                discriminated=codec.decode_packed(batches.discriminated, shape=shape, wire_dtype=wire,
+                                                  field="discriminated"),
+                discriminated_labels=codec.decode_labels(batches.discriminated_labels, shape[0], classes,
+                                                         "discriminated_labels") if conditional else None,
+                generated_index=0)
+        except codec.InvalidTensor as exc:
+            raise ServerGone(f"the server sent an invalid batch: {exc}") from exc
+        started = time.perf_counter()
+        # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
+        # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
+        # heartbeats wait at most one step; the server sends nothing else until this feedback.
+        result = self.side.step(batch)
+        self.trained_iteration = batches.iteration
+        if self.slow_factor > 1:  # an emulated straggler
+            await asyncio.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
+        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
+        await self.node.write(call, pb.WorkerMessage(feedback=pb.Feedback(
+            iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(feedback, wire)),
+            stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
+                               real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy))))
+        t = self.node.telemetry
+        t.iterations.inc()
+        t.iteration_seconds.observe(time.perf_counter() - started)
+        t.phase_seconds.labels("disc_steps").observe(result.disc_seconds)
+        t.phase_seconds.labels("feedback").observe(result.feedback_seconds)
+        t.generator_loss.set(result.gen_loss)
+        t.discriminator_loss.set(result.disc_loss)
+        t.discriminator_accuracy.labels("real").set(result.real_accuracy)
+        t.discriminator_accuracy.labels("generated").set(result.fake_accuracy)
+        t.last_iteration.set_to_current_time()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    async def _on_checkpoint(self, call, order: pb.CheckpointOrder) -> None:
+        node, error = self.node, ""
+        if not node.state_dir:
+            error = "this worker keeps no state (no --state-dir)"
+        elif order.run_id != node.run_id:
+            error = f"checkpoint for run {order.run_id!r}, this worker is in run {node.run_id!r}"
+        else:
+            try:  # in a thread: the event loop goes on serving peers and heartbeats
+                await asyncio.to_thread(self._save_state, order.iteration)
+            except OSError as exc:
+                error = f"could not write state: {exc}"
+        if error:
+            log.error("checkpoint %d: %s", order.iteration, error)
+        await node.write(call, pb.WorkerMessage(checkpoint_done=pb.CheckpointDone(
+            iteration=order.iteration, ok=not error, error=error)))
+
+    def _save_state(self, iteration: int) -> None:
+        store = self.node.store()
+        store.save(iteration, "worker", self.side.state_dict())
+        store.prune(marker=None)
+
+    # -- swaps and copies --------------------------------------------------------------------
+    async def _on_swap_order(self, call, order: pb.SwapOrder) -> None:
+        # Known before anything else happens: pushes for this round (or this copy) are checked against it.
+        box = self.copies if order.kind == "copy" else self.mailbox
+        if order.receive_from_identity or order.receive_from_worker:
+            box.expect(order.round, order.receive_from_identity or order.receive_from_worker)
+        if order.send_to_identity:
+            self.mailbox.members.add(order.send_to_identity)
+        # In the background: a swap_cancel may arrive while we wait for a peer.
+        self._swaps.add(asyncio.create_task(self._swap_and_report(call, order)))
+        self._swaps.difference_update([t for t in self._swaps if t.done()])
+
+    async def _on_swap_cancel(self, call, cancel: pb.SwapCancel) -> None:
+        log.warning("swap %d: %s left (%s)", cancel.round, cancel.sender_worker, cancel.reason)
+        self.mailbox.deliver(cancel.round, cancel.sender_worker, None)
+
+    async def _swap_and_report(self, call, order: pb.SwapOrder) -> None:
+        report = await self._swap(order)
+        await self.node.write(call, pb.WorkerMessage(swap_report=report))
+
+    async def _copy(self, order: pb.SwapOrder) -> pb.SwapReport:
+        """A one-way copy for a late joiner: we give ours (send_to set) or take one (receive_from set)."""
+        if order.send_to_worker:
+            try:
+                state = compression.pack_state(self.side.export_state(), self.side.config.wire_dtype)
+                payload, messages = await self._push(order, state, copy=True)
+                return pb.SwapReport(round=order.round, sent=True, sent_payload_bytes=payload,
+                                     sent_message_bytes=messages)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+                detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
+                return pb.SwapReport(round=order.round, error=f"copy to {order.send_to_worker} failed: {detail}")
+        try:
+            sender, incoming = await self.copies.collect(order.round, self.node.swap_timeout)
+        except asyncio.TimeoutError:
+            return pb.SwapReport(round=order.round, error=f"no copy from {order.receive_from_worker}")
+        if incoming is None or sender != (order.receive_from_identity or order.receive_from_worker):
+            return pb.SwapReport(round=order.round, error=f"expected a copy from {order.receive_from_worker}, got {sender}")
+        self.side.adopt(incoming)
+        self.copies.awaiting = False
+        log.info("took a copy of %s's discriminator", sender)
+        return pb.SwapReport(round=order.round, received=True)
+
+    async def _swap(self, order: pb.SwapOrder) -> pb.SwapReport:
+        if order.kind == "copy":
+            return await self._copy(order)
+        started = time.perf_counter()
+        swap_timeout = self.node.swap_timeout
+        # a snapshot before anything arrives in our place, in its wire form
+        state = compression.pack_state(self.side.export_state(), self.side.config.wire_dtype)
+        sent, sent_payload, sent_messages, errors = False, 0, 0, []
+        try:
+            sent_payload, sent_messages = await self._push(order, state)
+            sent = True
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
+            detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            errors.append(f"push to {order.send_to_worker} failed: {detail}")
+        received = False
+        try:
+            sender, incoming = await self.mailbox.collect(order.round, swap_timeout)
+            expected = order.receive_from_identity or order.receive_from_worker
+            if incoming is None:
+                errors.append(f"{sender} left before sending its discriminator")
+            elif sender == expected:
+                self.side.import_state(incoming)
+                received = True
+            else:
+                errors.append(f"expected a discriminator from {order.receive_from_worker}, got {sender}")
+        except asyncio.TimeoutError:
+            errors.append(f"no discriminator from {order.receive_from_worker} within {swap_timeout:.0f} s")
+        for e in errors:
+            log.warning("swap %d: %s", order.round, e)
+        telemetry = self.node.telemetry
+        telemetry.swaps.labels("complete" if sent and received else "incomplete").inc()
+        telemetry.phase_seconds.labels("swap").observe(time.perf_counter() - started)
+        return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=sent_payload,
+                             sent_message_bytes=sent_messages, error="; ".join(errors))
+
+    async def _push(self, order: pb.SwapOrder, state: dict[str, torch.Tensor], copy: bool = False) -> tuple[int, int]:
+        node = self.node
+        address = order.send_to_address
+        key = (address, order.send_to_identity)  # another identity at the same address needs its own channel
+        channel = self._peer_channels.get(key)
+        if channel is None:
+            # The receiver is verified as the identity the server named, wherever its address points.
+            channel = self._peer_channels[key] = tls_.channel(address, node.tls, rpc.options(),
+                                                              order.send_to_identity or None)
+        chunks = list(codec.state_chunks(state, order.round, node.worker_id, node.identity))
+        chunks[0].header.copy = copy
+        await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, node.swap_timeout)
+        for chunk in chunks:
+            node.telemetry.count("worker_to_worker", "discriminator", "sender", chunk, len(chunk.data))
+        return sum(len(c.data) for c in chunks), sum(c.ByteSize() for c in chunks)
