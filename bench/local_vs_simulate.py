@@ -2,12 +2,16 @@
 
     python bench/local_vs_simulate.py                      # N=4 (kappa 1) and N=10 (kappa 3), then N=50
     python bench/local_vs_simulate.py --cases 4:1 --repeats 5 --iterations 400 --no-fifty
+    python bench/local_vs_simulate.py --gloo              # and the plain gloo program (bench/gloo_baseline.py)
+    python bench/local_vs_simulate.py --gloo --baseline ../main-before   # and `mdgan local` of another checkout
 
 For each case the two modes run with the same flags and seed, alternately, `--repeats` times; each
 run is sampled while it trains (its history.jsonl lines against the CPU time of its whole process
 tree), so start-up is excluded: wall ms and CPU ms per iteration over the same window. The script
 checks that both end with the same generator and prints medians and the median of the per-pair
-ratios (pairs run back to back, so a busy machine slows both). Then `fifty_workers.measure`:
+ratios (pairs run back to back, so a busy machine slows both). With --gloo each pair is a triple:
+bench/gloo_baseline.py, the same iteration over plain torch.distributed point-to-point sends (no
+TLS, validation or metrics), sampled the same way. Then `fifty_workers.measure`:
 `mdgan local --workers 50 --kappa 5`, its start-up time and peak memory.
 """
 
@@ -52,8 +56,13 @@ def lines(path: str) -> int:
 def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
     """One run, sampled every 50 ms: (iterations done, wall, tree CPU) between 10% and the end."""
     history = os.path.join(out, "history.jsonl")
-    process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", mode, *flags, "--out", out, "--no-progress"],
-                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    repo, env = REPO, None
+    if mode.startswith("local@"):  # `mdgan local` of another checkout (--baseline)
+        mode, repo = "local", mode.split("@", 1)[1]
+        env = {**os.environ, "PYTHONPATH": repo}
+    program = [os.path.join(REPO, "bench", "gloo_baseline.py")] if mode == "gloo" else ["-m", "mdgan.cli", mode]
+    process = subprocess.Popen([sys.executable, *program, *flags, "--out", out, "--no-progress"],
+                               cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = last = None
     while process.poll() is None:
         done = lines(history)
@@ -76,23 +85,38 @@ def compare(workers: int, kappa: int, args) -> bool:
     flags = ["--workers", str(workers), "--batch-size", str(args.batch_size), "--kappa", str(kappa),
              "--iterations", str(args.iterations), "--swap-every", str(args.swap_every), "--seed", str(args.seed),
              "--dataset", "mnist", "--data-root", args.data_root, "--eval-every", "-1"]
-    results: dict[str, list[dict]] = {"simulate": [], "local": []}
+    modes = ["simulate", "local", *(["gloo"] if args.gloo else []), *([f"local@{args.baseline}"] if args.baseline else [])]
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            for mode in (("simulate", "local") if r % 2 == 0 else ("local", "simulate")):
-                results[mode].append(run(mode, flags, os.path.join(tmp, f"{mode}-{r}"), args.iterations))
-    sim, loc = results["simulate"], results["local"]
-    same = len({x["sha"] for x in sim + loc}) == 1
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode goes first in turn
+                results[mode].append(run(mode, flags, os.path.join(tmp, f"mode{modes.index(mode)}-{r}"),
+                                         args.iterations))
+    sim = results["simulate"]
+    same = len({x["sha"] for rows in results.values() for x in rows}) == 1
     med = lambda rows, key: statistics.median(x[key] for x in rows)  # noqa: E731
-    ratio = lambda key: statistics.median(l[key] / s[key] for l, s in zip(loc, sim))  # noqa: E731
-    print(f"N={workers} kappa={kappa} b={args.batch_size} I={args.iterations} swaps={loc[0]['swaps']}, "
-          f"{args.repeats} pairs:")
-    print(f"  simulate {med(sim, 'ms'):7.2f} ms/iteration  {med(sim, 'cpu_ms'):7.2f} ms CPU/iteration")
-    print(f"  local    {med(loc, 'ms'):7.2f} ms/iteration  {med(loc, 'cpu_ms'):7.2f} ms CPU/iteration")
-    print(f"  local / simulate: {ratio('ms'):.2f}x wall, {ratio('cpu_ms'):.2f}x CPU "
-          f"(pairs: {', '.join(format(l['ms'] / s['ms'], '.2f') for l, s in zip(loc, sim))}); "
-          f"same generator: {same}")
+    ratio = lambda rows, key: statistics.median(l[key] / s[key] for l, s in zip(rows, sim))  # noqa: E731
+    print(f"N={workers} kappa={kappa} b={args.batch_size} I={args.iterations} swaps={sim[0]['swaps']}, "
+          f"{args.repeats} rounds of {len(modes)} runs:")
+    for mode in modes:
+        print(f"  {mode:10} {med(results[mode], 'ms'):7.2f} ms/iteration  {med(results[mode], 'cpu_ms'):7.2f} ms "
+              f"CPU/iteration")
+    for mode in modes[1:]:
+        rows = results[mode]
+        print(f"  {mode} / simulate: {ratio(rows, 'ms'):.2f}x wall, {ratio(rows, 'cpu_ms'):.2f}x CPU "
+              f"(runs: {', '.join(format(l['ms'] / s['ms'], '.2f') for l, s in zip(rows, sim))})")
+    if args.baseline:
+        print(f"  local / local@baseline: {ratio_between(results['local'], results[modes[-1]], 'ms'):.2f}x wall, "
+              f"{ratio_between(results['local'], results[modes[-1]], 'cpu_ms'):.2f}x CPU")
+    if args.gloo:
+        print(f"  local / gloo: {ratio_between(results['local'], results['gloo'], 'ms'):.2f}x wall, "
+              f"{ratio_between(results['local'], results['gloo'], 'cpu_ms'):.2f}x CPU")
+    print(f"  same generator in every run: {same}")
     return same
+
+
+def ratio_between(rows: list[dict], base: list[dict], key: str) -> float:
+    return statistics.median(r[key] / b[key] for r, b in zip(rows, base))
 
 
 def main() -> int:
@@ -105,6 +129,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
     parser.add_argument("--no-fifty", action="store_true", help="skip the N=50 start-up run")
+    parser.add_argument("--baseline", metavar="DIR", default=None,
+                        help="also time `mdgan local` from the checkout in DIR (e.g. the commit before a change), "
+                             "in the same rounds")
+    parser.add_argument("--gloo", action="store_true",
+                        help="also time the plain torch.distributed program (bench/gloo_baseline.py) in each round")
     args = parser.parse_args()
     with open("/proc/loadavg") as fh:
         print(f"{os.cpu_count()} cores, load average {fh.read().split()[0]} at the start")

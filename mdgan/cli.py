@@ -88,6 +88,14 @@ def _forwarded_training_flags(args) -> list[str]:
     return flags
 
 
+def _forwarded_algorithm_flags(args) -> list[str]:
+    """The options of the run's algorithm (mdgan/algorithms/options.py), for mdgan-server."""
+    if args.algorithm == "pwgan":
+        return ["--potential-rounds", str(args.potential_rounds), "--potential-lr", repr(args.potential_lr),
+                "--gradient-penalty", repr(args.gradient_penalty)]
+    return []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -244,7 +252,8 @@ class LocalCluster:
             *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
             *security["server"],
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
-            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a)])
+            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a),
+            *_forwarded_algorithm_flags(a)])
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         for index in range(a.workers):
@@ -383,8 +392,16 @@ def cmd_local(args) -> int:
         attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
-    if args.algorithm in ("pwgan", "dpgan"):  # docs/ALGORITHMS.md: what their transport needs
+    if args.algorithm == "dpgan":  # docs/ALGORITHMS.md: what its transport needs
         raise ConfigError(f"--algorithm {args.algorithm} runs in `mdgan simulate` only for now")
+    if args.algorithm == "pwgan":  # refused here, with a clear message, rather than in the server
+        from mdgan.algorithms.options import pwgan_options
+        from mdgan.algorithms.pwgan import check_config
+
+        pwgan_options(args)
+        check_config(training_config(args))
+        if args.checkpoint_every or args.resume:
+            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = False

@@ -252,8 +252,14 @@ class RunResult:
 
 
 async def with_deadline(awaitable, timeout: float | None):
-    """Await, within `timeout` seconds when one is given (raises asyncio.TimeoutError)."""
-    return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable
+    """Await, within `timeout` seconds when one is given (raises asyncio.TimeoutError).
+
+    asyncio.timeout, not wait_for: the same deadline without a task of its own for the awaitable
+    (wait_for makes one per call, and this runs N times an iteration)."""
+    if not timeout:
+        return await awaitable
+    async with asyncio.timeout(timeout):
+        return await awaitable
 
 
 async def tell_to_stop(worker, reason: str, timeout: float = 5.0) -> None:

@@ -170,8 +170,9 @@ class RunRecorder:
         self._history.write(json.dumps(row) + "\n")
         self._history.flush()
         self._bar.update(1)
-        self._bar.set_postfix(workers=record.active_workers, g=f"{record.gen_loss:.3f}", d=f"{record.disc_loss:.3f}",
-                              refresh=False)
+        if not self._bar.disable:  # (formatting the postfix costs even when no bar is shown)
+            self._bar.set_postfix(workers=record.active_workers, g=f"{record.gen_loss:.3f}",
+                                  d=f"{record.disc_loss:.3f}", refresh=False)
 
     def swap(self, record: dict) -> None:
         """One line per swap round: the plan (sender -> receiver) and what each worker reported."""

@@ -49,6 +49,45 @@ def test_invalid_tensors_are_refused_with_a_reason(mutate, reason):
     assert info.value.reason == reason
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_inf_are_refused_in_every_float_dtype(dtype, bad):
+    t = torch.zeros(10, 784, dtype=dtype)
+    t[3, 5] = bad
+    with pytest.raises(codec.InvalidTensor) as info:
+        codec.decode_tensor(codec.encode_tensor(t), shape=(10, 784), dtype=dtype)
+    assert info.value.reason == "nonfinite"
+    assert torch.equal(codec.decode_tensor(codec.encode_tensor(torch.ones(10, 784, dtype=dtype))),
+                       torch.ones(10, 784, dtype=dtype))
+
+
+@pytest.mark.parametrize("wire", ["float32", "int8"])
+def test_batch_encoder_builds_one_message_per_distinct_pair(wire):
+    from mdgan.mdgan import GeneratedBatches
+    from services.common.proto import coordinator_pb2
+
+    def generated() -> GeneratedBatches:
+        return GeneratedBatches(torch.randn(2, 10, 784), torch.randint(0, 10, (2, 10)))
+
+    encoder, batches = codec.BatchEncoder(), generated()
+    messages = [encoder.message(1, batches.for_worker(rank), wire) for rank in range(4)]
+    # kappa = 2: ranks 0 and 2 get (X_0, X_1), ranks 1 and 3 get (X_1, X_0)
+    assert messages[0] is messages[2] and messages[1] is messages[3] and messages[0] is not messages[1]
+    for rank, message in enumerate(messages):
+        batch = batches.for_worker(rank)
+        sent = coordinator_pb2.ServerMessage.FromString(message.SerializeToString()).batches
+        assert sent.iteration == 1
+        got = codec.decode_packed(sent.generated, shape=(10, 784), wire_dtype=wire)
+        expected = batch.generated if wire == "float32" else \
+            codec.compression.unpack(codec.compression.pack(batch.generated, wire))
+        assert torch.equal(got, expected)
+        assert torch.equal(codec.decode_labels(sent.discriminated_labels, 10, 10, "labels"),
+                           batch.discriminated_labels)
+    again = generated()  # the next iteration: new batches, new messages
+    assert encoder.message(2, again.for_worker(0), wire) is not messages[0]
+    assert encoder.message(2, again.for_worker(2), wire) is encoder.message(2, again.for_worker(0), wire)
+
+
 def test_size_bound_is_checked_before_anything_else():
     msg = codec.encode_tensor(torch.zeros(100, 784))
     with pytest.raises(codec.InvalidTensor) as info:

@@ -287,6 +287,7 @@ def test_each_algorithm_takes_only_its_own_messages():
     foreign = {  # a message of the other algorithm, for a stream of each
         "mdgan": pb.WorkerMessage(model_part=pb.ModelPart(round=1, model="generator", data=b"\0")),
         "flgan": pb.WorkerMessage(feedback=pb.Feedback(iteration=1, gradient=codec.encode_tensor(torch.zeros(B, 784)))),
+        "pwgan": pb.WorkerMessage(feedback=pb.Feedback(iteration=1, gradient=codec.encode_tensor(torch.zeros(B, 784)))),
     }
 
     async def scenario(algorithm: str):
@@ -306,7 +307,7 @@ def test_each_algorithm_takes_only_its_own_messages():
         finally:
             await server.stop(None)
 
-    for algorithm in ("mdgan", "flgan"):
+    for algorithm in foreign:
         spec_algorithm, reply, alive = asyncio.run(scenario(algorithm))
         assert spec_algorithm == algorithm
         assert reply.WhichOneof("body") == "rejection", reply

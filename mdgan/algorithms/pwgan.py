@@ -114,6 +114,17 @@ class PWGANOptions:
         return self
 
 
+def check_config(config: TrainingConfig) -> None:
+    """Refuses MD-GAN's options that P-WGAN does not implement (in simulate as over gRPC)."""
+    if config.wire_dtype != "float32":
+        raise ConfigError(f"--wire-dtype {config.wire_dtype}: P-WGAN's batches, potentials and feedback travel "
+                          "as float32 only")
+    if config.aggregation != "mean":
+        raise ConfigError(f"--aggregation {config.aggregation}: P-WGAN averages its critics' feedback (mean only)")
+    if config.sync != "all":
+        raise ConfigError(f"--sync {config.sync}: P-WGAN's rounds wait for every live worker (all only)")
+
+
 # ---------------------------------------------------------------------------------------------
 # the potential / mass step (pure functions; the unit test checks them against brute force)
 
@@ -468,6 +479,7 @@ def run_pwgan(config: TrainingConfig, options: PWGANOptions, generator: Generato
               on_iteration: Callable[[IterationRecord], None] | None = None,
               crash_every: int | None = None) -> RunResult:
     """P-WGAN in one process. crash_every: every this many iterations the last live worker fails."""
+    check_config(config)
     workers = build_in_process_critics(config, options.validate(), shards)
 
     def after(record: IterationRecord) -> None:

@@ -5,7 +5,8 @@ counters. Wire traffic is counted where it is sent (side="sender") and where it 
 (side="receiver"), by direction and kind:
 
   direction  server_to_worker | worker_to_server | worker_to_worker
-  kind       batches | feedback | discriminator | generator (FL-GAN) | control
+  kind       batches | feedback | discriminator | generator (FL-GAN) | potentials | counts (P-WGAN)
+             | control
 
 `*_payload_bytes_total` counts the tensors of the paper's Table III (generated samples, feedback
 gradients, discriminator states); `*_message_bytes_total` counts whole serialized messages
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 disable_created_metrics()  # no `_created` series beside every counter: less noise, same information
 
 DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
-KINDS = ("batches", "feedback", "discriminator", "generator", "control")
+KINDS = ("batches", "feedback", "discriminator", "generator", "potentials", "counts", "control")
 SIDES = ("sender", "receiver")
 SERVER_PHASES = ("generate", "wait_feedback", "update", "swap")
 WORKER_PHASES = ("disc_steps", "feedback", "swap")
@@ -84,6 +85,7 @@ class Telemetry:
                               registry=r)
         self.checkpoints = Counter("mdgan_checkpoints_total", "Checkpoints taken, by outcome (complete: the server "
                                    "and every live worker saved their state)", ["outcome"], registry=r)
+        self._wire_series: dict[tuple[str, str, str], tuple] = {}  # (direction, kind, side) -> its three series
         self._prime()
 
     def _prime(self) -> None:
@@ -104,10 +106,15 @@ class Telemetry:
 
     # -- wire accounting ---------------------------------------------------------------------
     def count(self, direction: str, kind: str, side: str, message, payload: int = 0) -> None:
-        self.messages.labels(direction, kind, side).inc()
-        self.message_bytes.labels(direction, kind, side).inc(message.ByteSize())
+        key = (direction, kind, side)
+        series = self._wire_series.get(key)
+        if series is None:  # labels() validates and locks on every call: look each series up once
+            series = self._wire_series[key] = (self.messages.labels(*key), self.message_bytes.labels(*key),
+                                               self.payload_bytes.labels(*key))
+        series[0].inc()
+        series[1].inc(message.ByteSize())
         if payload:
-            self.payload_bytes.labels(direction, kind, side).inc(payload)
+            series[2].inc(payload)
 
     # -- exposition ----------------------------------------------------------------------------
     def serve(self, port: int, addr: str = "0.0.0.0") -> int | None:

@@ -10,6 +10,7 @@ import signal
 import sys
 
 
+from mdgan.algorithms.options import add_algorithm_arguments
 from mdgan.checkpoint import CheckpointError
 from mdgan.config import DATASETS, ConfigError
 from mdgan.cluster import IterationRecord
@@ -48,7 +49,8 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="mdgan",
-                        help="MD-GAN, or the FL-GAN baseline (FedAvg of whole GANs) over the same services")
+                        help="MD-GAN, the FL-GAN baseline (FedAvg of whole GANs) or the parallel Wasserstein GAN "
+                             "(pwgan) over the same services")
     parser.add_argument("--round-timeout", type=float, default=3600.0,
                         help="FL-GAN: deadline for a worker's local round (s)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
@@ -80,6 +82,7 @@ def build_parser() -> EnvArgumentParser:
     add_training_arguments(parser)
     add_site_arguments(parser, launcher=False)
     add_evaluation_arguments(parser)
+    add_algorithm_arguments(parser)
     return parser
 
 
@@ -128,7 +131,8 @@ async def serve(args) -> dict:
                               swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
                               model_layouts=layouts, roster=roster, run_id=run.run_id,
                               swap_round=session.swap_round, class_names=class_names(args),
-                              authenticated=credentials is not None, allowed_workers=allowed)
+                              authenticated=credentials is not None, allowed_workers=allowed,
+                              describe_run=getattr(session, "describe", None))
     receive, send = message_limits(config)
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)

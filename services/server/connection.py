@@ -160,7 +160,8 @@ class WorkerConnection:
     async def read_loop(self) -> None:
         while not self.closed.is_set():
             try:
-                message = await asyncio.wait_for(self.context.read(), self.liveness_timeout)
+                async with asyncio.timeout(self.liveness_timeout):  # (wait_for would make a task per read)
+                    message = await self.context.read()
             except asyncio.TimeoutError:
                 self.lose(f"silent for {self.liveness_timeout:.0f} s")
                 return

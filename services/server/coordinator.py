@@ -55,8 +55,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
                  algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
                  run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
-                 authenticated: bool = False, allowed_workers: list[str] | None = None):
+                 authenticated: bool = False, allowed_workers: list[str] | None = None, describe_run=None):
         self.config = config
+        # The run's algorithm adds its own options to the Welcome's TrainingSpec (P-WGAN's T, eta, ...).
+        self.describe_run = describe_run
         self.authenticated = authenticated
         self.allowed_workers = set(allowed_workers) if allowed_workers else None
         self._pending_joins = 0
@@ -212,6 +214,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  else ": takes a copy of a peer's discriminator" if plan.copy else "")
         spec = codec.spec_from_config(self.config, self.algorithm)
         spec.class_names.extend(self.classes.names or ())
+        if self.describe_run is not None:
+            self.describe_run(spec)
         # every identity bound in this run: a discriminator one of them pushes early is kept for the order
         members = sorted(set(self.roster.bindings.values()) | {w.identity for w in self._live()})
         try:

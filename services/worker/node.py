@@ -149,7 +149,8 @@ class WorkerNode:
 
     async def _read(self, call):
         try:
-            message = await asyncio.wait_for(call.read(), self.server_timeout)
+            async with asyncio.timeout(self.server_timeout):  # (wait_for would make a task per read)
+                message = await call.read()
         except asyncio.TimeoutError:
             raise StreamBroken(f"no word from the server for {self.server_timeout:.0f} s") from None
         if message is grpc.aio.EOF:

@@ -60,6 +60,8 @@ class CoordinatorServicer:
         INVALID_ARGUMENT, and the run goes on without that answer.
         FL-GAN runs (TrainingSpec.algorithm "flgan") exchange whole models instead: `model_part`s and a
         `local_round` down, the trained `model_part`s and `local_round_done` up.
+        P-WGAN runs ("pwgan") exchange T `potential_round`s down and as many `potential_counts` up per
+        iteration (pwgan.proto).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from services.server.algorithms.flgan import FederatedServer
 from services.server.algorithms.mdgan import MDGANServer
+from services.server.algorithms.pwgan import PWGANServer
 
 ALGORITHMS = {
     "mdgan": MDGANServer,
     "flgan": FederatedServer,
+    "pwgan": PWGANServer,
 }

@@ -7,39 +7,16 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-import torch
-
-from mdgan import compression
 from mdgan.cluster import InputRejected, IterationRecord, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.config import TrainingConfig
 from mdgan.mdgan import StepResult, WorkerBatch
 from mdgan.run import ServerCheckpoints
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
-from services.common.proto import tensor_pb2
 from services.server.connection import CONTROL, StreamHandle, WorkerConnection, tensor_payload
 from services.server.context import ServerContext, until
 
 log = logging.getLogger("mdgan.server")
-
-
-class BatchEncoder:
-    """Encodes each of an iteration's kappa batches once, however many of the N workers get it."""
-
-    def __init__(self) -> None:
-        self._iteration = -1
-        self._encoded: dict[int, tuple[torch.Tensor, tensor_pb2.Tensor]] = {}
-
-    def encode(self, iteration: int, tensor: torch.Tensor, wire_dtype: str | None = None) -> tensor_pb2.Tensor:
-        """`wire_dtype`: a float tensor in the run's wire form (mdgan/compression.py); None: as it is."""
-        if iteration != self._iteration:
-            self._iteration, self._encoded = iteration, {}
-        hit = self._encoded.get(id(tensor))
-        if hit is None or hit[0] is not tensor:
-            encoded = codec.encode_tensor(tensor) if wire_dtype is None else \
-                codec.encode_packed(compression.pack(tensor, wire_dtype))
-            hit = self._encoded[id(tensor)] = (tensor, encoded)  # holding it pins its id
-        return hit[1]
 
 
 @dataclass
@@ -48,7 +25,7 @@ class MDGANRun:
 
     config: TrainingConfig
     run_id: str = ""
-    encoder: BatchEncoder = field(default_factory=BatchEncoder)
+    encoder: codec.BatchEncoder = field(default_factory=codec.BatchEncoder)
     address_book: dict[str, str] = field(default_factory=dict)  # worker id -> peer address
     identity_book: dict[str, str] = field(default_factory=dict)  # worker id -> identity
     swap_message_bytes: int = 0  # serialized bytes the workers report pushing to peers, all handles
@@ -93,14 +70,7 @@ class GrpcWorker(StreamHandle, WorkerHandle):
 
     # -- the training loop's calls -----------------------------------------------------------
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
-        encode, wire = self.encoder.encode, self.config.wire_dtype
-        message = pb.ServerMessage(batches=pb.Batches(
-            iteration=iteration,
-            generated=encode(iteration, batch.generated, wire),
-            discriminated=encode(iteration, batch.discriminated, wire),
-            generated_labels=None if batch.generated_labels is None else encode(iteration, batch.generated_labels),
-            discriminated_labels=None if batch.discriminated_labels is None
-            else encode(iteration, batch.discriminated_labels)))
+        message = self.encoder.message(iteration, batch, self.config.wire_dtype)  # shared by the workers of a batch
         future = asyncio.get_running_loop().create_future()
         self._steps[iteration] = future
         try:

@@ -8,8 +8,10 @@ from __future__ import annotations
 from services.worker.algorithms.base import WorkerAlgorithm
 from services.worker.algorithms.flgan import FLGANWorker
 from services.worker.algorithms.mdgan import MDGANWorker
+from services.worker.algorithms.pwgan import PWGANWorker
 
 ALGORITHMS: dict[str, type[WorkerAlgorithm]] = {
     "mdgan": MDGANWorker,
     "flgan": FLGANWorker,
+    "pwgan": PWGANWorker,
 }
