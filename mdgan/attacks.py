@@ -5,6 +5,9 @@ still trains its discriminator as usual; just the feedback it sends is replaced:
 
 - sign-flip: -F_n (pushes G away from what the discriminators want);
 - scale: SCALE_FACTOR x F_n (one loud worker dominates a mean);
+- sign-flip-scale: -SCALE_FACTOR x F_n (both at once: a minority of flippers turns the mean around.
+  A plain minority flip only shrinks the mean, same direction, which Adam's scale-free step ignores;
+  two of ten sending -10 F make the mean about -1.2 times the honest one);
 - noise: Gaussian noise with NOISE_FACTOR times F_n's RMS (no information, a lot of energy);
 - free-ride: zeros (a worker that takes part without doing the work).
 
@@ -20,7 +23,7 @@ import torch
 from mdgan.config import ConfigError
 from mdgan.mdgan import derive_seed
 
-ATTACKS = ("sign-flip", "scale", "noise", "free-ride")
+ATTACKS = ("sign-flip", "scale", "sign-flip-scale", "noise", "free-ride")
 SCALE_FACTOR = 10.0
 NOISE_FACTOR = 10.0
 
@@ -39,6 +42,8 @@ class FeedbackAttack:
             return -feedback
         if self.kind == "scale":
             return feedback * SCALE_FACTOR
+        if self.kind == "sign-flip-scale":
+            return feedback * -SCALE_FACTOR
         if self.kind == "free-ride":
             return torch.zeros_like(feedback)
         rms = feedback.detach().cpu().pow(2).mean().sqrt()

@@ -579,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--byzantine", type=int, default=0,
                        help="K: the last K workers by rank send wrong feedback (needs --attack)")
         g.add_argument("--attack", choices=ATTACKS, default=None,
-                       help="what they send: sign-flip (-F), scale (10 F), noise (10x F's RMS), free-ride (zeros)")
+                       help="what they send: sign-flip (-F), scale (10 F), sign-flip-scale (-10 F), "
+                            "noise (10x F's RMS), free-ride (zeros)")
         return p
 
     simulate = run_parser("simulate", "Train in one process: every worker is an object.")

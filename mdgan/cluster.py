@@ -371,10 +371,13 @@ class Trainer:
     def count_feedback(self, reply: StepResult) -> None:
         self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
 
-    async def _drop(self, worker: WorkerHandle, why: str) -> None:
+    async def _drop(self, worker: WorkerHandle, why: str) -> bool:
+        """True when this dropped the worker; False when it had already left (counted then)."""
         if self.roster.depart(worker):
             log.warning("dropping %s: %s", worker.worker_id, why)
             await tell_to_stop(worker, why)
+            return True
+        return False
 
     async def _pause(self, t: int) -> bool:
         """Fewer than the quorum alive: wait for workers to come back; False when giving up."""

@@ -105,10 +105,29 @@ def test_median_and_trimmed_mean_remove_a_sign_flip_attacker():
     assert torch.allclose(aggregation.combine(samples, feedback, "norm-clip"), truth / 3, atol=1e-6)
 
 
+def test_two_sign_flip_scale_attackers_of_ten_turn_the_mean_around_and_robust_rules_do_not():
+    # the attack measured in docs/RESULTS.md: a plain minority flip leaves the mean pointing the honest
+    # way (scaled down, which Adam ignores); flipped and amplified, two of ten reverse it
+    honest = torch.randn(B, D)
+    samples = torch.zeros(1, B, D)
+    truth = honest.unsqueeze(0)
+    for kind, mean_factor in (("sign-flip", (8 - 2) / 10), ("sign-flip-scale", (8 - 2 * SCALE_FACTOR) / 10)):
+        attack = FeedbackAttack(kind)
+        feedback = [(0, honest)] * 8 + [(0, attack(honest))] * 2
+        assert torch.allclose(aggregation.combine(samples, feedback, "mean"), truth * mean_factor, atol=1e-5)
+        assert torch.allclose(aggregation.combine(samples, feedback, "median"), truth)
+        assert torch.allclose(aggregation.combine(samples, feedback, "trimmed-mean", trim_fraction=0.2), truth)
+    assert (8 - 2 * SCALE_FACTOR) < 0  # the mean points away from the honest feedback
+    # norm-clip (bound: the median norm) cuts -10 F back to -F: left with the plain flip's 0.6 x honest
+    feedback = [(0, honest)] * 8 + [(0, FeedbackAttack("sign-flip-scale")(honest))] * 2
+    assert torch.allclose(aggregation.combine(samples, feedback, "norm-clip"), truth * 0.6, atol=1e-5)
+
+
 def test_attacks_do_what_they_say():
     f = torch.randn(B, D)
     assert torch.equal(FeedbackAttack("sign-flip")(f), -f)
     assert torch.equal(FeedbackAttack("scale")(f), f * SCALE_FACTOR)
+    assert torch.equal(FeedbackAttack("sign-flip-scale")(f), f * -SCALE_FACTOR)
     assert torch.equal(FeedbackAttack("free-ride")(f), torch.zeros_like(f))
     a, b = FeedbackAttack("noise", 1, 2), FeedbackAttack("noise", 1, 2)
     noise = a(f)
@@ -121,7 +140,7 @@ def test_attacks_do_what_they_say():
     assert list(attackers(10, 2)) == [8, 9]
     with pytest.raises(ConfigError):
         attackers(3, 3)
-    assert set(ATTACKS) == {"sign-flip", "scale", "noise", "free-ride"}
+    assert set(ATTACKS) == {"sign-flip", "scale", "sign-flip-scale", "noise", "free-ride"}
 
 
 def test_in_process_attackers_send_what_the_attack_says():

@@ -168,7 +168,8 @@ def test_mdgan_local_refuses_clients_without_a_certificate_of_its_ca(tmp_path, r
 @pytest.mark.slow
 def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_nothing(tmp_path, run_pki):
     pki_dir, _ = run_pki
-    flags = ["--workers", "2", "--iterations", "12", "--swap-every", "2", "--seed", "3", "--gan", "gan"]
+    # long enough (20 swap rounds) for the pushes below to land while the run is on, even on a busy machine
+    flags = ["--workers", "2", "--iterations", "40", "--swap-every", "2", "--seed", "3", "--gan", "gan"]
     out = str(tmp_path / "grpc")
     server, port = start_server(out, *flags, "--swap-timeout", "30", *tls_flags(pki_dir, "mdgan-server"))
     workers = [start_worker(out, port, i, 2, "--dataset", "synthetic", *tls_flags(pki_dir, f"worker-{i}"),
@@ -178,20 +179,27 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
         target = peer_port(workers[0].log_path)
         wait_for_iterations(server, out, 1)  # the run is under way
 
+        async def judged_push(who, sender: str = "worker-1") -> tuple[grpc.StatusCode, list[bytes]]:
+            """Push a zeroed D for the round after next; aimed again when the run's rounds raced past
+            it before it arrived (FAILED_PRECONDITION), so that the sender check is what answers."""
+            for _ in range(5):
+                done = len(read_jsonl(os.path.join(out, "swaps.jsonl")))
+                chunks = [c.SerializeToString() for c in zeroed_discriminator_chunks(done + 2, sender)]
+                async with open_channel(target, who, server_name="worker-0") as channel:
+                    code = await raw_call(channel, PUSH, chunks, timeout=60)
+                if code != grpc.StatusCode.FAILED_PRECONDITION:
+                    break
+            return code, chunks
+
         async def attack():
             codes = []
             # Mallory (valid certificate, not in the run) claims to be worker-1, before and during rounds;
             # each push waits, unread, for worker-0's order, which names worker-1: refused.
             for _ in range(2):
-                done = len(read_jsonl(os.path.join(out, "swaps.jsonl")))
-                chunks = [c.SerializeToString() for c in zeroed_discriminator_chunks(done + 2, "worker-1")]
-                async with open_channel(target, mallory, server_name="worker-0") as channel:
-                    codes.append(await raw_call(channel, PUSH, chunks, timeout=60))
+                codes.append((await judged_push(mallory))[0])
             # worker-0 is not worker-0's designated sender either, even with the run's own certificate
-            done = len(read_jsonl(os.path.join(out, "swaps.jsonl")))
-            chunks = [c.SerializeToString() for c in zeroed_discriminator_chunks(done + 2, "worker-1")]
-            async with open_channel(target, credentials(pki_dir, "worker-0"), server_name="worker-0") as channel:
-                codes.append(await raw_call(channel, PUSH, chunks, timeout=60))
+            code, chunks = await judged_push(credentials(pki_dir, "worker-0"))
+            codes.append(code)
             # and the server is not a worker: a worker certificate of the run cannot pose as its server
             async with open_channel(target, impostor, server_name="mdgan-server") as channel:
                 codes.append(await raw_call(channel, PUSH, chunks, timeout=10))
@@ -209,7 +217,7 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
     with open(os.path.join(out, "metrics", "worker-0.prom")) as fh:
         assert re.search(r'mdgan_rejected_inputs_total\{reason="sender"\} 3\.0', fh.read())
     swaps = read_jsonl(os.path.join(out, "swaps.jsonl"))
-    assert len(swaps) == 6 and all(w["received"] for s in swaps for w in s["workers"].values())
+    assert len(swaps) == 20 and all(w["received"] for s in swaps for w in s["workers"].values())
     sim = subprocess.run([sys.executable, "-m", "mdgan.cli", "simulate", *flags, "--dataset", "synthetic",
                           "--no-progress", "--out", str(tmp_path / "sim")], cwd=REPO, capture_output=True, text=True,
                          timeout=300)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mdgan.cluster import SwapReport, Trainer, WorkerHandle
+from mdgan.cluster import SwapReport, Trainer, WorkerHandle, WorkerLost
 from mdgan.config import ModelSpec, TrainingConfig
 from mdgan.mdgan import GeneratorSide, StepResult
 from mdgan.synchrony import Issued, PartialSync, staleness_weight
@@ -95,3 +95,32 @@ def test_async_weights_stale_feedback_by_one_over_one_plus_staleness():
     for a, b in zip(gen.generator.parameters(), twin.generator.parameters()):
         assert torch.equal(a, b)
     assert staleness_weight(0) == 1 and staleness_weight(3) == 0.25
+
+
+class DyingWorker(HeldWorker):
+    """Its step is out (held) when a swap finds it gone; then the step fails too, as a lost stream's do."""
+
+    async def step(self, iteration, batch):
+        self.steps.append(iteration)
+        await self.release.wait()
+        raise WorkerLost(f"{self.worker_id}: stream closed")
+
+    async def swap(self, order):
+        self.release.set()
+        raise WorkerLost(f"{self.worker_id}: stream closed")
+
+
+def test_async_counts_a_worker_lost_in_a_swap_once_though_its_step_was_still_out():
+    async def scenario():
+        workers = [HeldWorker(0), HeldWorker(1), DyingWorker(2, held=True)]
+        config = TrainingConfig(workers=3, iterations=10, swap_every=1, model=ModelSpec(gan="gan"), sync="async",
+                                max_staleness=2).validate()
+        trainer = Trainer(config, GeneratorSide(config), workers)
+        trainer.swap_period = 1
+        records = [await trainer.iteration(t) for t in (1, 2, 3)]
+        return records, trainer
+
+    records, trainer = asyncio.run(scenario())
+    assert records[0].swap_round == 1 and records[0].lost == 1  # lost in the swap after iteration 1
+    assert [r.lost for r in records[1:]] == [0, 0]  # its failed step, harvested later, is not a second loss
+    assert len(trainer.roster.alive()) == 2

@@ -74,8 +74,8 @@ def build_parser() -> EnvArgumentParser:
     add_data_arguments(parser)
     g = parser.add_argument_group("emulation, for experiments and tests only")
     g.add_argument("--attack", choices=ATTACKS, default=None,
-                   help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), noise (10x F's RMS) "
-                        "or zero (free-ride) feedback instead of F (mdgan/attacks.py)")
+                   help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), both (-10 F), "
+                        "noise (10x F's RMS) or zero (free-ride) feedback instead of F (mdgan/attacks.py)")
     g.add_argument("--slow-factor", type=float, default=1.0,
                    help="behave as a straggler: every iteration takes this many times as long (waits "
                         "(F - 1) x the time its compute took before answering)")
