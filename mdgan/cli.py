@@ -93,6 +93,8 @@ def _forwarded_algorithm_flags(args) -> list[str]:
     if args.algorithm == "pwgan":
         return ["--potential-rounds", str(args.potential_rounds), "--potential-lr", repr(args.potential_lr),
                 "--gradient-penalty", repr(args.gradient_penalty)]
+    if args.algorithm == "dpgan" and args.dp_threshold is not None:
+        return ["--dp-threshold", str(args.dp_threshold)]
     return []
 
 
@@ -393,8 +395,6 @@ def cmd_local(args) -> int:
         attackers(args.workers, args.byzantine)
     if args.algorithm == "standalone":
         raise ConfigError("a standalone GAN has no workers: run it with `mdgan simulate --algorithm standalone`")
-    if args.algorithm == "dpgan":  # docs/ALGORITHMS.md: what its transport needs
-        raise ConfigError(f"--algorithm {args.algorithm} runs in `mdgan simulate` only for now")
     if args.algorithm == "pwgan":  # refused here, with a clear message, rather than in the server
         from mdgan.algorithms.options import pwgan_options
         from mdgan.algorithms.pwgan import check_config
@@ -403,6 +403,14 @@ def cmd_local(args) -> int:
         check_config(training_config(args))
         if args.checkpoint_every or args.resume:
             raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
+    if args.algorithm == "dpgan":
+        from mdgan.algorithms.options import dpgan_options
+
+        dpgan_options(args, args.workers)  # a bad --dp-threshold fails here, not in the server
+        if args.checkpoint_every or args.resume:
+            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
+        if args.byzantine:
+            raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = False

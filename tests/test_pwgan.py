@@ -185,7 +185,7 @@ def test_a_bad_reply_is_rejected_and_the_iteration_goes_on_without_it():
     assert [r.answered for r in records] == [2, 2] and [r.rejected for r in records] == [1, 1]
 
 
-def test_the_cli_runs_both_and_refuses_dpgan_over_grpc_for_now(tmp_path, monkeypatch, capsys):
+def test_the_cli_runs_both_and_refuses_a_dpgan_threshold_above_the_workers(tmp_path, monkeypatch, capsys):
     from mdgan.cli import main
 
     common = ["--dataset", "synthetic", "--workers", "2", "--iterations", "2", "--batch-size", "4",
@@ -196,12 +196,11 @@ def test_the_cli_runs_both_and_refuses_dpgan_over_grpc_for_now(tmp_path, monkeyp
     assert summary["algorithm"] == "pwgan"
     assert summary["payload_bytes"]["worker_to_server"] == 2 * 2 * (4 * 4 * 784 + 4 * 2 * 4)
     assert main(["simulate", "--algorithm", "dpgan", "--dp-threshold", "1", *common, "--out", str(tmp_path / "d")]) == 0
-    with pytest.raises(SystemExit) as exit_info:
-        main(["local", "--algorithm", "dpgan", *common, "--out", str(tmp_path / "l")])  # pwgan: test_pwgan_services
-    assert exit_info.value.code == 2 and "simulate" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["simulate", "--algorithm", "dpgan", "--dp-threshold", "3", *common, "--out", str(tmp_path / "x")])
-    assert "dp-threshold" in capsys.readouterr().err
+    capsys.readouterr()
+    for mode in ("simulate", "local"):  # over gRPC: test_pwgan_services, test_dpgan_grpc
+        with pytest.raises(SystemExit) as exit_info:
+            main([mode, "--algorithm", "dpgan", "--dp-threshold", "3", *common, "--out", str(tmp_path / "x")])
+        assert exit_info.value.code == 2 and "dp-threshold" in capsys.readouterr().err
 
 
 class LostInRound2(InProcessCritic):

@@ -49,8 +49,8 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="mdgan",
-                        help="MD-GAN, the FL-GAN baseline (FedAvg of whole GANs) or the parallel Wasserstein GAN "
-                             "(pwgan) over the same services")
+                        help="MD-GAN, or over the same services the FL-GAN baseline (FedAvg of whole GANs), "
+                             "the parallel Wasserstein GAN (pwgan) or the data-parallel parameter-server GAN (dpgan)")
     parser.add_argument("--round-timeout", type=float, default=3600.0,
                         help="FL-GAN: deadline for a worker's local round (s)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,

@@ -7,6 +7,7 @@ Coordinator builds for every admitted worker (see docs/ALGORITHMS.md, "How to ad
 
 from __future__ import annotations
 
+from services.server.algorithms.dpgan import DataParallelServer
 from services.server.algorithms.flgan import FederatedServer
 from services.server.algorithms.mdgan import MDGANServer
 from services.server.algorithms.pwgan import PWGANServer
@@ -15,4 +16,5 @@ ALGORITHMS = {
     "mdgan": MDGANServer,
     "flgan": FederatedServer,
     "pwgan": PWGANServer,
+    "dpgan": DataParallelServer,
 }
