@@ -318,6 +318,7 @@ class Trainer:
         self.save_checkpoint = save_checkpoint
         self.traffic = Traffic()
         self.swaps = 0
+        self._counted_lost: set[WorkerHandle] = set()  # handles whose loss an iteration record counted
         self.rejections = 0
         self.completed = 0  # iterations done (the boundary the run stands at)
         self.swap_period: int | None = None
@@ -371,13 +372,19 @@ class Trainer:
     def count_feedback(self, reply: StepResult) -> None:
         self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
 
-    async def _drop(self, worker: WorkerHandle, why: str) -> bool:
-        """True when this dropped the worker; False when it had already left (counted then)."""
+    async def _drop(self, worker: WorkerHandle, why: str) -> None:
         if self.roster.depart(worker):
             log.warning("dropping %s: %s", worker.worker_id, why)
             await tell_to_stop(worker, why)
-            return True
-        return False
+
+    async def _lose(self, worker: WorkerHandle, why: str) -> int:
+        """Drop a worker found lost; 1 the first time its loss is seen, 0 after. Under async its step
+        can still be out when a swap loses it, and both see the same loss. (The transport may have
+        taken it off the roster already: being off the roster does not say it was counted.)"""
+        first = worker not in self._counted_lost
+        self._counted_lost.add(worker)
+        await self._drop(worker, why)
+        return int(first)
 
     async def _pause(self, t: int) -> bool:
         """Fewer than the quorum alive: wait for workers to come back; False when giving up."""
@@ -446,8 +453,7 @@ class Trainer:
                 rejected += 1
                 log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, reply)
             elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                lost += 1
-                await self._drop(worker, str(reply) or "missed its deadline")
+                lost += await self._lose(worker, str(reply) or "missed its deadline")
             else:
                 raise reply
         self.rejections += rejected
@@ -507,7 +513,7 @@ class Trainer:
                 raise
 
         reports = await asyncio.gather(*(swap_one(w, o) for w, o in zip(participants, orders)), return_exceptions=True)
-        outcome = {}
+        outcome, lost = {}, 0
         for worker, report in zip(participants, reports):
             if isinstance(report, SwapReport):
                 self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
@@ -519,13 +525,13 @@ class Trainer:
             elif isinstance(report, (WorkerLost, asyncio.TimeoutError)):
                 outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0,
                                              "error": str(report) or "missed its swap deadline"}
-                await self._drop(worker, str(report) or "missed its swap deadline")
+                lost += await self._lose(worker, str(report) or "missed its swap deadline")
             else:
                 raise report
         self.swaps = swap_round
         if self.on_swap is not None:
             self.on_swap({"round": swap_round, "iteration": t, "plan": plan, "workers": outcome})
-        return swap_round, sum(1 for r in reports if isinstance(r, (WorkerLost, asyncio.TimeoutError)))
+        return swap_round, lost
 
     # -- checkpoints -------------------------------------------------------------------------
     async def checkpoint(self, t: int) -> bool:

@@ -109,9 +109,7 @@ class PartialSync:
             elif isinstance(reply, InputRejected):
                 rejected += 1
             elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                # Under async a worker's step can still be out when a swap loses it: counted once, there.
-                if await trainer._drop(worker, str(reply) or "missed its deadline"):
-                    lost += 1
+                lost += await trainer._lose(worker, str(reply) or "missed its deadline")
             else:
                 raise reply
         return list(used.values()), stats, rejected, lost, late
