@@ -50,10 +50,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
 from mdgan.baselines import fedavg
-from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
-                           tell_to_stop, with_deadline)
+from mdgan.cluster import InputRejected, IterationRecord, RunResult, WorkerLost, with_deadline
 from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.mdgan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
@@ -298,28 +298,22 @@ class InProcessReplica(InProcessRounds, ReplicaHandle):
     """ReplicaSide in this process (mdgan/algorithms/inprocess.py)."""
 
 
-class DataParallelTrainer:
-    """Runs I iterations of the parameter server against replica handles."""
+class DataParallelTrainer(FixedSetTrainer):
+    """Runs I iterations of the parameter server against replica handles (mdgan/algorithms/fixed_set.py:
+    a lost worker leaves for good; the run goes on while at least Q are left)."""
 
     def __init__(self, config: TrainingConfig, options: DPGANOptions, server: ParameterServer,
                  workers: list[ReplicaHandle], *, step_timeout: float | None = None,
                  on_iteration: Callable[[IterationRecord], None] | None = None):
-        self.config = config
+        super().__init__(config, workers, step_timeout=step_timeout, on_iteration=on_iteration)
         self.server = server
-        self.workers = sorted(workers, key=lambda w: w.shard_index)
         self.threshold = options.resolve(len(self.workers))
-        self.active = list(self.workers)
-        self.step_timeout = step_timeout
-        self.on_iteration = on_iteration
-        self.traffic = Traffic()
-        self.rejections = 0
         self.skipped_steps = 0  # rounds with fewer than Q gradients
 
-    async def _drop(self, worker: ReplicaHandle, why: str) -> None:
-        if worker in self.active:
-            log.warning("dropping %s: %s", worker.worker_id, why)
-            self.active.remove(worker)
-            await tell_to_stop(worker, why)
+    def too_few_left(self, t: int) -> str | None:
+        if len(self.active) >= self.threshold:
+            return None
+        return f"{len(self.active)} workers left after iteration {t - 1}, fewer than the threshold {self.threshold}"
 
     async def iteration(self, t: int) -> IterationRecord:
         started = time.perf_counter()
@@ -383,23 +377,6 @@ class DataParallelTrainer:
             gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
             real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
             swap_round=None, seconds=time.perf_counter() - started, wait_seconds=wait, update_seconds=update)
-
-    async def run(self) -> RunResult:
-        last, stopped = None, None
-        for t in range(1, self.config.iterations + 1):
-            if len(self.active) < self.threshold:
-                stopped = (f"{len(self.active)} workers left after iteration {t - 1}, fewer than the threshold "
-                           f"{self.threshold}")
-                log.error(stopped)
-                break
-            last = await self.iteration(t)
-            if self.on_iteration is not None:
-                self.on_iteration(last)
-        for worker in list(self.active):
-            await tell_to_stop(worker, RUN_FINISHED, 10.0)
-        return RunResult(iterations=last.iteration if last else 0, workers=len(self.workers),
-                         workers_alive=len(self.active), swaps=0, rejections=self.rejections, swap_period=0,
-                         traffic=self.traffic, last=last, stopped_early=stopped)
 
 
 def _state_bytes(module: nn.Module) -> tuple[int, int]:

@@ -85,9 +85,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
-from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
-                           tell_to_stop, with_deadline)
+from mdgan.cluster import InputRejected, IterationRecord, RunResult, WorkerLost, with_deadline
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.mdgan import GeneratorSide, derive_seed, make_adam
@@ -353,30 +353,19 @@ def check_reply(reply: RoundReply, n_g: int, n_r: int, last: bool, sample_shape:
             raise InputRejected("bad_feedback", f"the last round needs finite feedback of shape {(n_g, *sample_shape)}")
 
 
-class PWGANTrainer:
-    """Runs I iterations of Algorithm 1 (the master) against critic handles."""
+class PWGANTrainer(FixedSetTrainer):
+    """Runs I iterations of Algorithm 1 (the master) against critic handles (mdgan/algorithms/fixed_set.py:
+    a lost worker leaves for good; the run goes on while any is left)."""
 
     def __init__(self, config: TrainingConfig, options: PWGANOptions, generator: GeneratorSide,
                  workers: list[CriticHandle], *, step_timeout: float | None = None,
                  on_iteration: Callable[[IterationRecord], None] | None = None):
-        self.config = config
+        super().__init__(config, workers, step_timeout=step_timeout, on_iteration=on_iteration)
         self.options = options.validate()
         self.generator = generator
-        self.workers = sorted(workers, key=lambda w: w.shard_index)
-        self.active = list(self.workers)
-        self.step_timeout = step_timeout
-        self.on_iteration = on_iteration
-        self.traffic = Traffic()
-        self.rejections = 0
         self.masses: torch.Tensor | None = None  # p of the last iteration, averaged over its rounds (n_g,)
         self.last_round_masses: torch.Tensor | None = None  # p of the last iteration's last round (n_g,)
         self.potentials: torch.Tensor | None = None  # phi after the last iteration's rounds (n_g,)
-
-    async def _drop(self, worker: CriticHandle, why: str) -> None:
-        if worker in self.active:
-            log.warning("dropping %s: %s", worker.worker_id, why)
-            self.active.remove(worker)
-            await tell_to_stop(worker, why)
 
     async def iteration(self, t: int) -> IterationRecord:
         started = time.perf_counter()
@@ -442,22 +431,6 @@ class PWGANTrainer:
             gen_loss=mean([res.transport_cost for res in results]), disc_loss=mean([res.disc_loss for res in results]),
             real_accuracy=float("nan"), fake_accuracy=float("nan"), swap_round=None, seconds=updated - started,
             generate_seconds=generated_at - started, wait_seconds=wait, update_seconds=updated - answered_at)
-
-    async def run(self) -> RunResult:
-        last, stopped = None, None
-        for t in range(1, self.config.iterations + 1):
-            if not self.active:
-                stopped = f"no workers left after iteration {t - 1}"
-                log.error(stopped)
-                break
-            last = await self.iteration(t)
-            if self.on_iteration is not None:
-                self.on_iteration(last)
-        for worker in list(self.active):
-            await tell_to_stop(worker, RUN_FINISHED, 10.0)
-        return RunResult(iterations=last.iteration if last else 0, workers=len(self.workers),
-                         workers_alive=len(self.active), swaps=0, rejections=self.rejections, swap_period=0,
-                         traffic=self.traffic, last=last, stopped_early=stopped)
 
 
 def traffic_per_iteration(config: TrainingConfig, options: PWGANOptions, workers: int) -> dict[str, int]:

@@ -22,7 +22,8 @@ from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import dpgan_pb2
 from services.server.connection import CONTROL, StreamHandle, WorkerConnection
-from services.server.context import ServerContext, until
+from services.server.algorithms.fixed_set import FixedSetServer
+from services.server.context import ServerContext
 
 MODELS = ("generator", "discriminator")
 
@@ -159,16 +160,14 @@ class GrpcReplica(StreamHandle, ReplicaHandle):
             fake_accuracy=done.fake_accuracy))
 
 
-class DataParallelServer:
+class DataParallelServer(FixedSetServer):
     """A data-parallel run on the server: DataParallelTrainer over a fixed set of GrpcReplicas."""
 
     handle = GrpcReplica
-    stop_requested = False
 
     @staticmethod
     def check(args, run) -> None:
-        if args.checkpoint_every or run.state is not None:
-            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
+        FixedSetServer.check_common(args, run)
         for flag, value, default in (("--wire-dtype", args.wire_dtype, "float32"), ("--sync", args.sync, "all"),
                                      ("--aggregation", args.aggregation, "mean")):
             if value != default:
@@ -180,37 +179,18 @@ class DataParallelServer:
         DPGANOptions(args.dp_threshold).resolve(run.config.workers)
 
     def __init__(self, ctx: ServerContext):
-        self.ctx = ctx
+        super().__init__(ctx)
         self.options = DPGANOptions(ctx.args.dp_threshold)
-        self.trainer: DataParallelTrainer | None = None
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec records Q (the run's record; only the server uses it)."""
         spec.dp_threshold = self.options.resolve(self.ctx.config.workers)
 
-    def swap_round(self) -> int:
-        return 0
-
     def summary_fields(self) -> dict:
         """summary.json's record of the options, as `mdgan simulate` writes it."""
         return {"dpgan": {"threshold": self.options.resolve(self.ctx.config.workers)}}
 
-    async def run(self, coordinator, stopping: asyncio.Event):
-        """(RunResult, wall seconds) once the iterations are done, or fewer than Q workers are left."""
+    def build_trainer(self, workers: list[GrpcReplica]) -> DataParallelTrainer:
         ctx = self.ctx
-        workers = await until(coordinator.wait_for_workers(ctx.args.join_timeout), stopping)
-        ctx.recorder.started = ctx.clock()
-        self.trainer = DataParallelTrainer(
-            ctx.config, self.options, ParameterServer(ctx.config, ctx.generator), workers,
-            step_timeout=ctx.args.step_timeout,
-            on_iteration=lambda record: ctx.on_iteration(record, len(self.trainer.active)))
-        result = None
-        try:
-            result = await until(self.trainer.run(), stopping)
-        finally:
-            wall = ctx.recorder.close(result.iterations if result else None)
-        return result, wall
-
-    @staticmethod
-    def worker_to_worker_bytes(coordinator) -> int:
-        return 0  # replicas talk to the server only
+        return DataParallelTrainer(ctx.config, self.options, ParameterServer(ctx.config, ctx.generator), workers,
+                                   step_timeout=ctx.args.step_timeout, on_iteration=self.on_iteration)

@@ -20,7 +20,8 @@ from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import pwgan_pb2
 from services.server.connection import CONTROL, StreamHandle, WorkerConnection, tensor_payload
-from services.server.context import ServerContext, until
+from services.server.algorithms.fixed_set import FixedSetServer
+from services.server.context import ServerContext
 
 
 @dataclass
@@ -128,26 +129,23 @@ class GrpcCritic(StreamHandle, CriticHandle):
         return decoded
 
 
-class PWGANServer:
+class PWGANServer(FixedSetServer):
     """A P-WGAN run on the server: PWGANTrainer over the GrpcCritics of every slot (it drops the
     workers it loses and goes on with the others)."""
 
     handle = GrpcCritic
-    stop_requested = False
 
     @staticmethod
     def check(args, run) -> None:
-        if args.checkpoint_every or run.state is not None:
-            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
+        FixedSetServer.check_common(args, run)
         if args.min_workers is not None:
             raise ConfigError("--min-workers works with --algorithm mdgan only (P-WGAN starts with every worker)")
         pwgan.check_config(run.config)
         pwgan_options(args)
 
     def __init__(self, ctx: ServerContext):
-        self.ctx = ctx
+        super().__init__(ctx)
         self.options = pwgan_options(ctx.args)
-        self.trainer: PWGANTrainer | None = None
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec carries T, eta and lambda to the workers."""
@@ -158,24 +156,7 @@ class PWGANServer:
         """summary.json records T, eta and lambda, as `mdgan simulate` does (`mdgan traffic` needs T)."""
         return {"pwgan": dataclasses.asdict(self.options)}
 
-    def swap_round(self) -> int:
-        return 0
-
-    async def run(self, coordinator, stopping: asyncio.Event):
-        """(RunResult, wall seconds) once the iterations are done or no worker is left."""
+    def build_trainer(self, workers: list[GrpcCritic]) -> PWGANTrainer:
         ctx = self.ctx
-        workers = await until(coordinator.wait_for_workers(ctx.args.join_timeout), stopping)
-        ctx.recorder.started = ctx.clock()
-        self.trainer = PWGANTrainer(ctx.config, self.options, ctx.generator, workers,
-                                    step_timeout=ctx.args.step_timeout,
-                                    on_iteration=lambda record: ctx.on_iteration(record, len(self.trainer.active)))
-        result = None
-        try:
-            result = await until(self.trainer.run(), stopping)
-        finally:
-            wall = ctx.recorder.close(result.iterations if result else None)
-        return result, wall
-
-    @staticmethod
-    def worker_to_worker_bytes(coordinator) -> int:
-        return 0  # P-WGAN's workers talk to the server only
+        return PWGANTrainer(ctx.config, self.options, ctx.generator, workers, step_timeout=ctx.args.step_timeout,
+                            on_iteration=self.on_iteration)
