@@ -1,12 +1,11 @@
-"""What the P-WGAN and data-parallel runs share on the server: they wait for every slot, train over
-that fixed set of workers (the library's FixedSetTrainer, mdgan/algorithms/fixed_set.py), take no
-late joiners and no checkpoints, and their workers talk to the server only."""
+"""What the FL-GAN, P-WGAN and data-parallel runs share on the server: they wait for every slot, train
+over that fixed set of workers, take no late joiners and no checkpoints, and their workers talk to
+the server only."""
 
 from __future__ import annotations
 
 import asyncio
 
-from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.config import ConfigError
 from services.server.context import ServerContext, until
 
@@ -23,9 +22,10 @@ class FixedSetServer:
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
-        self.trainer: FixedSetTrainer | None = None
+        self.trainer = None  # built by build_trainer once every slot has a worker
 
-    def build_trainer(self, workers: list) -> FixedSetTrainer:
+    def build_trainer(self, workers: list):
+        """The library's training loop over these handles; it has `active` and `run()`."""
         raise NotImplementedError
 
     def swap_round(self) -> int:

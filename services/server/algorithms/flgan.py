@@ -10,11 +10,10 @@ import torch
 
 from mdgan.baselines import FederatedTrainer, FederatedWorker, LocalRoundResult
 from mdgan.cluster import InputRejected
-from mdgan.config import ConfigError
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.server.connection import CONTROL, StreamHandle, WorkerConnection
-from services.server.context import ServerContext, until
+from services.server.algorithms.fixed_set import FixedSetServer
 
 MODELS = ("generator", "discriminator")
 
@@ -108,41 +107,17 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
         future.set_result(LocalRoundResult(states["generator"], states["discriminator"], stats, sent))
 
 
-class FederatedServer:
+class FederatedServer(FixedSetServer):
     """An FL-GAN run on the server: FederatedTrainer over a fixed set of GrpcFederatedWorkers."""
 
     handle = GrpcFederatedWorker
-    stop_requested = False
 
     @staticmethod
     def check(args, run) -> None:
-        if args.checkpoint_every or run.state is not None:
-            raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
+        FixedSetServer.check_common(args, run)
 
-    def __init__(self, ctx: ServerContext):
-        self.ctx = ctx
-        self.trainer: FederatedTrainer | None = None
-
-    def swap_round(self) -> int:
-        return 0
-
-    async def run(self, coordinator, stopping: asyncio.Event):
-        """(RunResult, wall seconds) once every slot's worker trained its rounds."""
+    def build_trainer(self, workers: list[GrpcFederatedWorker]) -> FederatedTrainer:
         ctx = self.ctx
-        workers = await until(coordinator.wait_for_workers(ctx.args.join_timeout), stopping)
-        ctx.recorder.started = ctx.clock()
-        self.trainer = FederatedTrainer(ctx.config, ctx.generator, workers, ctx.initial_discriminator,
-                                        round_timeout=ctx.args.round_timeout,
-                                        on_iteration=lambda record: ctx.on_iteration(record,
-                                                                                     len(self.trainer.active)),
-                                        on_round=ctx.recorder.swap)
-        result = None
-        try:
-            result = await until(self.trainer.run(), stopping)
-        finally:
-            wall = ctx.recorder.close(result.iterations if result else None)
-        return result, wall
-
-    @staticmethod
-    def worker_to_worker_bytes(coordinator) -> int:
-        return 0  # FL-GAN workers talk to the server only
+        return FederatedTrainer(ctx.config, ctx.generator, workers, ctx.initial_discriminator,
+                                round_timeout=ctx.args.round_timeout, on_iteration=self.on_iteration,
+                                on_round=ctx.recorder.swap)
