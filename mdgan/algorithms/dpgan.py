@@ -53,7 +53,7 @@ from torch import nn
 from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
 from mdgan.baselines import fedavg
-from mdgan.cluster import InputRejected, IterationRecord, RunResult, WorkerLost, with_deadline
+from mdgan.cluster import InputRejected, IterationRecord, RunResult
 from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.mdgan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
@@ -328,32 +328,18 @@ class DataParallelTrainer(FixedSetTrainer):
             order = GradientOrder(t, r, weights(server.discriminator), generator_state if r == 1 else None,
                                   want_discriminator=r <= config.disc_steps, want_generator=r == rounds)
             asked = time.perf_counter()
-            replies = await asyncio.gather(*(with_deadline(w.round(order), self.step_timeout) for w in participants),
-                                           return_exceptions=True)
+            replied, round_rejected, round_lost = await self.ask(t, r, participants, order,
+                                                                 lambda reply: check_reply(reply, order, server))
             answered_at = time.perf_counter()
             wait += answered_at - asked
-            good, answered = [], []
-            for worker, reply in zip(participants, replies):
-                self.traffic.payload_bytes["server_to_worker"] += _nbytes(order.discriminator) + _nbytes(order.generator)
-                if isinstance(reply, GradientReply):
-                    try:
-                        check_reply(reply, order, server)
-                    except InputRejected as exc:
-                        reply = exc
-                if isinstance(reply, GradientReply):
-                    self.traffic.payload_bytes["worker_to_server"] += (
-                        _nbytes(reply.discriminator) + _nbytes(reply.generator)
-                        + _nbytes(reply.discriminator_buffers) + _nbytes(reply.generator_buffers))
-                    good.append(reply)
-                    answered.append(worker)
-                elif isinstance(reply, InputRejected):  # out for the rest of this iteration
-                    rejected += 1
-                    log.warning("iteration %d round %d: %s rejected (%s)", t, r, worker.worker_id, reply)
-                elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                    lost += 1
-                    await self._drop(worker, str(reply) or "missed its deadline")
-                else:
-                    raise reply
+            rejected, lost = rejected + round_rejected, lost + round_lost
+            self.traffic.payload_bytes["server_to_worker"] += len(participants) * (
+                _nbytes(order.discriminator) + _nbytes(order.generator))
+            good, answered = [reply for _, reply in replied], [worker for worker, _ in replied]
+            for reply in good:
+                self.traffic.payload_bytes["worker_to_server"] += (
+                    _nbytes(reply.discriminator) + _nbytes(reply.generator)
+                    + _nbytes(reply.discriminator_buffers) + _nbytes(reply.generator_buffers))
             participants = answered
             if len(good) < self.threshold:
                 self.skipped_steps += 1

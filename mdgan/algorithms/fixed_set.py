@@ -4,10 +4,12 @@ few workers are left. (MD-GAN's loop, mdgan/cluster.py, admits workers at any bo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Callable
 
-from mdgan.cluster import RUN_FINISHED, IterationRecord, RunResult, Traffic, tell_to_stop
+from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
+                           tell_to_stop, with_deadline)
 from mdgan.config import TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,32 @@ class FixedSetTrainer:
             log.warning("dropping %s: %s", worker.worker_id, why)
             self.active.remove(worker)
             await tell_to_stop(worker, why)
+
+    async def ask(self, t: int, r: int, participants: list, order, check: Callable[[object], None]
+                  ) -> tuple[list, int, int]:
+        """Send round r's order to every participant at once; ([(worker, reply)] that passed `check`,
+        in rank order; replies rejected; workers lost, which are dropped for good). A rejected worker
+        sits out the rest of the iteration (the caller goes on with the workers that answered)."""
+        replies = await asyncio.gather(*(with_deadline(w.round(order), self.step_timeout) for w in participants),
+                                       return_exceptions=True)
+        good, rejected, lost = [], 0, 0
+        for worker, reply in zip(participants, replies):
+            if not isinstance(reply, BaseException):
+                try:
+                    check(reply)
+                except InputRejected as exc:
+                    reply = exc
+            if not isinstance(reply, BaseException):
+                good.append((worker, reply))
+            elif isinstance(reply, InputRejected):
+                rejected += 1
+                log.warning("iteration %d round %d: %s rejected (%s)", t, r, worker.worker_id, reply)
+            elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
+                lost += 1
+                await self._drop(worker, str(reply) or "missed its deadline")
+            else:
+                raise reply
+        return good, rejected, lost
 
     def too_few_left(self, t: int) -> str | None:
         """Why the run cannot go on to iteration t; None: it can."""

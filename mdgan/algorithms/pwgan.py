@@ -87,7 +87,7 @@ import torch.nn.functional as F
 
 from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
-from mdgan.cluster import InputRejected, IterationRecord, RunResult, WorkerLost, with_deadline
+from mdgan.cluster import InputRejected, IterationRecord, RunResult
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.mdgan import GeneratorSide, derive_seed, make_adam
@@ -384,33 +384,21 @@ class PWGANTrainer(FixedSetTrainer):
             last = r == options.potential_rounds
             order = PotentialOrder(t, r, phi.clone(), generated if r == 1 else None, labels if r == 1 else None, last)
             asked = time.perf_counter()
-            replies = await asyncio.gather(*(with_deadline(w.round(order), self.step_timeout) for w in participants),
-                                           return_exceptions=True)
+            good, round_rejected, round_lost = await self.ask(t, r, participants, order, lambda reply: check_reply(
+                reply, n_g, config.batch_size, last, tuple(config.model.sample_shape)))
             wait += time.perf_counter() - asked
+            rejected, lost = rejected + round_rejected, lost + round_lost
+            self.traffic.payload_bytes["server_to_worker"] += len(participants) * (
+                _nbytes(order.potentials) + _nbytes(order.generated))
+            self.traffic.label_bytes += len(participants) * _nbytes(order.generated_labels)
             counts, answered = [], []
-            for worker, reply in zip(participants, replies):
-                self.traffic.payload_bytes["server_to_worker"] += _nbytes(order.potentials) + _nbytes(order.generated)
-                self.traffic.label_bytes += _nbytes(order.generated_labels)
-                if isinstance(reply, RoundReply):
-                    try:
-                        check_reply(reply, n_g, config.batch_size, last, tuple(config.model.sample_shape))
-                    except InputRejected as exc:
-                        reply = exc
-                if isinstance(reply, RoundReply):
-                    self.traffic.payload_bytes["worker_to_server"] += _nbytes(reply.counts) + (
-                        _nbytes(reply.result.feedback) if last else 0)
-                    counts.append(reply.counts)
-                    answered.append(worker)
-                    if last:
-                        results.append(reply.result)
-                elif isinstance(reply, InputRejected):  # out for the rest of this iteration
-                    rejected += 1
-                    log.warning("iteration %d round %d: %s rejected (%s)", t, r, worker.worker_id, reply)
-                elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                    lost += 1
-                    await self._drop(worker, str(reply) or "missed its deadline")
-                else:
-                    raise reply
+            for worker, reply in good:
+                self.traffic.payload_bytes["worker_to_server"] += _nbytes(reply.counts) + (
+                    _nbytes(reply.result.feedback) if last else 0)
+                counts.append(reply.counts)
+                answered.append(worker)
+                if last:
+                    results.append(reply.result)
             participants = answered  # rank order kept
             if not counts:
                 break
