@@ -324,3 +324,34 @@ def test_each_algorithm_takes_only_its_own_messages():
         assert taken[a] <= {f.name for f in pb.ServerMessage.DESCRIPTOR.oneofs_by_name["body"].fields}, a
         for b in names[i + 1:]:
             assert not taken[a] & taken[b], (a, b, taken[a] & taken[b])
+
+
+@pytest.mark.parametrize("entry", ["services.server.__main__", "services.worker.__main__", "services.common.preload"])
+@pytest.mark.parametrize("given", [None, "", "-event_engine_client"])
+def test_services_choose_the_grpc_io_engine_before_grpc_starts(entry, given):
+    """Every service's entry point sets GRPC_EXPERIMENTS (the polling engine: one thread hand-off
+    less per message) before grpc is imported, since gRPC core reads it only then; a value the
+    user gave, even an empty one, is kept."""
+    import subprocess
+    import sys
+
+    import services
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if given is not None:
+        env["GRPC_EXPERIMENTS"] = given
+    code = ("import builtins, os, sys\n"
+            "seen = []\n"
+            "real_import = builtins.__import__\n"
+            "def spy(name, *a, **k):\n"
+            "    if name == 'grpc' and 'grpc' not in sys.modules:\n"
+            "        seen.append(os.environ.get('GRPC_EXPERIMENTS'))\n"
+            "    return real_import(name, *a, **k)\n"
+            "builtins.__import__ = spy\n"
+            f"import {entry}\n"
+            "print(repr(seen[0]))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)), env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    expected = services.GRPC_EXPERIMENTS if given is None else given
+    assert result.stdout.strip().splitlines()[-1] == repr(expected)
