@@ -11,6 +11,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import socket
@@ -98,10 +99,48 @@ def _forwarded_algorithm_flags(args) -> list[str]:
     return []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out to bind(port 0) and to outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(v) for v in fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _free_ports(count: int, host: str = "127.0.0.1", floor: int = 10000) -> list[int]:
+    """`count` distinct ports free on `host` now, chosen outside the kernel's ephemeral range.
+
+    The ports are chosen here and bound later by the services. A port asked of the kernel (bind to
+    port 0, then released) comes from the ephemeral range, from which the kernel also takes the
+    local port of every outgoing connection and of every `--listen HOST:0`: with fifty workers
+    connecting and listening while they start, one of them took a worker's metrics port about one
+    run in four. Ports outside that range are only ever taken by someone asking for them by number.
+    A random start keeps two launchers started at once apart."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(floor, 65536) if not low <= p <= high]
+    if len(candidates) < count:  # the whole range is ephemeral: the kernel's choice, with its race
+        candidates = []
+    ports: list[int] = []
+    start = random.SystemRandom().randrange(len(candidates)) if candidates else 0  # not the run's seed
+    for offset in range(len(candidates)):
+        port = candidates[(start + offset) % len(candidates)]
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken, or in TIME_WAIT
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    while len(ports) < count:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 # Every service of a local cluster is forked from one "zygote" (multiprocessing's fork server) that
@@ -236,7 +275,8 @@ class LocalCluster:
                 os.remove(os.path.join(self.out, name))
         if not a.resume:  # the workers' states of an earlier run here would tie them to that run
             shutil.rmtree(os.path.join(self.out, "workers"), ignore_errors=True)
-        metrics_ports = {name: _free_port() for name in ["server", *(f"worker-{i}" for i in range(a.workers))]}
+        names = ["server", *(f"worker-{i}" for i in range(a.workers))]
+        metrics_ports = dict(zip(names, _free_ports(len(names))))
         self.metrics_ports = metrics_ports
         # Prometheus file_sd targets, so a Prometheus can scrape this cluster while it runs.
         self.write_targets([{"targets": [f"127.0.0.1:{port}"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -119,3 +120,43 @@ def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
         LocalCluster.check_children(cluster(0, 2), started=False)
     with pytest.raises(ServiceFailed, match="worker-0 was killed by SIGKILL"):
         LocalCluster.check_children(cluster(-9), started=False)
+
+
+def test_metrics_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range():
+    # The kernel gives ephemeral ports to every outgoing connection and `--listen HOST:0` of the
+    # cluster's own services; a metrics port picked from that range was taken by one of them in a
+    # 50-worker run ("Address already in use" at a worker's /metrics).
+    from mdgan import cli
+
+    low, high = cli._ephemeral_range()
+    ports = cli._free_ports(60)
+    assert len(set(ports)) == 60
+    assert not [p for p in ports if low <= p <= high]
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free now
+
+
+def test_a_taken_port_is_skipped(monkeypatch):
+    from mdgan import cli
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        while not free(taken.getsockname()[1] + 1):  # the port above it must be free for this test
+            taken.close()
+            taken = socket.socket()
+            taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # Only `port` and `port + 1` lie outside the (pretended) ephemeral range.
+        monkeypatch.setattr(cli, "_ephemeral_range", lambda: (port + 2, 65535))
+        ports = cli._free_ports(2, floor=port)
+    assert port not in ports and port + 1 in ports and len(set(ports)) == 2
