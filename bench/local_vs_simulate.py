@@ -3,6 +3,7 @@
     python bench/local_vs_simulate.py                      # N=4 (kappa 1) and N=10 (kappa 3), then N=50
     python bench/local_vs_simulate.py --cases 4:1 --repeats 5 --iterations 400 --no-fifty
     python bench/local_vs_simulate.py --gloo              # and the plain gloo program (bench/gloo_baseline.py)
+    python bench/local_vs_simulate.py --gloo --contention # and two simulations at once (the two-core floor)
     python bench/local_vs_simulate.py --gloo --baseline ../main-before   # and `mdgan local` of another checkout
 
 For each case the two modes run with the same flags and seed, alternately, `--repeats` times; each
@@ -11,7 +12,10 @@ tree), so start-up is excluded: wall ms and CPU ms per iteration over the same w
 checks that both end with the same generator and prints medians and the median of the per-pair
 ratios (pairs run back to back, so a busy machine slows both). With --gloo each pair is a triple:
 bench/gloo_baseline.py, the same iteration over plain torch.distributed point-to-point sends (no
-TLS, validation or metrics), sampled the same way. Then `fifty_workers.measure`:
+TLS, validation or metrics), sampled the same way. With --contention each round also runs two
+simulations at once, each free to take a core of its own, and reports their mean: on a machine
+whose cores share caches and memory bandwidth (this 2-core VM), that is what using the second core
+costs any program, before it sends a single byte. Then `fifty_workers.measure`:
 `mdgan local --workers 50 --kappa 5`, its start-up time and peak memory.
 """
 
@@ -53,39 +57,53 @@ def lines(path: str) -> int:
         return 0
 
 
+TWO_AT_ONCE = "simulate*2"  # two identical simulations at the same time, one per core (--contention)
+
+
 def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
-    """One run, sampled every 50 ms: (iterations done, wall, tree CPU) between 10% and the end."""
-    history = os.path.join(out, "history.jsonl")
+    """One run, sampled every 50 ms: (iterations done, wall, tree CPU) between 10% and the end.
+    TWO_AT_ONCE: two simulations started together; their mean per-iteration figures."""
     repo, env = REPO, None
+    copies = 2 if mode == TWO_AT_ONCE else 1
+    if mode == TWO_AT_ONCE:
+        mode = "simulate"
     if mode.startswith("local@"):  # `mdgan local` of another checkout (--baseline)
         mode, repo = "local", mode.split("@", 1)[1]
         env = {**os.environ, "PYTHONPATH": repo}
     program = [os.path.join(REPO, "bench", "gloo_baseline.py")] if mode == "gloo" else ["-m", "mdgan.cli", mode]
-    process = subprocess.Popen([sys.executable, *program, *flags, "--out", out, "--no-progress"],
-                               cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    first = last = None
-    while process.poll() is None:
-        done = lines(history)
-        if iterations // 10 <= done < iterations:
-            sample = (done, time.perf_counter(), tree_cpu(tree(process.pid)))
-            first = first or sample
-            last = sample
+    outs = [out] if copies == 1 else [f"{out}-{i}" for i in range(copies)]
+    processes = [subprocess.Popen([sys.executable, *program, *flags, "--out", o, "--no-progress"], cwd=repo, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for o in outs]
+    first: list = [None] * copies
+    last: list = [None] * copies
+    while any(p.poll() is None for p in processes):
+        for i, (process, o) in enumerate(zip(processes, outs)):
+            done = lines(os.path.join(o, "history.jsonl"))
+            if process.poll() is None and iterations // 10 <= done < iterations:
+                last[i] = (done, time.perf_counter(), tree_cpu(tree(process.pid)))
+                first[i] = first[i] or last[i]
         time.sleep(0.05)
-    _, err = process.communicate()
-    if process.returncode != 0:
-        raise SystemExit(f"mdgan {mode} failed:\n{err[-3000:]}")
-    with open(os.path.join(out, "summary.json")) as fh:
-        summary = json.load(fh)
-    steps = last[0] - first[0]
-    return {"ms": 1000 * (last[1] - first[1]) / steps, "cpu_ms": 1000 * (last[2] - first[2]) / steps,
-            "sha": summary["generator_sha256"], "swaps": summary["swaps"]}
+    results = []
+    for process, o, a, z in zip(processes, outs, first, last):
+        _, err = process.communicate()
+        if process.returncode != 0:
+            raise SystemExit(f"mdgan {mode} failed:\n{err[-3000:]}")
+        with open(os.path.join(o, "summary.json")) as fh:
+            summary = json.load(fh)
+        steps = z[0] - a[0]
+        results.append({"ms": 1000 * (z[1] - a[1]) / steps, "cpu_ms": 1000 * (z[2] - a[2]) / steps,
+                        "sha": summary["generator_sha256"], "swaps": summary["swaps"]})
+    return {"ms": statistics.mean(r["ms"] for r in results), "cpu_ms": statistics.mean(r["cpu_ms"] for r in results),
+            "sha": results[0]["sha"] if len({r["sha"] for r in results}) == 1 else "differ",
+            "swaps": results[0]["swaps"]}
 
 
 def compare(workers: int, kappa: int, args) -> bool:
     flags = ["--workers", str(workers), "--batch-size", str(args.batch_size), "--kappa", str(kappa),
              "--iterations", str(args.iterations), "--swap-every", str(args.swap_every), "--seed", str(args.seed),
              "--dataset", "mnist", "--data-root", args.data_root, "--eval-every", "-1"]
-    modes = ["simulate", "local", *(["gloo"] if args.gloo else []), *([f"local@{args.baseline}"] if args.baseline else [])]
+    modes = ["simulate", "local", *(["gloo"] if args.gloo else []), *([TWO_AT_ONCE] if args.contention else []),
+             *([f"local@{args.baseline}"] if args.baseline else [])]
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -132,6 +150,9 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="DIR", default=None,
                         help="also time `mdgan local` from the checkout in DIR (e.g. the commit before a change), "
                              "in the same rounds")
+    parser.add_argument("--contention", action="store_true",
+                        help=f"also time two simulations at once ({TWO_AT_ONCE}) in each round: what merely using "
+                             "the second core costs each of them, the floor of any two-core program's CPU ratio")
     parser.add_argument("--gloo", action="store_true",
                         help="also time the plain torch.distributed program (bench/gloo_baseline.py) in each round")
     args = parser.parse_args()
