@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.request
 
@@ -405,7 +406,35 @@ class LocalCluster:
             if all(p.exitcode is not None for _, p in self.processes) or escalate is None:
                 break
             self._signal_all(escalate)
+        _stop_fork_server()
         return {name: process.exitcode for name, process in self.processes}
+
+
+def _stop_fork_server() -> None:
+    """End the fork server now. It ends by itself when the pipe from the launcher closes, but that
+    happens only as the launcher's process exits, so it would outlive `mdgan local` by a moment.
+    (`_stop` is multiprocessing's own way, private but there since Python 3.8; SIGKILL after 5 s
+    bounds its wait.)"""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    def kill() -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(5.0, kill)
+    timer.start()
+    try:
+        server._stop()
+    except (OSError, ChildProcessError):
+        pass
+    finally:
+        timer.cancel()
 
 
 def _raise_terminated(signum, frame):
