@@ -15,8 +15,11 @@ resume, with every worker that was alive at the checkpoint) and goes on while on
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
+
+log = logging.getLogger("mdgan.roster")
 
 
 class SlotRefused(Exception):
@@ -42,6 +45,10 @@ class RejoinPlan:
 
 
 class Roster:
+    # While it waits for workers, the roster says every this many seconds how many are in: a server
+    # waiting for a join that never comes would otherwise be silent until its join timeout.
+    report_every = 30.0
+
     def __init__(self, slots: int, min_workers: int | None = None, pause_timeout: float | None = 0.0):
         if slots < 1:
             raise ValueError("a run has at least one slot")
@@ -138,14 +145,23 @@ class Roster:
         def enough() -> bool:
             return slots.issubset(self._alive) if slots else len(self._alive) >= count
 
+        need = len(slots) if slots else count
         deadline = None if timeout is None else time.monotonic() + timeout
+        report = time.monotonic() + self.report_every
         while not enough():
-            remaining = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = None if deadline is None else deadline - now
             if remaining is not None and remaining <= 0:
                 return False
+            if now >= report:
+                have = len(slots & self._alive.keys()) if slots else len(self._alive)
+                log.info("waiting for workers: %d of %d in%s", have, need,
+                         "" if remaining is None else f", {remaining:.0f} s left")
+                report = now + self.report_every
+            wake = report - now if remaining is None else min(remaining, report - now)
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), remaining)
+                await asyncio.wait_for(self.changed.wait(), wake)
             except asyncio.TimeoutError:
                 pass
         return True

@@ -194,3 +194,18 @@ def test_a_stop_request_checkpoints_at_the_next_boundary_and_below_min_workers_t
     trainer.on_iteration = lambda r: workers[1].crash() if r.iteration == 5 else None
     result = asyncio.run(trainer.run())
     assert result.iterations == 6 and "fewer than --min-workers 3" in result.stopped_early
+
+
+def test_a_wait_for_workers_says_how_many_are_in(caplog, monkeypatch):
+    monkeypatch.setattr(Roster, "report_every", 0.02)
+    roster = Roster(3)
+
+    async def scenario():
+        roster.arrive(0, "w0", Handle("w0"))
+        return await roster.wait_for(3, 0.2)
+
+    with caplog.at_level("INFO", logger="mdgan.roster"):
+        assert not asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.name == "mdgan.roster"]
+    assert lines and all(line.startswith("waiting for workers: 1 of 3 in, ") for line in lines), lines
+    assert len(lines) >= 3  # every report_every seconds, not once
