@@ -406,35 +406,38 @@ class LocalCluster:
             if all(p.exitcode is not None for _, p in self.processes) or escalate is None:
                 break
             self._signal_all(escalate)
-        _stop_fork_server()
+        _stop_multiprocessing_helpers()
         return {name: process.exitcode for name, process in self.processes}
 
 
-def _stop_fork_server() -> None:
-    """End the fork server now. It ends by itself when the pipe from the launcher closes, but that
-    happens only as the launcher's process exits, so it would outlive `mdgan local` by a moment.
-    (`_stop` is multiprocessing's own way, private but there since Python 3.8; SIGKILL after 5 s
-    bounds its wait.)"""
-    from multiprocessing import forkserver
+def _stop_multiprocessing_helpers() -> None:
+    """End multiprocessing's helper processes now: the fork server and the resource tracker. Each
+    ends by itself when its pipe from the launcher closes, but that happens only as the launcher's
+    process exits, so they outlived `mdgan local` by a moment. (`_stop` is multiprocessing's own
+    way, private but there since Python 3.8: it closes the pipe and reaps the helper; SIGKILL after
+    5 s bounds that wait.)"""
+    from multiprocessing import forkserver, resource_tracker
 
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None or not hasattr(server, "_stop"):
-        return
-    def kill() -> None:
+    for helper, pid_attribute in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid"),
+                                  (getattr(resource_tracker, "_resource_tracker", None), "_pid")):
+        pid = getattr(helper, pid_attribute, None)
+        if pid is None or not hasattr(helper, "_stop"):
+            continue
+
+        def kill(pid: int = pid) -> None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(5.0, kill)
+        timer.start()
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            helper._stop()
+        except (OSError, ChildProcessError):
             pass
-
-    timer = threading.Timer(5.0, kill)
-    timer.start()
-    try:
-        server._stop()
-    except (OSError, ChildProcessError):
-        pass
-    finally:
-        timer.cancel()
+        finally:
+            timer.cancel()
 
 
 def _raise_terminated(signum, frame):

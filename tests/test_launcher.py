@@ -160,19 +160,19 @@ def test_a_taken_port_is_skipped(monkeypatch):
     assert port not in ports and port + 1 in ports and len(set(ports)) == 2
 
 
-def test_stopping_the_cluster_ends_its_fork_server():
-    # Left alone, the fork server ends only once the launcher's process has exited (its pipe closes
-    # then): for a moment it outlived `mdgan local`.
+def test_stopping_the_cluster_ends_multiprocessings_helper_processes():
+    # Left alone, the fork server and the resource tracker end only once the launcher's process has
+    # exited (their pipes close then): for a moment they outlived `mdgan local`.
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     from mdgan import cli
 
     child = multiprocessing.get_context("forkserver").Process(target=int)
     child.start()
     child.join(30)
-    pid = forkserver._forkserver._forkserver_pid
-    assert pid is not None and alive(pid)
-    cli._stop_fork_server()
-    assert not alive(pid)
-    assert forkserver._forkserver._forkserver_pid is None
+    helpers = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+    assert all(pid is not None and alive(pid) for pid in helpers)
+    cli._stop_multiprocessing_helpers()
+    assert not [pid for pid in helpers if alive(pid)]
+    assert forkserver._forkserver._forkserver_pid is None and resource_tracker._resource_tracker._pid is None
