@@ -58,9 +58,16 @@ def kill_everything(launcher: subprocess.Popen, pids: set[int]) -> None:
     launcher.communicate()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig):
-    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+# (the scheduling policy of the services is checked on the same clusters, one of each kind)
+@pytest.mark.parametrize("sig, scheduling", [(signal.SIGTERM, "batch"), (signal.SIGHUP, "normal")])
+def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig, scheduling):
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000",
+                      "--cpu-scheduling", scheduling)
     pids: set[int] = set()
     try:
         history = tmp_path / "run" / "history.jsonl"
@@ -70,6 +77,10 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig):
             time.sleep(0.2)
         pids = descendants(launcher.pid)
         assert len(pids) >= 3  # the server and two workers (and the fork server they came from)
+        services = [p for p in pids if parent(p) != launcher.pid]  # the fork server's children
+        assert len(services) == 3
+        expected = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
+        assert [os.sched_getscheduler(p) for p in services] == [expected] * 3
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + sig
@@ -176,3 +187,15 @@ def test_stopping_the_cluster_ends_multiprocessings_helper_processes():
     cli._stop_multiprocessing_helpers()
     assert not [pid for pid in helpers if alive(pid)]
     assert forkserver._forkserver._forkserver_pid is None and resource_tracker._resource_tracker._pid is None
+
+
+def test_batch_scheduling_sets_the_policy_and_the_slice():
+    code = ("from mdgan import scheduling; print(scheduling.batch()); print(scheduling.policy()); "
+            "print(open('/proc/self/sched').read())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    applied, policy, sched = out.split("\n", 2)
+    assert policy == "SCHED_BATCH"
+    fields = dict(line.split(":", 1) for line in sched.splitlines() if ":" in line)
+    if "se.slice" in {k.strip() for k in fields}:  # Linux 6.12+: the slice is ours
+        assert applied == "SCHED_BATCH, 10 ms slice"
+        assert int(next(v for k, v in fields.items() if k.strip() == "se.slice")) == 10_000_000
