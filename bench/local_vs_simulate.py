@@ -4,6 +4,7 @@
     python bench/local_vs_simulate.py --cases 4:1 --repeats 5 --iterations 400 --no-fifty
     python bench/local_vs_simulate.py --gloo              # and the plain gloo program (bench/gloo_baseline.py)
     python bench/local_vs_simulate.py --gloo --contention # and two simulations at once (the two-core floor)
+    python bench/local_vs_simulate.py --gloo --gloo-batch # and gloo scheduled as `mdgan local` schedules its services
     python bench/local_vs_simulate.py --gloo --baseline ../main-before   # and `mdgan local` of another checkout
 
 For each case the two modes run with the same flags and seed, alternately, `--repeats` times; each
@@ -57,6 +58,7 @@ def lines(path: str) -> int:
         return 0
 
 
+GLOO_BATCH = "gloo-batch"
 TWO_AT_ONCE = "simulate*2"  # two identical simulations at the same time, one per core (--contention)
 
 
@@ -67,6 +69,8 @@ def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
     copies = 2 if mode == TWO_AT_ONCE else 1
     if mode == TWO_AT_ONCE:
         mode = "simulate"
+    if mode == GLOO_BATCH:  # the gloo program, its processes scheduled as `mdgan local` schedules its services
+        mode, env = "gloo", {**os.environ, "GLOO_CPU_SCHEDULING": "batch"}
     if mode.startswith("local@"):  # `mdgan local` of another checkout (--baseline)
         mode, repo = "local", mode.split("@", 1)[1]
         env = {**os.environ, "PYTHONPATH": repo}
@@ -102,7 +106,8 @@ def compare(workers: int, kappa: int, args) -> bool:
     flags = ["--workers", str(workers), "--batch-size", str(args.batch_size), "--kappa", str(kappa),
              "--iterations", str(args.iterations), "--swap-every", str(args.swap_every), "--seed", str(args.seed),
              "--dataset", "mnist", "--data-root", args.data_root, "--eval-every", "-1"]
-    modes = ["simulate", "local", *(["gloo"] if args.gloo else []), *([TWO_AT_ONCE] if args.contention else []),
+    modes = ["simulate", "local", *(["gloo"] if args.gloo else []), *([GLOO_BATCH] if args.gloo_batch else []),
+             *([TWO_AT_ONCE] if args.contention else []),
              *([f"local@{args.baseline}"] if args.baseline else [])]
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,6 +134,9 @@ def compare(workers: int, kappa: int, args) -> bool:
     if args.gloo:
         print(f"  local / gloo: {ratio_between(results['local'], results['gloo'], 'ms'):.2f}x wall, "
               f"{ratio_between(results['local'], results['gloo'], 'cpu_ms'):.2f}x CPU")
+    if args.gloo_batch:
+        print(f"  local / {GLOO_BATCH}: {ratio_between(results['local'], results[GLOO_BATCH], 'ms'):.2f}x wall, "
+              f"{ratio_between(results['local'], results[GLOO_BATCH], 'cpu_ms'):.2f}x CPU")
     print(f"  same generator in every run: {same}")
     return same
 
@@ -153,6 +161,9 @@ def main() -> int:
     parser.add_argument("--contention", action="store_true",
                         help=f"also time two simulations at once ({TWO_AT_ONCE}) in each round: what merely using "
                              "the second core costs each of them, the floor of any two-core program's CPU ratio")
+    parser.add_argument("--gloo-batch", action="store_true",
+                        help=f"also time the gloo program with its processes SCHED_BATCH and a 10 ms slice ({GLOO_BATCH}), "
+                             "as `mdgan local` runs its services")
     parser.add_argument("--gloo", action="store_true",
                         help="also time the plain torch.distributed program (bench/gloo_baseline.py) in each round")
     args = parser.parse_args()
