@@ -164,18 +164,12 @@ class ServiceFailed(RuntimeError):
     """A service exited before the run started."""
 
 
-def _run_service(module: str, argv: list[str], log_path: str, cpu_scheduling: str = "normal") -> None:
+def _run_service(module: str, argv: list[str], log_path: str) -> None:
     """The body of a forked service: log to its file, follow its parent's death, run its main()."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    if cpu_scheduling == "batch":  # many processes on few cores: see mdgan/scheduling.py
-        from mdgan import scheduling
-
-        applied = scheduling.batch()
-        if applied.startswith("unchanged"):
-            print(f"mdgan local: --cpu-scheduling batch: {applied}", file=sys.stderr, flush=True)
     # Its own process group: a Ctrl-C at the terminal reaches the launcher only, which stops the
     # services in order; and a service dies with the fork server (itself tied to the launcher).
     os.setpgid(0, 0)
@@ -236,8 +230,8 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> multiprocessing.Process:
         module, *rest = argv
-        process = self._context.Process(target=_run_service,
-                                        args=(module, rest, self.log_path(name), self.args.cpu_scheduling),
+        rest = [*rest, "--cpu-scheduling", self.args.cpu_scheduling]  # many processes on few cores: batch
+        process = self._context.Process(target=_run_service, args=(module, rest, self.log_path(name)),
                                         name=name, daemon=True)
         process.start()
         self.processes.append((name, process))
@@ -623,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
-                                add_threads_argument, add_training_arguments)
+                                add_scheduling_argument, add_threads_argument, add_training_arguments)
 
     parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -677,10 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "OUT/tls/)")
     local.add_argument("--join-timeout", type=float, default=600.0,
                        help="seconds the server waits for all workers to join")
-    local.add_argument("--cpu-scheduling", choices=("batch", "normal"), default="batch",
-                       help="batch (default): every service runs as SCHED_BATCH with a 10 ms slice, so that the "
-                            "processes sharing the cores preempt each other less (about 8%% less CPU per iteration "
-                            "at 10 workers on 2 cores); normal: the kernel's defaults")
+    add_scheduling_argument(local, default="batch")  # for every service of the cluster
     local.set_defaults(func=cmd_local)
     certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",
                            description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "

@@ -81,6 +81,8 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig, schedul
         assert len(services) == 3
         expected = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
         assert [os.sched_getscheduler(p) for p in services] == [expected] * 3
+        said = "CPU scheduling: SCHED_BATCH" in (tmp_path / "run" / "logs" / "worker-0.log").read_text()
+        assert said == (scheduling == "batch")  # the service's own --cpu-scheduling, forwarded
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + sig

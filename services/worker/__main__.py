@@ -23,7 +23,8 @@ from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
-from mdgan.settings import EnvArgumentParser, add_data_arguments, add_threads_argument, apply_threads, data_config
+from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_scheduling_argument, add_threads_argument,
+                            apply_scheduling, apply_threads, data_config)
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
@@ -71,6 +72,7 @@ def build_parser() -> EnvArgumentParser:
                         help="the name the server's certificate must carry (default: the host in --server)")
     tls.add_tls_arguments(parser)
     add_threads_argument(parser, default=0)
+    add_scheduling_argument(parser, default="normal")
     add_data_arguments(parser)
     g = parser.add_argument_group("emulation, for experiments and tests only")
     g.add_argument("--attack", choices=ATTACKS, default=None,
@@ -229,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     apply_threads(args.threads)
+    scheduling = apply_scheduling(args.cpu_scheduling)
+    if scheduling is not None:
+        (log.warning if scheduling.startswith("unchanged") else log.info)("CPU scheduling: %s", scheduling)
     try:
         reason = rpc.run(serve(args))
     except JoinRefused as exc:
