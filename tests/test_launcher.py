@@ -201,3 +201,20 @@ def test_batch_scheduling_sets_the_policy_and_the_slice():
     if "se.slice" in {k.strip() for k in fields}:  # Linux 6.12+: the slice is ours
         assert applied == "SCHED_BATCH, 10 ms slice"
         assert int(next(v for k, v in fields.items() if k.strip() == "se.slice")) == 10_000_000
+
+
+def test_batch_scheduling_falls_back_and_never_raises():
+    # No sched_setattr (another architecture, or a seccomp filter): the policy alone. Nothing
+    # allowed at all: unchanged, said, not raised.
+    code = """
+import os
+from mdgan import scheduling
+scheduling._SCHED_SETATTR.clear()
+print(scheduling.batch(), scheduling.policy())
+def refuse(*args):
+    raise PermissionError(1, "Operation not permitted")
+os.sched_setscheduler = refuse
+print(scheduling.batch())
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["SCHED_BATCH SCHED_BATCH", "unchanged: [Errno 1] Operation not permitted"]
