@@ -144,7 +144,7 @@ def rank_main(rank: int, world: int, port: int, flags: list[str]) -> None:
     if os.environ.get("GLOO_CPU_SCHEDULING") == "batch":  # as `mdgan local --cpu-scheduling batch` runs its services
         from mdgan import scheduling
 
-        scheduling.batch()
+        scheduling.apply("batch")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         if rank == 0:

@@ -435,7 +435,7 @@ def _stop_multiprocessing_helpers() -> None:
         timer.start()
         try:
             helper._stop()
-        except (OSError, ChildProcessError):
+        except OSError:  # already gone (ChildProcessError)
             pass
         finally:
             timer.cancel()

@@ -1,20 +1,24 @@
 """How the processes of a cluster on one machine ask the kernel to schedule them.
 
 `mdgan local` runs a server and N workers on a few cores: at N=10 on 2 cores, eleven processes. With
-the kernel's defaults each of them was preempted 3 to 9 times per iteration (EEVDF's base slice is
-0.75 ms x (1 + log2 cores), and a process that wakes up may preempt the one running), so a
+the kernel's defaults each of them was preempted 3 to 9 times per iteration (EEVDF gave each a 1.4 ms
+slice on that 2-core machine, and a process that wakes up may preempt the one running), so a
 worker's 5 ms discriminator step was cut in pieces, each resumed with caches another process had
 just filled. Every service of `mdgan local` therefore runs as SCHED_BATCH (a process that wakes
 does not preempt the running one) with a 10 ms slice (Linux 6.12 and later take a fair-class slice
-from sched_attr.sched_runtime; older kernels ignore it): 0.1-0.4 preemptions per iteration, and
+from sched_attr.sched_runtime; where the call fails, the policy alone is set): 0.1-0.4 preemptions
+per iteration, and
 about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md, fourth pass).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
+
+log = logging.getLogger("mdgan.scheduling")
 
 SLICE_MS = 10.0
 # sched_setattr(2) has no wrapper in glibc or Python.
@@ -51,8 +55,10 @@ def batch(slice_ms: float = SLICE_MS) -> str:
         return f"unchanged: {exc}"
 
 
-def policy() -> str:
-    """The calling process's policy, as the kernel reports it."""
-    names = {getattr(os, n): n for n in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE", "SCHED_FIFO", "SCHED_RR")
-             if hasattr(os, n)}
-    return names.get(os.sched_getscheduler(0), "unknown")
+
+def apply(choice: str) -> None:
+    """--cpu-scheduling: `batch` for this process, logged (a warning when the kernel refused); `normal`
+    leaves the kernel's defaults."""
+    if choice == "batch":
+        applied = batch()
+        (log.warning if applied.startswith("unchanged") else log.info)("CPU scheduling: %s", applied)

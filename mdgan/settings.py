@@ -206,15 +206,6 @@ def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> No
                              "cores; see mdgan/scheduling.py); normal: the kernel's defaults")
 
 
-def apply_scheduling(choice: str) -> str | None:
-    """What --cpu-scheduling batch applied to this process (None: normal, nothing to do)."""
-    if choice != "batch":
-        return None
-    from mdgan import scheduling
-
-    return scheduling.batch()
-
-
 def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
     return DataConfig(args.dataset, args.data_root, num_shards, args.split_seed,
                       split=args.split, dirichlet_alpha=args.dirichlet_alpha).validate()

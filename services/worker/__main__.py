@@ -23,8 +23,9 @@ from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
+from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_scheduling_argument, add_threads_argument,
-                            apply_scheduling, apply_threads, data_config)
+                            apply_threads, data_config)
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
@@ -231,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     apply_threads(args.threads)
-    scheduling = apply_scheduling(args.cpu_scheduling)
-    if scheduling is not None:
-        (log.warning if scheduling.startswith("unchanged") else log.info)("CPU scheduling: %s", scheduling)
+    scheduling.apply(args.cpu_scheduling)
     try:
         reason = rpc.run(serve(args))
     except JoinRefused as exc:
