@@ -30,7 +30,7 @@ def snapshot(root: int) -> dict[tuple[str, str, str], float]:
     out: dict[tuple[str, str, str], float] = {}
     for pid in tree(root):
         role = role_of(pid) or ("launcher" if pid == root else "other")
-        role = "workers" if role.startswith("worker-") else role
+        role = "workers" if role.startswith(("worker-", "workers-")) else role  # a process of one or several
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:

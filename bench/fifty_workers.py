@@ -93,15 +93,17 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
+    parser.add_argument("--workers-per-process", type=int, default=0,
+                        help="mdgan local's --workers-per-process (0, its default: one worker process per core)")
     args = parser.parse_args()
     flags = ["--workers", str(args.workers), "--kappa", str(args.kappa), "--batch-size", str(args.batch_size),
              "--iterations", str(args.iterations), "--dataset", "mnist", "--data-root", args.data_root,
-             "--eval-every", "-1"]
+             "--eval-every", "-1", "--workers-per-process", str(args.workers_per_process)]
     with tempfile.TemporaryDirectory() as tmp:
         r = measure(flags, os.path.join(tmp, "run"))
     s = r["summary"]
     print(f"mdgan local --workers {args.workers} --kappa {args.kappa} -b {args.batch_size} --iterations "
-          f"{args.iterations} (MNIST MLP), {os.cpu_count()} cores")
+          f"{args.iterations} --workers-per-process {args.workers_per_process} (MNIST MLP), {os.cpu_count()} cores")
     print(f"first iteration {r['first_iteration_s']:.1f} s after the command; whole run {r['total_s']:.1f} s")
     print(f"peak memory of the cluster: {r['peak_pss'] / 2**30:.2f} GiB PSS over {r['processes']} processes "
           f"({r['peak_pss'] / 2**20 / max(1, r['processes']):.0f} MiB each); MemAvailable fell by at most "

@@ -4,7 +4,7 @@
     python bench/profile_local.py --mode simulate --workers 4 --kappa 1 --seconds 15 --out /tmp/prof
 
 Starts the run (MNIST MLP, b=10, a swap every 100 iterations, TLS and metrics on, like
-bench/local_vs_simulate.py), waits until it trains, then records the server and worker-0 (local)
+bench/local_vs_simulate.py), waits until it trains, then records the server and worker-0's process (local)
 or the one process (simulate) with `py-spy record --nonblocking --format raw` for --seconds, at
 the same time, and prints for each process its CPU over the window, the top frames by self samples
 and by inclusive samples (the shares are of the process's non-idle samples, all threads). The raw
@@ -101,7 +101,9 @@ def main() -> int:
             targets = {"simulate": process.pid}
         else:
             roles = {role_of(pid): pid for pid in tree(process.pid)}
-            targets = {name: roles[name] for name in ("server", "worker-0")}
+            # worker-0's process: its own, or the one it shares with others (workers-0-J)
+            first = "worker-0" if "worker-0" in roles else min(r for r in roles if r and r.startswith("workers-0-"))
+            targets = {name: roles[name] for name in ("server", first)}
         before = {name: cpu_seconds(pid) for name, pid in targets.items()}
         done_before, started = lines(history), time.perf_counter()
         spies = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -164,8 +165,8 @@ class ServiceFailed(RuntimeError):
     """A service exited before the run started."""
 
 
-def _run_service(module: str, argv: list[str], log_path: str) -> None:
-    """The body of a forked service: log to its file, follow its parent's death, run its main()."""
+def _become_service(log_path: str) -> None:
+    """The start of a forked service: log to its file, follow its parent's death, default signals."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -182,8 +183,21 @@ def _run_service(module: str, argv: list[str], log_path: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run_service(module: str, argv: list[str], log_path: str) -> None:
+    """The body of a forked service: its main()."""
+    _become_service(log_path)
     main = importlib.import_module(f"{module}.__main__").main
     sys.exit(main(argv))
+
+
+def _run_worker_group(members: list, log_path: str, status_path: str) -> None:
+    """The body of a forked process of several workers (services/worker/group.py)."""
+    _become_service(log_path)
+    from services.worker import group
+
+    sys.exit(group.main(members, status_path))
 
 
 def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -221,12 +235,17 @@ class LocalCluster:
         self.logs = os.path.join(self.out, "logs")
         self.processes: list[tuple[str, multiprocessing.Process]] = []
         self.metrics_ports: dict[str, int] = {}
+        self.groups: dict[str, list[str]] = {}  # a process of several workers -> their names
         self._context = multiprocessing.get_context("forkserver")
         # (not mdgan.cli itself: multiprocessing runs the launcher's main module again in each child)
         self._context.set_forkserver_preload([FORK_SERVER_PRELOAD])
 
     def log_path(self, name: str) -> str:
         return os.path.join(self.logs, f"{name}.log")
+
+    def status_path(self, process_name: str) -> str:
+        """Where a process of several workers writes its workers' exit codes."""
+        return os.path.join(self.logs, f"{process_name}.status.json")
 
     def _spawn(self, name: str, argv: list[str]) -> multiprocessing.Process:
         module, *rest = argv
@@ -236,6 +255,28 @@ class LocalCluster:
         process.start()
         self.processes.append((name, process))
         return process
+
+    def _spawn_workers(self, workers: list[tuple[str, list[str]]]) -> None:
+        """Worker processes of `workers_per_process(...)` workers each: alone, a worker is an
+        mdgan-worker process; several share a process (services/worker/group.py)."""
+        from services.worker.group import Member
+
+        size = workers_per_process(self.args.workers, self.args.workers_per_process)
+        for start in range(0, len(workers), size):
+            chunk = workers[start:start + size]
+            if len(chunk) == 1:
+                (name, argv), = chunk
+                self._spawn(name, ["services.worker", *argv])
+                continue
+            name = f"workers-{start}-{start + len(chunk) - 1}"
+            members = [Member(member, [*argv, "--cpu-scheduling", self.args.cpu_scheduling], self.log_path(member))
+                       for member, argv in chunk]
+            process = self._context.Process(target=_run_worker_group,
+                                            args=(members, self.log_path(name), self.status_path(name)),
+                                            name=name, daemon=True)
+            process.start()
+            self.processes.append((name, process))
+            self.groups[name] = [member for member, _ in chunk]
 
     def write_targets(self, groups: list[dict]) -> None:
         """metrics_targets.json, replaced atomically (Prometheus may read it at any moment)."""
@@ -300,6 +341,7 @@ class LocalCluster:
             *_forwarded_algorithm_flags(a)])
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
+        workers = []
         for index in range(a.workers):
             name = f"worker-{index}"
             if a.site_dirs:  # a site: worker i is given its own folder, nothing else
@@ -307,13 +349,14 @@ class LocalCluster:
             else:  # emulation: every worker is given the shared dataset and keeps shard i
                 data = ["--num-shards", str(a.workers), "--data-root", a.data_root, "--split-seed", str(a.split_seed),
                         "--split", a.split, "--dirichlet-alpha", str(a.dirichlet_alpha)]
-            self._spawn(name, [
-                "services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
+            workers.append((name, [
+                "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,
                 "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
                 "--state-dir", os.path.join(self.out, "workers", name),
                 *(["--attack", a.attack] if index in attacking else []),
-                *security[name], *self._metrics_flags(name, metrics_ports[name])])
+                *security[name], *self._metrics_flags(name, metrics_ports[name])]))
+        self._spawn_workers(workers)
         return server
 
     def _wait_for_port(self, path: str, timeout: float) -> str:
@@ -329,13 +372,33 @@ class LocalCluster:
     def check_children(self, started: bool) -> None:
         """Before the run starts, any service that fails fails the cluster; afterwards, only the
         server's exit ends the run (a worker lost mid-run is the algorithm's business). An exit with
-        code 0 is a run that ended (a run of a few iterations can end between two looks), not a failure."""
+        code 0 is a run that ended (a run of a few iterations can end between two looks), not a failure.
+        A worker in a process of several is watched on its own, through the process's status file."""
         for name, process in self.processes:
-            if process.exitcode not in (None, 0) and not (started and name != "server"):
+            if started and name != "server":
+                continue
+            for member, code in self.member_codes(name).items():
+                if code not in (None, 0):
+                    raise ServiceFailed(f"{member} (in process {name}) exited with code {code} before the run "
+                                        f"started; the end of {self.log_path(member)}:\n"
+                                        f"{_log_tail(self.log_path(member))}")
+            if process.exitcode not in (None, 0):
                 code = process.exitcode
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 raise ServiceFailed(f"{name} {how} before the run started; the end of {self.log_path(name)}:\n"
                                     f"{_log_tail(self.log_path(name))}")
+
+    def member_codes(self, process_name: str) -> dict[str, int | None]:
+        """The exit code of each worker of a process of several (None: running or unknown); {} for a
+        process of one service."""
+        if process_name not in self.groups:
+            return {}
+        try:
+            with open(self.status_path(process_name), encoding="utf-8") as fh:
+                saved = json.load(fh)
+        except (OSError, ValueError):  # not written yet
+            saved = {}
+        return {member: saved.get(member) for member in self.groups[process_name]}
 
     def follow(self, server: multiprocessing.Process) -> int:
         """Show the workers joining, then progress from history.jsonl (read incrementally), until the
@@ -408,7 +471,14 @@ class LocalCluster:
                 break
             self._signal_all(escalate)
         _stop_multiprocessing_helpers()
-        return {name: process.exitcode for name, process in self.processes}
+        codes: dict[str, int | None] = {}
+        for name, process in self.processes:
+            members = self.member_codes(name)
+            if not members:
+                codes[name] = process.exitcode
+            for member, code in members.items():  # a worker killed with its process: the process's code
+                codes[member] = process.exitcode if code is None else code
+        return codes
 
 
 def _stop_multiprocessing_helpers() -> None:
@@ -439,6 +509,22 @@ def _stop_multiprocessing_helpers() -> None:
             pass
         finally:
             timer.cancel()
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on every platform
+        return os.cpu_count() or 1
+
+
+def workers_per_process(workers: int, asked: int) -> int:
+    """`--workers-per-process`: K as asked, or (0) as many as make one worker process per usable core."""
+    if asked < 0:
+        raise ConfigError(f"--workers-per-process must be >= 0, got {asked}")
+    if asked:
+        return asked
+    return max(1, math.ceil(workers / usable_cores()))
 
 
 def _raise_terminated(signum, frame):
@@ -484,6 +570,7 @@ def cmd_local(args) -> int:
             raise ConfigError("checkpoints and resume work with --algorithm mdgan only")
         if args.byzantine:
             raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
+    workers_per_process(args.workers, args.workers_per_process)  # a bad value fails here
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = False
@@ -672,6 +759,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--join-timeout", type=float, default=600.0,
                        help="seconds the server waits for all workers to join")
     add_scheduling_argument(local, default="batch")  # for every service of the cluster
+    local.add_argument("--workers-per-process", type=int, default=0, metavar="K",
+                       help="run K workers in each worker process (each still its own worker: data, gRPC client, "
+                            "certificate, /metrics, log); 0 (default): one process per core the launcher may use, "
+                            "i.e. ceil(workers / cores) each, and one process per worker when there are enough "
+                            "cores. On a machine with fewer cores than workers this costs less CPU and starts "
+                            "faster; killing one such process stops all of its workers")
     local.set_defaults(func=cmd_local)
     certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",
                            description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "

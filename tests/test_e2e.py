@@ -36,11 +36,18 @@ def table_iii(iterations: int, workers: int, b: int, swaps: int) -> dict:
 def test_local_cluster_and_simulation_end_with_the_same_generator(tmp_path, mnist_root):
     flags = ["--workers", "3", "--kappa", "2", "--iterations", "12", "--batch-size", "10", "--disc-steps", "2",
              "--swap-every", "5", "--seed", "4", "--data-root", mnist_root, "--no-progress"]
-    mdgan("local", *flags, "--out", str(tmp_path / "local"))
+    # workers 0 and 1 share a process, worker 2 has one of its own: a swap crosses both kinds of boundary
+    mdgan("local", *flags, "--workers-per-process", "2", "--out", str(tmp_path / "local"))
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
 
     assert local["mode"] == "local" and simulated["mode"] == "simulate"
+    assert local["exit_codes"] == {"server": 0, "worker-0": 0, "worker-1": 0, "worker-2": 0}
+    for name in ("worker-0", "worker-1", "worker-2"):  # each worker its own log, shared process or not
+        text = (tmp_path / "local" / "logs" / f"{name}.log").read_text()
+        assert f"as {name}:" in text and "finished: run finished" in text
+        assert not [w for w in ("worker-0", "worker-1", "worker-2") if w != name and f"as {w}:" in text]
+    assert (tmp_path / "local" / "logs" / "workers-0-1.log").exists()
     assert local["swaps"] == simulated["swaps"] == 2
     assert local["generator_sha256"] == simulated["generator_sha256"]
     assert local["iterations"] == 12 and local["workers"] == local["workers_alive"] == 3
@@ -131,7 +138,7 @@ def test_workers_can_take_shards_the_server_assigns(tmp_path):
 def test_flgan_over_grpc_equals_flgan_in_process_and_table_iii(tmp_path):
     flags = ["--algorithm", "flgan", "--workers", "3", "--iterations", "10", "--swap-every", "4", "--seed", "2",
              "--dataset", "synthetic", "--no-progress"]
-    mdgan("local", *flags, "--out", str(tmp_path / "local"))
+    mdgan("local", *flags, "--workers-per-process", "1", "--out", str(tmp_path / "local"))  # a process each
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
     assert local["algorithm"] == simulated["algorithm"] == "flgan"

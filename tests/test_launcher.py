@@ -64,10 +64,12 @@ def parent(pid: int) -> int:
 
 
 # (the scheduling policy of the services is checked on the same clusters, one of each kind)
-@pytest.mark.parametrize("sig, scheduling", [(signal.SIGTERM, "batch"), (signal.SIGHUP, "normal")])
-def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig, scheduling):
-    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000",
-                      "--cpu-scheduling", scheduling)
+@pytest.mark.parametrize("sig, scheduling, workers, per_process", [
+    (signal.SIGTERM, "batch", 2, 1), (signal.SIGHUP, "normal", 2, 1),
+    (signal.SIGINT, "batch", 4, 2)])  # two processes of two workers each
+def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig, scheduling, workers, per_process):
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", str(workers), "--iterations", "1000000",
+                      "--cpu-scheduling", scheduling, "--workers-per-process", str(per_process))
     pids: set[int] = set()
     try:
         history = tmp_path / "run" / "history.jsonl"
@@ -76,24 +78,28 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig, schedul
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
             time.sleep(0.2)
         pids = descendants(launcher.pid)
-        assert len(pids) >= 3  # the server and two workers (and the fork server they came from)
+        assert len(pids) >= 3  # the server and two worker processes (and the fork server they came from)
         services = [p for p in pids if parent(p) != launcher.pid]  # the fork server's children
         assert len(services) == 3
         expected = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
         assert [os.sched_getscheduler(p) for p in services] == [expected] * 3
-        said = "CPU scheduling: SCHED_BATCH" in (tmp_path / "run" / "logs" / "worker-0.log").read_text()
-        assert said == (scheduling == "batch")  # the service's own --cpu-scheduling, forwarded
+        for index in range(workers):
+            said = "CPU scheduling: SCHED_BATCH" in (tmp_path / "run" / "logs" / f"worker-{index}.log").read_text()
+            assert said == (scheduling == "batch")  # the service's own --cpu-scheduling, forwarded
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + sig
         assert signal.Signals(sig).name in err
         # Gone when `mdgan local` has exited, not a moment later: the fork server too.
         assert not [p for p in pids if alive(p)]
+        for index in range(workers):  # every worker stopped as told, and said so in its own log
+            assert "terminated by signal" in (tmp_path / "run" / "logs" / f"worker-{index}.log").read_text()
     finally:
         kill_everything(launcher, pids)
 
 
-def test_a_worker_that_cannot_load_its_data_stops_the_cluster_with_its_error(tmp_path):
+@pytest.mark.parametrize("per_process", ["1", "2"])
+def test_a_worker_that_cannot_load_its_data_stops_the_cluster_with_its_error(tmp_path, per_process):
     raw = tmp_path / "data" / "MNIST" / "raw"
     raw.mkdir(parents=True)
     # A truncated image file: the right magic number and dimensions, then only a few images.
@@ -103,11 +109,13 @@ def test_a_worker_that_cannot_load_its_data_stops_the_cluster_with_its_error(tmp
                                                  + bytes(60000))
     started = time.monotonic()
     launcher = launch(tmp_path, "--dataset", "mnist", "--data-root", str(tmp_path / "data"), "--workers", "2",
-                      "--iterations", "10")
+                      "--iterations", "10", "--workers-per-process", per_process)
     try:
         _, err = launcher.communicate(timeout=120)
         assert launcher.returncode != 0
         assert "worker-" in err and "before the run started" in err
+        if per_process == "2":  # the worker is named, and its process
+            assert "(in process workers-0-1)" in err
         assert "train-images-idx3-ubyte: truncated" in err  # the worker's own error, from its log
         assert "Traceback" not in err  # one line, not a traceback
         assert time.monotonic() - started < 120  # not the server's 600 s join timeout
@@ -117,20 +125,45 @@ def test_a_worker_that_cannot_load_its_data_stops_the_cluster_with_its_error(tmp
 
 def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
     """A run of a few iterations can end (workers exit 0) between two looks of the launcher: that
-    is not a service failing before the start; an exit with another code is."""
+    is not a service failing before the start; an exit with another code is. A worker in a process of
+    several is judged by its own exit code, from the process's status file."""
     from types import SimpleNamespace
 
     from mdgan.cli import LocalCluster, ServiceFailed
+    from services.worker.group import write_status
 
-    def cluster(*codes):
-        return SimpleNamespace(processes=[(f"worker-{i}", SimpleNamespace(exitcode=c)) for i, c in enumerate(codes)],
-                               log_path=lambda name: str(tmp_path / f"{name}.log"))
+    def cluster(*codes, groups=None):
+        made = LocalCluster(SimpleNamespace(out=str(tmp_path)))
+        made.processes = [(f"worker-{i}", SimpleNamespace(exitcode=c)) for i, c in enumerate(codes)]
+        for name, members in (groups or {}).items():
+            made.processes.append((name, SimpleNamespace(exitcode=None)))
+            made.groups[name] = list(members)
+            write_status(made.status_path(name), members)
+        return made
 
-    LocalCluster.check_children(cluster(None, 0, 0), started=False)  # no raise
+    os.makedirs(tmp_path / "logs")
+    cluster(None, 0, 0).check_children(started=False)  # no raise
     with pytest.raises(ServiceFailed, match="worker-1 exited with code 2"):
-        LocalCluster.check_children(cluster(0, 2), started=False)
+        cluster(0, 2).check_children(started=False)
     with pytest.raises(ServiceFailed, match="worker-0 was killed by SIGKILL"):
-        LocalCluster.check_children(cluster(-9), started=False)
+        cluster(-9).check_children(started=False)
+    (tmp_path / "logs" / "worker-3.log").write_text("ERROR worker-3's own reason\n")
+    cluster(groups={"workers-2-3": {"worker-2": None, "worker-3": 0}}).check_children(started=False)
+    with pytest.raises(ServiceFailed, match=r"(?s)worker-3 \(in process workers-2-3\) exited with code 2.*own reason"):
+        cluster(groups={"workers-2-3": {"worker-2": None, "worker-3": 2}}).check_children(started=False)
+    cluster(groups={"workers-2-3": {"worker-2": None, "worker-3": 2}}).check_children(started=True)  # the run's business
+
+
+def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
+    from mdgan import cli
+
+    monkeypatch.setattr(cli, "usable_cores", lambda: 2)
+    assert [cli.workers_per_process(n, 0) for n in (1, 2, 3, 4, 10, 50)] == [1, 1, 2, 2, 5, 25]
+    monkeypatch.setattr(cli, "usable_cores", lambda: 16)
+    assert [cli.workers_per_process(n, 0) for n in (4, 10, 50)] == [1, 1, 4]
+    assert cli.workers_per_process(10, 3) == 3  # as asked
+    with pytest.raises(cli.ConfigError, match="workers-per-process"):
+        cli.workers_per_process(10, -1)
 
 
 def test_metrics_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range():

@@ -285,7 +285,8 @@ def test_three_sites_over_grpc_each_worker_reads_only_its_own_folder(tmp_path, m
                MDGAN_AUDIT_ROOT=str(sites), MDGAN_AUDIT_DIR=str(audit))
     flags = ["--dataset", "imagefolder", "--site-dirs", str(sites), "--iterations", "10", "--batch-size", "10",
              "--kappa", "2", "--swap-every", "4", "--seed", "5", "--eval-every", "-1", "--no-progress"]
-    mdgan("local", *flags, "--out", str(tmp_path / "local"), env=env)
+    # One process per worker, as sites run: what a process opens is then what its worker opens.
+    mdgan("local", *flags, "--workers-per-process", "1", "--out", str(tmp_path / "local"), env=env)
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
     assert local["iterations"] == 10 and local["workers_alive"] == 3 and local["swaps"] == 2

@@ -34,6 +34,7 @@ from services.worker.node import FINAL_REFUSALS, JoinRefused, ServerGone, Worker
 from services.worker.peer import PEER_SERVICE, PeerServicer
 
 log = logging.getLogger("mdgan.worker")
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def build_parser() -> EnvArgumentParser:
@@ -216,38 +217,56 @@ async def serve(args) -> str:
     node.advertise_address = advertise_address(args.advertise_address, port)
     log.info("serving %s on port %d, advertised as %s", PEER_SERVICE, port, node.advertise_address)
 
-    loop = asyncio.get_running_loop()
-    run = asyncio.ensure_future(node.run())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, run.cancel)
     try:
-        return await run
+        return await node.run()
     finally:
         telemetry.dump(args.metrics_dump)
         await rpc.set_serving(health, [PEER_SERVICE], False)
         await server.stop(grace=2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    apply_threads(args.threads)
-    scheduling.apply(args.cpu_scheduling)
-    try:
-        reason = rpc.run(serve(args))
-    except JoinRefused as exc:
+def exit_code(exc: BaseException) -> int:
+    """How a worker that ended with `exc` exits, its reason logged: 0 stopped by a signal, 2 a
+    configuration or the server's fault, 3 refused by the server. Raises what it does not know."""
+    if isinstance(exc, JoinRefused):
         log.error("the server refused us: %s", exc)
         return 3
-    except (ConfigError, ServerGone, CheckpointError) as exc:
+    if isinstance(exc, (ConfigError, ServerGone, CheckpointError)):
         log.error("%s", exc)
         return 2
-    except grpc.aio.AioRpcError as exc:
+    if isinstance(exc, grpc.aio.AioRpcError):
         log.error("the server refused us: %s %s", exc.code().name, exc.details())
         return 3 if exc.code() in FINAL_REFUSALS else 2  # 3: refused, as a JoinRefused
-    except asyncio.CancelledError:
+    if isinstance(exc, asyncio.CancelledError):
         log.info("terminated by signal")
         return 0
-    log.info("finished: %s", reason)
+    raise exc
+
+
+async def until_signalled(*coroutines):
+    """Run the coroutines as tasks that SIGTERM and SIGINT cancel; their outcomes, as gather's
+    with return_exceptions (a cancelled one: its CancelledError)."""
+    loop = asyncio.get_running_loop()
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: [t.cancel() for t in tasks])
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def configure_process(args) -> None:
+    """What is the process's, not one worker's: torch threads and CPU scheduling."""
+    apply_threads(args.threads)
+    scheduling.apply(args.cpu_scheduling)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_process(args)
+    (outcome,) = rpc.run(until_signalled(serve(args)))
+    if isinstance(outcome, BaseException):
+        return exit_code(outcome)
+    log.info("finished: %s", outcome)
     return 0
 
 

@@ -1,0 +1,140 @@
+"""Several workers in one process: what `mdgan local --workers-per-process K` runs in each of its
+worker processes.
+
+Each worker is the same as one `mdgan-worker` process: its own data, discriminator, gRPC client
+and Peer server, certificate, /metrics port, state folder and log file. They share one event loop,
+and with it the interpreter, torch and gRPC: on a machine with fewer cores than workers, K workers
+in one process cost less CPU than K processes taking turns on a core (docs/PERFORMANCE.md, "Fifth
+pass"), and start once instead of K times.
+
+What the process owns is the group's: the CPU scheduling and torch threads (those of the first
+worker's flags; the launcher gives all the same), SIGTERM and SIGINT (they stop every worker), and
+its exit code (the highest of its workers'). What a worker owns stays its own: a worker that fails
+ends alone, its error in its own log, and the others go on. As each worker ends, its exit code is
+written to a status file (JSON, replaced atomically), from which the launcher learns which worker
+failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from services.common import rpc
+from services.worker.__main__ import LOG_FORMAT, build_parser, configure_process, exit_code, serve, until_signalled
+
+# The worker whose task is running (None: the process itself, or a thread that is no worker's).
+# asyncio copies the context into every task a worker's task creates, so its records follow it.
+CURRENT_WORKER: contextvars.ContextVar[str | None] = contextvars.ContextVar("mdgan_worker", default=None)
+
+log = logging.getLogger("mdgan.worker.group")
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str  # as the launcher knows it: worker-<index>
+    argv: list[str]  # mdgan-worker's command line
+    log_path: str
+
+
+class PerWorkerLog(logging.Handler):
+    """Each record to the log file of the worker that logged it; the rest to `fallback`."""
+
+    def __init__(self, paths: dict[str, str], fallback: logging.Handler):
+        super().__init__()
+        self.fallback = fallback
+        self.files: dict[str, logging.Handler] = {}
+        for name, path in paths.items():
+            handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+            handler.setFormatter(logging.Formatter(LOG_FORMAT))
+            self.files[name] = handler
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.files.get(CURRENT_WORKER.get(), self.fallback).handle(record)
+
+    def close(self) -> None:
+        for handler in self.files.values():
+            handler.close()
+        super().close()
+
+
+def write_status(path: str, codes: dict[str, int | None]) -> None:
+    """{worker: exit code, None while it runs}, replaced atomically (the launcher reads it any time)."""
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(codes, fh)
+    os.replace(path + ".tmp", path)
+
+
+async def _serve_member(args) -> int:
+    """One worker, to its exit code; its ending reason in its own log."""
+    try:
+        reason = await serve(args)
+    except asyncio.CancelledError:  # SIGTERM/SIGINT: the group stops
+        return exit_code(asyncio.CancelledError())
+    except Exception as exc:  # noqa: BLE001  (one worker's failure, whatever it is, is not its siblings')
+        try:
+            return exit_code(exc)
+        except Exception:  # not one of the known endings: a bug, logged whole in this worker's log
+            log.exception("worker failed")
+            return 1
+    logging.getLogger("mdgan.worker").info("finished: %s", reason)
+    return 0
+
+
+async def serve_group(members: list[tuple[Member, object]], status_path: str) -> dict[str, int]:
+    codes: dict[str, int | None] = {member.name: None for member, _ in members}
+    write_status(status_path, codes)
+
+    async def run(member: Member, args) -> int:
+        code = await _serve_member(args)
+        codes[member.name] = code
+        write_status(status_path, codes)
+        return code
+
+    coroutines = []
+    for member, args in members:
+        context = contextvars.copy_context()
+        context.run(CURRENT_WORKER.set, member.name)
+        coroutines.append(_in_context(run(member, args), context))
+    outcomes = await until_signalled(*coroutines)
+    for (member, _), outcome in zip(members, outcomes):
+        if isinstance(outcome, BaseException):  # cancelled before its own task could say so
+            codes[member.name] = 0 if isinstance(outcome, asyncio.CancelledError) else 1
+    write_status(status_path, codes)
+    return codes
+
+
+async def _in_context(coroutine, context: contextvars.Context):
+    """Await `coroutine` as a task running in `context` (the worker's name set in it)."""
+    return await asyncio.get_running_loop().create_task(coroutine, context=context)
+
+
+def main(members: list[Member], status_path: str) -> int:
+    parsed = [(member, build_parser().parse_args(member.argv)) for member in members]
+    first = parsed[0][1]
+    root = logging.getLogger()
+    root.setLevel(first.log_level.upper())
+    fallback = logging.StreamHandler(sys.stderr)  # the group's own log: its process's output
+    fallback.setFormatter(logging.Formatter(LOG_FORMAT))
+    router = PerWorkerLog({member.name: member.log_path for member in members}, fallback)
+    root.addHandler(router)
+    log.info("%d workers in this process: %s", len(members), ", ".join(m.name for m in members))
+    for member, args in parsed:  # set once; said in every worker's log, as a process of its own would
+        contextvars.copy_context().run(_configure_as, member.name, args)
+    try:
+        codes = rpc.run(serve_group(parsed, status_path))
+        log.info("exit codes: %s", codes)
+    finally:
+        root.removeHandler(router)
+        router.close()
+    return max(codes.values(), default=0)
+
+
+def _configure_as(name: str, args) -> None:
+    CURRENT_WORKER.set(name)
+    configure_process(args)
