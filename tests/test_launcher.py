@@ -63,11 +63,13 @@ def parent(pid: int) -> int:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 
-# (the scheduling policy of the services is checked on the same clusters, one of each kind)
+# (one cluster start-up per case checks both: what a signal leaves behind, and how the services
+# are scheduled)
 @pytest.mark.parametrize("sig, scheduling, workers, per_process", [
     (signal.SIGTERM, "batch", 2, 1), (signal.SIGHUP, "normal", 2, 1),
     (signal.SIGINT, "batch", 4, 2)])  # two processes of two workers each
-def test_a_signal_to_mdgan_local_leaves_no_process_behind(tmp_path, sig, scheduling, workers, per_process):
+def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_as_scheduled(
+        tmp_path, sig, scheduling, workers, per_process):
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", str(workers), "--iterations", "1000000",
                       "--cpu-scheduling", scheduling, "--workers-per-process", str(per_process))
     pids: set[int] = set()
