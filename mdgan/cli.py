@@ -249,7 +249,6 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> multiprocessing.Process:
         module, *rest = argv
-        rest = [*rest, "--cpu-scheduling", self.args.cpu_scheduling]  # many processes on few cores: batch
         process = self._context.Process(target=_run_service, args=(module, rest, self.log_path(name)),
                                         name=name, daemon=True)
         process.start()
@@ -269,8 +268,7 @@ class LocalCluster:
                 self._spawn(name, ["services.worker", *argv])
                 continue
             name = f"workers-{start}-{start + len(chunk) - 1}"
-            members = [Member(member, [*argv, "--cpu-scheduling", self.args.cpu_scheduling], self.log_path(member))
-                       for member, argv in chunk]
+            members = [Member(member, argv, self.log_path(member)) for member, argv in chunk]
             process = self._context.Process(target=_run_worker_group,
                                             args=(members, self.log_path(name), self.status_path(name)),
                                             name=name, daemon=True)
@@ -328,7 +326,8 @@ class LocalCluster:
                             for name, port in metrics_ports.items()])
         server = self._spawn("server", [
             "services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", self.out,
-            "--threads", str(a.threads), "--device", a.device, "--step-timeout", str(a.step_timeout),
+            "--threads", str(a.threads), "--cpu-scheduling", a.cpu_scheduling,  # few cores for many: batch
+            "--device", a.device, "--step-timeout", str(a.step_timeout),
             "--swap-timeout", str(a.swap_timeout), "--join-timeout", str(a.join_timeout),
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
@@ -352,7 +351,8 @@ class LocalCluster:
             workers.append((name, [
                 "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,
-                "--threads", str(a.threads), "--device", a.device, "--server-timeout", str(a.step_timeout + 60),
+                "--threads", str(a.threads), "--cpu-scheduling", a.cpu_scheduling, "--device", a.device,
+                "--server-timeout", str(a.step_timeout + 60),
                 "--state-dir", os.path.join(self.out, "workers", name),
                 *(["--attack", a.attack] if index in attacking else []),
                 *security[name], *self._metrics_flags(name, metrics_ports[name])]))
@@ -393,9 +393,10 @@ class LocalCluster:
         process of one service."""
         if process_name not in self.groups:
             return {}
+        from mdgan.checkpoint import read_json
+
         try:
-            with open(self.status_path(process_name), encoding="utf-8") as fh:
-                saved = json.load(fh)
+            saved = read_json(self.status_path(process_name))
         except (OSError, ValueError):  # not written yet
             saved = {}
         return {member: saved.get(member) for member in self.groups[process_name]}

@@ -7,8 +7,7 @@ worker's 5 ms discriminator step was cut in pieces, each resumed with caches ano
 just filled. Every service of `mdgan local` therefore runs as SCHED_BATCH (a process that wakes
 does not preempt the running one) with a 10 ms slice (Linux 6.12 and later take a fair-class slice
 from sched_attr.sched_runtime; where the call fails, the policy alone is set): 0.1-0.4 preemptions
-per iteration, and
-about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md, fourth pass).
+per iteration, and about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md, fourth pass).
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ def batch(slice_ms: float = SLICE_MS) -> str:
         return "SCHED_BATCH"
     except OSError as exc:
         return f"unchanged: {exc}"
-
 
 
 def apply(choice: str) -> None:

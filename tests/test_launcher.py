@@ -85,9 +85,12 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
         assert len(services) == 3
         expected = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
         assert [os.sched_getscheduler(p) for p in services] == [expected] * 3
-        for index in range(workers):
-            said = "CPU scheduling: SCHED_BATCH" in (tmp_path / "run" / "logs" / f"worker-{index}.log").read_text()
-            assert said == (scheduling == "batch")  # the service's own --cpu-scheduling, forwarded
+        # the service's own --cpu-scheduling, forwarded: said in each worker process's log
+        process_logs = [f"worker-{i}" for i in range(workers)] if per_process == 1 else \
+            [f"workers-{i}-{i + per_process - 1}" for i in range(0, workers, per_process)]
+        for name in process_logs:
+            said = "CPU scheduling: SCHED_BATCH" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+            assert said == (scheduling == "batch"), name
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + sig
@@ -132,7 +135,7 @@ def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
     from types import SimpleNamespace
 
     from mdgan.cli import LocalCluster, ServiceFailed
-    from services.worker.group import write_status
+    from mdgan.checkpoint import atomic_write_json
 
     def cluster(*codes, groups=None):
         made = LocalCluster(SimpleNamespace(out=str(tmp_path)))
@@ -140,7 +143,7 @@ def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
         for name, members in (groups or {}).items():
             made.processes.append((name, SimpleNamespace(exitcode=None)))
             made.groups[name] = list(members)
-            write_status(made.status_path(name), members)
+            atomic_write_json(made.status_path(name), members)
         return made
 
     os.makedirs(tmp_path / "logs")

@@ -225,9 +225,10 @@ async def serve(args) -> str:
         await server.stop(grace=2)
 
 
-def exit_code(exc: BaseException) -> int:
+def exit_code(exc: BaseException) -> int | None:
     """How a worker that ended with `exc` exits, its reason logged: 0 stopped by a signal, 2 a
-    configuration or the server's fault, 3 refused by the server. Raises what it does not know."""
+    configuration or the server's fault, 3 refused by the server; None for an ending it does not
+    know (a bug)."""
     if isinstance(exc, JoinRefused):
         log.error("the server refused us: %s", exc)
         return 3
@@ -240,7 +241,7 @@ def exit_code(exc: BaseException) -> int:
     if isinstance(exc, asyncio.CancelledError):
         log.info("terminated by signal")
         return 0
-    raise exc
+    return None
 
 
 async def until_signalled(*coroutines):
@@ -265,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_process(args)
     (outcome,) = rpc.run(until_signalled(serve(args)))
     if isinstance(outcome, BaseException):
-        return exit_code(outcome)
+        code = exit_code(outcome)
+        if code is None:
+            raise outcome  # a bug: its traceback
+        return code
     log.info("finished: %s", outcome)
     return 0
 

@@ -8,8 +8,8 @@ in one process cost less CPU than K processes taking turns on a core (docs/PERFO
 pass"), and start once instead of K times.
 
 What the process owns is the group's: the CPU scheduling and torch threads (those of the first
-worker's flags; the launcher gives all the same), SIGTERM and SIGINT (they stop every worker), and
-its exit code (the highest of its workers'). What a worker owns stays its own: a worker that fails
+worker's flags, applied once and logged in the process's own log; the launcher gives all the
+same), SIGTERM and SIGINT (they stop every worker), and its exit code (the highest of its workers'). What a worker owns stays its own: a worker that fails
 ends alone, its error in its own log, and the others go on. As each worker ends, its exit code is
 written to a status file (JSON, replaced atomically), from which the launcher learns which worker
 failed.
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
+from mdgan.checkpoint import atomic_write_json
 from services.common import rpc
 from services.worker.__main__ import LOG_FORMAT, build_parser, configure_process, exit_code, serve, until_signalled
 
@@ -63,55 +62,42 @@ class PerWorkerLog(logging.Handler):
         super().close()
 
 
-def write_status(path: str, codes: dict[str, int | None]) -> None:
-    """{worker: exit code, None while it runs}, replaced atomically (the launcher reads it any time)."""
-    with open(path + ".tmp", "w", encoding="utf-8") as fh:
-        json.dump(codes, fh)
-    os.replace(path + ".tmp", path)
-
-
 async def _serve_member(args) -> int:
     """One worker, to its exit code; its ending reason in its own log."""
     try:
         reason = await serve(args)
-    except asyncio.CancelledError:  # SIGTERM/SIGINT: the group stops
-        return exit_code(asyncio.CancelledError())
-    except Exception as exc:  # noqa: BLE001  (one worker's failure, whatever it is, is not its siblings')
-        try:
-            return exit_code(exc)
-        except Exception:  # not one of the known endings: a bug, logged whole in this worker's log
-            log.exception("worker failed")
+    except (Exception, asyncio.CancelledError) as exc:  # one worker's ending is not its siblings'
+        code = exit_code(exc)
+        if code is None:  # not one of the known endings: a bug, logged whole in this worker's log
+            log.error("worker failed", exc_info=exc)
             return 1
+        return code
     logging.getLogger("mdgan.worker").info("finished: %s", reason)
     return 0
 
 
 async def serve_group(members: list[tuple[Member, object]], status_path: str) -> dict[str, int]:
+    """Every worker as a task of its own, its name set in the task's context (for PerWorkerLog);
+    {worker: exit code} kept in `status_path` ({worker: None} while it runs)."""
     codes: dict[str, int | None] = {member.name: None for member, _ in members}
-    write_status(status_path, codes)
+    atomic_write_json(status_path, codes)
 
     async def run(member: Member, args) -> int:
-        code = await _serve_member(args)
-        codes[member.name] = code
-        write_status(status_path, codes)
-        return code
+        codes[member.name] = await _serve_member(args)
+        atomic_write_json(status_path, codes)
+        return codes[member.name]
 
-    coroutines = []
+    loop, tasks = asyncio.get_running_loop(), []
     for member, args in members:
         context = contextvars.copy_context()
         context.run(CURRENT_WORKER.set, member.name)
-        coroutines.append(_in_context(run(member, args), context))
-    outcomes = await until_signalled(*coroutines)
+        tasks.append(loop.create_task(run(member, args), context=context))
+    outcomes = await until_signalled(*tasks)
     for (member, _), outcome in zip(members, outcomes):
-        if isinstance(outcome, BaseException):  # cancelled before its own task could say so
+        if isinstance(outcome, BaseException):  # cancelled before its task had started
             codes[member.name] = 0 if isinstance(outcome, asyncio.CancelledError) else 1
-    write_status(status_path, codes)
+    atomic_write_json(status_path, codes)
     return codes
-
-
-async def _in_context(coroutine, context: contextvars.Context):
-    """Await `coroutine` as a task running in `context` (the worker's name set in it)."""
-    return await asyncio.get_running_loop().create_task(coroutine, context=context)
 
 
 def main(members: list[Member], status_path: str) -> int:
@@ -124,8 +110,7 @@ def main(members: list[Member], status_path: str) -> int:
     router = PerWorkerLog({member.name: member.log_path for member in members}, fallback)
     root.addHandler(router)
     log.info("%d workers in this process: %s", len(members), ", ".join(m.name for m in members))
-    for member, args in parsed:  # set once; said in every worker's log, as a process of its own would
-        contextvars.copy_context().run(_configure_as, member.name, args)
+    configure_process(first)  # the process's; the launcher gives every worker the same flags
     try:
         codes = rpc.run(serve_group(parsed, status_path))
         log.info("exit codes: %s", codes)
@@ -134,7 +119,3 @@ def main(members: list[Member], status_path: str) -> int:
         router.close()
     return max(codes.values(), default=0)
 
-
-def _configure_as(name: str, args) -> None:
-    CURRENT_WORKER.set(name)
-    configure_process(args)
