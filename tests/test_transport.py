@@ -356,3 +356,47 @@ def test_services_choose_the_grpc_io_engine_before_grpc_starts(entry, given):
     assert result.returncode == 0, result.stderr[-2000:]
     expected = services.GRPC_EXPERIMENTS if given is None else given
     assert result.stdout.strip().splitlines()[-1] == repr(expected)
+
+
+def test_workers_sharing_a_process_step_together_then_answer_together():
+    """With --workers-per-process, the batches of one iteration reach a process together. Its
+    workers decode all of them, then run all their steps, then write all their feedback: each phase
+    back to back, its code warm (docs/PERFORMANCE.md, sixth pass), not message code and torch
+    interleaved worker by worker."""
+    config = TrainingConfig(workers=2, batch_size=B).validate()
+    events: list[tuple[str, int]] = []
+
+    class RecordingCall:  # the worker's end of the Session stream
+        def __init__(self, index: int):
+            self.index = index
+
+        async def write(self, message):
+            assert message.WhichOneof("body") == "feedback"
+            events.append(("write", self.index))
+
+    def batches_message() -> pb.ServerMessage:
+        samples = codec.encode_tensor(torch.zeros(B, 784))
+        labels = codec.encode_tensor(torch.zeros(B, dtype=torch.int64))
+        return pb.ServerMessage(batches=pb.Batches(iteration=1, generated=samples, discriminated=samples,
+                                                   generated_labels=labels, discriminated_labels=labels))
+
+    workers = []
+    for index in range(2):
+        shard = load_shard(DataConfig("synthetic", num_shards=2), index)
+        worker = MDGANWorker(WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard), config, shard)
+        step = worker.side.step
+
+        def recorded_step(batch, step=step, index=index):
+            events.append(("step", index))
+            return step(batch)
+
+        worker.side.step = recorded_step
+        workers.append(worker)
+
+    async def iteration():
+        await asyncio.gather(*(w._on_batches(RecordingCall(i), batches_message().batches)
+                               for i, w in enumerate(workers)))
+
+    asyncio.run(iteration())
+    assert events == [("step", 0), ("step", 1), ("write", 0), ("write", 1)]
+    assert all(w.trained_iteration == 1 for w in workers)

@@ -18,7 +18,7 @@ from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.roster import Roster
 from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluator, open_run, write_outputs
-from mdgan import scheduling
+from mdgan import allocator, scheduling
 from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_scheduling_argument, add_site_arguments,
                             add_threads_argument, add_training_arguments, apply_threads, class_names,
                             training_config)
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     apply_threads(args.threads)
     scheduling.apply(args.cpu_scheduling)
+    allocator.keep_freed_memory()
     try:
         rpc.run(serve(args))
     except (ConfigError, TimeoutError, CheckpointError) as exc:

@@ -7,7 +7,7 @@ and with it the interpreter, torch and gRPC: on a machine with fewer cores than 
 in one process cost less CPU than K processes taking turns on a core (docs/PERFORMANCE.md, "Fifth
 pass"), and start once instead of K times.
 
-What the process owns is the group's: the CPU scheduling and torch threads (those of the first
+What the process owns is the group's: the CPU scheduling, torch threads and allocator (those of the first
 worker's flags, applied once and logged in the process's own log; the launcher gives all the
 same), SIGTERM and SIGINT (they stop every worker), and its exit code (the highest of its workers'). What a worker owns stays its own: a worker that fails
 ends alone, its error in its own log, and the others go on. As each worker ends, its exit code is

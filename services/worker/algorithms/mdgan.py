@@ -106,6 +106,13 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
                 generated_index=0)
         except codec.InvalidTensor as exc:
             raise ServerGone(f"the server sent an invalid batch: {exc}") from exc
+        # One yield after decoding and one before writing: workers sharing a process
+        # (--workers-per-process) get their batches together, so the loop then decodes them all,
+        # steps them all, and encodes and writes them all, each phase's code warm in the caches,
+        # instead of alternating message code and torch worker by worker: about 3% less CPU per
+        # iteration at N=10 (docs/PERFORMANCE.md, sixth pass). Nothing of this worker's can come in
+        # between: the server sends its next batch or order only after this feedback.
+        await asyncio.sleep(0)
         started = time.perf_counter()
         # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
         # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
@@ -115,6 +122,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         if self.slow_factor > 1:  # an emulated straggler
             await asyncio.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
         feedback = result.feedback if self.attack is None else self.attack(result.feedback)
+        await asyncio.sleep(0)  # the other workers' steps first (above)
         await self.node.write(call, pb.WorkerMessage(feedback=pb.Feedback(
             iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(feedback, wire)),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
