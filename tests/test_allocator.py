@@ -51,3 +51,35 @@ def test_a_freed_step_sized_block_stays_in_the_heap():
     assert tuned["applied"] is True
     assert tuned["mapped"] == 0  # from the heap
     assert tuned["kept_free"] >= 8 << 20  # and still there for the next step
+
+
+def test_without_mallopt_the_defaults_stay_and_nothing_raises(monkeypatch):
+    import ctypes
+
+    from mdgan import allocator
+
+    class Musl:  # a C library with no mallopt (musl, macOS)
+        pass
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Musl())
+    assert allocator.keep_freed_memory() is False
+
+    def missing(name):
+        raise OSError("no C library")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert allocator.keep_freed_memory() is False
+
+
+def test_a_refused_threshold_is_reported(monkeypatch, caplog):
+    import ctypes
+
+    from mdgan import allocator
+
+    class Refusing:
+        def __init__(self):
+            self.mallopt = lambda parameter, value: 0  # glibc's answer to a value out of range
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Refusing())
+    assert allocator.keep_freed_memory() is False
+    assert "refused" in caplog.text
