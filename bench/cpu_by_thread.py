@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fifty_workers import REPO, tree  # noqa: E402
-from local_vs_simulate import TICK, lines  # noqa: E402
+from local_vs_simulate import TICK, lines, run_flags  # noqa: E402
 from profile_local import role_of  # noqa: E402
 
 
@@ -64,11 +64,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.out or os.path.join(tmp, "run")
-        process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", args.mode, "--workers", str(args.workers),
-                                    "--kappa", str(args.kappa), "--batch-size", str(args.batch_size),
-                                    "--iterations", "100000", "--swap-every", "100", "--dataset", "mnist",
-                                    "--data-root", args.data_root, "--eval-every", "-1", "--no-progress",
-                                    "--out", run_dir], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", args.mode,
+                                    *run_flags(args.workers, args.kappa, 100000, args.data_root, args.batch_size),
+                                    "--no-progress", "--out", run_dir], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    start_new_session=True)
         try:
             history = os.path.join(run_dir, "history.jsonl")

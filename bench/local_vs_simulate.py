@@ -102,10 +102,17 @@ def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
             "swaps": results[0]["swaps"]}
 
 
+def run_flags(workers: int, kappa: int, iterations: int, data_root: str, batch_size: int = 10,
+              swap_every: int = 100, seed: int = 0) -> list[str]:
+    """The flags of the benchmarks' runs, the same for `simulate` and `local`: MNIST MLP ACGAN, no
+    evaluation (the other benches of this folder start their runs with these too)."""
+    return ["--workers", str(workers), "--batch-size", str(batch_size), "--kappa", str(kappa), "--iterations",
+            str(iterations), "--swap-every", str(swap_every), "--seed", str(seed), "--dataset", "mnist",
+            "--data-root", data_root, "--eval-every", "-1"]
+
+
 def compare(workers: int, kappa: int, args) -> bool:
-    flags = ["--workers", str(workers), "--batch-size", str(args.batch_size), "--kappa", str(kappa),
-             "--iterations", str(args.iterations), "--swap-every", str(args.swap_every), "--seed", str(args.seed),
-             "--dataset", "mnist", "--data-root", args.data_root, "--eval-every", "-1"]
+    flags = run_flags(workers, kappa, args.iterations, args.data_root, args.batch_size, args.swap_every, args.seed)
     modes = ["simulate", "local", *(["gloo"] if args.gloo else []), *([GLOO_BATCH] if args.gloo_batch else []),
              *([TWO_AT_ONCE] if args.contention else []),
              *([f"local@{args.baseline}"] if args.baseline else [])]

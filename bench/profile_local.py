@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fifty_workers import REPO, tree  # noqa: E402
-from local_vs_simulate import TICK, lines  # noqa: E402
+from local_vs_simulate import TICK, lines, run_flags  # noqa: E402
 
 
 def role_of(pid: int) -> str | None:
@@ -86,10 +86,9 @@ def main() -> int:
     run_dir = os.path.join(args.out, f"run-{args.mode}-{args.workers}")
     shutil.rmtree(run_dir, ignore_errors=True)
     iterations = 100000  # stopped once profiled
-    process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", args.mode, "--workers", str(args.workers),
-                                "--kappa", str(args.kappa), "--batch-size", str(args.batch_size), "--iterations",
-                                str(iterations), "--swap-every", "100", "--dataset", "mnist", "--data-root",
-                                args.data_root, "--eval-every", "-1", "--no-progress", "--out", run_dir],
+    process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", args.mode,
+                                *run_flags(args.workers, args.kappa, iterations, args.data_root, args.batch_size),
+                                "--no-progress", "--out", run_dir],
                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         history = os.path.join(run_dir, "history.jsonl")

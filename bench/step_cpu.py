@@ -24,7 +24,10 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fifty_workers import REPO  # noqa: E402
+from local_vs_simulate import run_flags  # noqa: E402
+
 PROBE = os.path.join(REPO, "bench", "step_probe")
 
 
@@ -32,9 +35,8 @@ def run(mode: str, args, tmp: str) -> dict:
     out = os.path.join(tmp, f"probe-{mode}")
     os.makedirs(out)
     env = {**os.environ, "MDGAN_STEP_PROBE": out, "PYTHONPATH": os.pathsep.join([PROBE, REPO])}
-    subprocess.run([sys.executable, "-m", "mdgan.cli", mode, "--workers", str(args.workers), "--kappa",
-                    str(args.kappa), "--batch-size", "10", "--iterations", str(args.iterations), "--swap-every", "100",
-                    "--dataset", "mnist", "--data-root", args.data_root, "--eval-every", "-1", "--no-progress",
+    subprocess.run([sys.executable, "-m", "mdgan.cli", mode,
+                    *run_flags(args.workers, args.kappa, args.iterations, args.data_root), "--no-progress",
                     "--out", os.path.join(tmp, f"run-{mode}")], cwd=REPO, env=env, check=True,
                    stdout=subprocess.DEVNULL)
     total = {"after_wait": [0, 0], "back_to_back": [0, 0]}

@@ -3,11 +3,11 @@
 Every step allocates and frees the same tensors: activations, gradients and the optimiser's
 temporaries, the largest a few MB each (the MLP discriminator's first layer is 784x512 floats,
 1.6 MB). glibc serves a block that large with mmap, or from the top of the heap and trims the heap
-back once more than a few MB are free there, so the next step faults the same pages in again: a
-local cluster at N=10 took about 800 page faults per iteration (the simulation, whose one process
-keeps its peak, about 150). Serving blocks up to 16 MB from the heap and keeping up to 64 MB free at
-its top brought that to about 330, and about 2-3% less CPU per iteration (docs/PERFORMANCE.md, sixth
-pass). What it costs is at most 64 MB of freed memory each process may keep.
+back once more than a few MB are free there, so the next step faults the same pages in again.
+Serving blocks up to 16 MB from the heap and keeping up to 64 MB free at its top took a local
+cluster at N=10 from about 1300 page faults per iteration to about 300 (the simulation: 260 to 6),
+and its CPU per iteration down by about 3% (docs/PERFORMANCE.md, sixth pass). What it costs is at
+most 64 MB of freed memory each process may keep.
 """
 
 from __future__ import annotations

@@ -37,13 +37,11 @@ def _print_summary(summary: dict) -> None:
 def cmd_simulate(args) -> int:
     from mdgan.algorithms.options import dpgan_options, pwgan_options
     from mdgan.run import simulate
-    from mdgan.settings import apply_threads, class_names, data_config, evaluation_options, training_config
+    from mdgan.settings import class_names, configure_compute, data_config, evaluation_options, training_config
 
-    from mdgan import allocator
     from mdgan.run import parse_churn
 
-    apply_threads(args.threads)
-    allocator.keep_freed_memory()  # as every service of `mdgan local` does: comparable figures
+    configure_compute(args.threads)
     _resolve_workers(args)
     config = training_config(args)
     if args.resume:
@@ -684,12 +682,10 @@ def _traffic_formulas(args) -> dict:
 
 
 def cmd_experiment(args) -> int:
-    from mdgan import allocator
     from mdgan.experiment import run_experiment
-    from mdgan.settings import apply_threads
+    from mdgan.settings import configure_compute
 
-    apply_threads(args.threads)
-    allocator.keep_freed_memory()
+    configure_compute(args.threads)
     result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only, jobs=args.jobs,
                             threads=args.threads)
     print(json.dumps(result, indent=2))

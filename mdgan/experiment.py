@@ -302,11 +302,9 @@ def _trained(run: dict) -> dict:
 
 def _run_in_child(run: dict, run_dir: str, threads: int) -> str:
     """One run in a worker process of `run_experiment(jobs > 1)`: its own torch threads, no progress bar."""
-    from mdgan import allocator
-    from mdgan.settings import apply_threads
+    from mdgan.settings import configure_compute
 
-    apply_threads(threads)
-    allocator.keep_freed_memory()
+    configure_compute(threads)
     run_one(run, run_dir, progress=False)
     return run["name"]
 

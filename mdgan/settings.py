@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from mdgan import allocator
 from mdgan.config import (AGGREGATIONS, DATASETS, GAN_KINDS, LOSSES, SPLITS, SYNC_MODES, WIRE_DTYPES, ConfigError,
                           DataConfig, ModelSpec, OptimizerSpec, TrainingConfig)
 
@@ -211,8 +212,12 @@ def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
                       split=args.split, dirichlet_alpha=args.dirichlet_alpha).validate()
 
 
-def apply_threads(threads: int) -> None:
+def configure_compute(threads: int) -> None:
+    """What every process that trains sets once, before its first step: torch's threads (0: torch's
+    default) and the allocator's thresholds (mdgan/allocator.py). `simulate`, `experiment` and each
+    service of `mdgan local` set the same, so their figures compare."""
     import torch
 
     if threads > 0:
         torch.set_num_threads(threads)
+    allocator.keep_freed_memory()

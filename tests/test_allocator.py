@@ -3,6 +3,7 @@ few-MB tensors come from the heap, and freed ones stay there for the next step."
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 import sys
@@ -37,8 +38,6 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0
 
 
 def _probe(mode: str) -> dict:
-    import json
-
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, timeout=60)
     return json.loads(out.stdout)
 

@@ -374,11 +374,10 @@ def test_workers_sharing_a_process_step_together_then_answer_together():
             assert message.WhichOneof("body") == "feedback"
             events.append(("write", self.index))
 
-    def batches_message() -> pb.ServerMessage:
-        samples = codec.encode_tensor(torch.zeros(B, 784))
-        labels = codec.encode_tensor(torch.zeros(B, dtype=torch.int64))
-        return pb.ServerMessage(batches=pb.Batches(iteration=1, generated=samples, discriminated=samples,
-                                                   generated_labels=labels, discriminated_labels=labels))
+    samples = codec.encode_tensor(torch.zeros(B, 784))
+    labels = codec.encode_tensor(torch.zeros(B, dtype=torch.int64))
+    batches = pb.Batches(iteration=1, generated=samples, discriminated=samples, generated_labels=labels,
+                         discriminated_labels=labels)
 
     workers = []
     for index in range(2):
@@ -394,8 +393,7 @@ def test_workers_sharing_a_process_step_together_then_answer_together():
         workers.append(worker)
 
     async def iteration():
-        await asyncio.gather(*(w._on_batches(RecordingCall(i), batches_message().batches)
-                               for i, w in enumerate(workers)))
+        await asyncio.gather(*(w._on_batches(RecordingCall(i), batches) for i, w in enumerate(workers)))
 
     asyncio.run(iteration())
     assert events == [("step", 0), ("step", 1), ("write", 0), ("write", 1)]

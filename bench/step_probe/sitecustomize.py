@@ -1,8 +1,9 @@
 """Loaded by every Python process that bench/step_cpu.py starts (this folder is put first on
 PYTHONPATH, with MDGAN_STEP_PROBE naming an output folder): wraps DiscriminatorSide.step to count
-the thread CPU time of each D step (and of the thread over the steps counted), apart for steps that follow a wait of the process (at least
-WAIT_MS since its previous step ended) and steps that follow another step directly. Each process
-rewrites its own JSON file in that folder every 100 steps. Inert without MDGAN_STEP_PROBE."""
+the thread CPU time of each D step past the first SKIP (and of the thread over the steps counted),
+apart for steps that follow a wait of the process (at least WAIT_MS since its previous step ended)
+and steps that follow another step directly. Each process rewrites its own JSON file in that
+folder every 100 steps. Inert without MDGAN_STEP_PROBE."""
 
 import os
 
@@ -13,7 +14,7 @@ if os.environ.get("MDGAN_STEP_PROBE"):
     from mdgan.mdgan import DiscriminatorSide
 
     OUT = os.environ["MDGAN_STEP_PROBE"]
-    SKIP = int(os.environ.get("MDGAN_STEP_PROBE_SKIP", "200"))  # warm-up steps not counted
+    SKIP = 200  # warm-up steps not counted (bench/step_cpu.py prints it)
     WAIT_MS = 1.0
     _step = DiscriminatorSide.step
     # [steps, CPU ns]; and the thread's CPU clock when the first counted step began and the last ended

@@ -18,9 +18,9 @@ from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.roster import Roster
 from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluator, open_run, write_outputs
-from mdgan import allocator, scheduling
+from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_scheduling_argument, add_site_arguments,
-                            add_threads_argument, add_training_arguments, apply_threads, class_names,
+                            add_threads_argument, add_training_arguments, class_names, configure_compute,
                             training_config)
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
@@ -211,9 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    apply_threads(args.threads)
+    configure_compute(args.threads)
     scheduling.apply(args.cpu_scheduling)
-    allocator.keep_freed_memory()
     try:
         rpc.run(serve(args))
     except (ConfigError, TimeoutError, CheckpointError) as exc:

@@ -23,9 +23,9 @@ from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
-from mdgan import allocator, scheduling
+from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_scheduling_argument, add_threads_argument,
-                            apply_threads, data_config)
+                            configure_compute, data_config)
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
@@ -255,10 +255,9 @@ async def until_signalled(*coroutines):
 
 
 def configure_process(args) -> None:
-    """What is the process's, not one worker's: torch threads, CPU scheduling, the allocator."""
-    apply_threads(args.threads)
+    """What is the process's, not one worker's: torch threads and the allocator, CPU scheduling."""
+    configure_compute(args.threads)
     scheduling.apply(args.cpu_scheduling)
-    allocator.keep_freed_memory()
 
 
 def main(argv: list[str] | None = None) -> int:
