@@ -133,8 +133,9 @@ def compare(workers: int, kappa: int, args) -> bool:
               f"CPU/iteration")
     for mode in modes[1:]:
         rows = results[mode]
-        print(f"  {mode} / simulate: {ratio(rows, 'ms'):.2f}x wall, {ratio(rows, 'cpu_ms'):.2f}x CPU "
-              f"(runs: {', '.join(format(l['ms'] / s['ms'], '.2f') for l, s in zip(rows, sim))})")
+        runs = lambda key: ", ".join(format(l[key] / s[key], ".2f") for l, s in zip(rows, sim))  # noqa: E731
+        print(f"  {mode} / simulate: {ratio(rows, 'ms'):.2f}x wall (runs: {runs('ms')}), "
+              f"{ratio(rows, 'cpu_ms'):.2f}x CPU (runs: {runs('cpu_ms')})")
     if args.baseline:
         print(f"  local / local@baseline: {ratio_between(results['local'], results[modes[-1]], 'ms'):.2f}x wall, "
               f"{ratio_between(results['local'], results[modes[-1]], 'cpu_ms'):.2f}x CPU")

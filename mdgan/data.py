@@ -10,9 +10,11 @@ worker computes the same split from the same dataset.
 
 from __future__ import annotations
 
+import gzip
 import math
 import os
 import pickle
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,41 +60,84 @@ MNIST_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+GZIP_CHUNK = 1 << 20
+
+
 def read_idx_ubyte(path: str, dims: int) -> np.ndarray:
     """An IDX file of unsigned bytes with `dims` dimensions, checked against its own header.
 
-    -> a writable uint8 array of the header's shape. Raises DataFileError naming the file when it
-    is missing, is not IDX, has another type or rank, or holds more or fewer bytes than the header says.
+    The file may be gzip-compressed (as MNIST is distributed): `path` itself, or `path`.gz when
+    `path` does not exist. -> a writable uint8 array of the header's shape. Raises DataFileError
+    naming the file when it is missing, is not IDX, has another type or rank, or holds more or fewer
+    bytes than the header says.
     """
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        path += ".gz"
     try:
+        with open(path, "rb") as fh:
+            compressed = fh.read(2) == GZIP_MAGIC
+        if compressed:
+            return _read_idx_gzip(path, dims)
         size = os.path.getsize(path)
         with open(path, "rb") as fh:
-            header = fh.read(4 + 4 * dims)
-            if len(header) < 4:
-                raise DataFileError(f"{path}: {size} bytes, too short for an IDX file")
-            zeros, kind, rank = header[:2], header[2], header[3]
-            if zeros != b"\0\0" or kind != IDX_UBYTE or rank != dims:
-                raise DataFileError(f"{path}: not an IDX file of {dims}-d unsigned bytes (magic number "
-                                    f"0x{int.from_bytes(header[:4], 'big'):08x}, expected 0x{IDX_UBYTE << 8 | dims:08x})")
-            if len(header) < 4 + 4 * dims:
-                raise DataFileError(f"{path}: truncated inside its header ({size} bytes)")
-            shape = tuple(int.from_bytes(header[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
-            expected = len(header) + math.prod(shape)
+            shape, header_size = _idx_header(path, fh, dims, size)
+            expected = header_size + math.prod(shape)
             if size != expected:
                 what = "truncated" if size < expected else "longer than its header says"
                 raise DataFileError(f"{path}: {what}: the header announces {' x '.join(map(str, shape))} bytes "
                                     f"({expected} bytes with the header) but the file holds {size}")
             data = np.fromfile(fh, dtype=np.uint8, count=math.prod(shape))
     except FileNotFoundError:
-        raise DataFileError(f"{path}: no such file") from None
+        raise DataFileError(f"{path}: no such file (nor {os.path.basename(path)}.gz)") from None
     except OSError as exc:
         raise DataFileError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     return data.reshape(shape)
 
 
+def _idx_header(path: str, fh, dims: int, size: int | None) -> tuple[tuple[int, ...], int]:
+    """The shape an IDX header announces, and the header's length. `size`: the file's, for the
+    errors (None: a compressed file, whose decompressed size is not known up front)."""
+    header = fh.read(4 + 4 * dims)
+    held = f"{len(header)} bytes once decompressed" if size is None else f"{size} bytes"
+    if len(header) < 4:
+        raise DataFileError(f"{path}: {held}, too short for an IDX file")
+    zeros, kind, rank = header[:2], header[2], header[3]
+    if zeros != b"\0\0" or kind != IDX_UBYTE or rank != dims:
+        raise DataFileError(f"{path}: not an IDX file of {dims}-d unsigned bytes (magic number "
+                            f"0x{int.from_bytes(header[:4], 'big'):08x}, expected 0x{IDX_UBYTE << 8 | dims:08x})")
+    if len(header) < 4 + 4 * dims:
+        raise DataFileError(f"{path}: truncated inside its header ({held})")
+    return tuple(int.from_bytes(header[4 + 4 * i:8 + 4 * i], "big") for i in range(dims)), len(header)
+
+
+def _read_idx_gzip(path: str, dims: int) -> np.ndarray:
+    """read_idx_ubyte of a gzip-compressed file, decompressed into the array a megabyte at a time
+    (never the whole file twice in memory)."""
+    try:
+        with gzip.open(path, "rb") as fh:
+            shape, header_size = _idx_header(path, fh, dims, None)
+            data = np.empty(math.prod(shape), dtype=np.uint8)
+            view, got = memoryview(data), 0
+            while got < data.size:
+                n = fh.readinto(view[got:got + GZIP_CHUNK])
+                if not n:
+                    break
+                got += n
+            if got < data.size:
+                raise DataFileError(f"{path}: truncated: the header announces {' x '.join(map(str, shape))} bytes "
+                                    f"but the file holds {header_size + got} once decompressed")
+            if fh.read(1):
+                raise DataFileError(f"{path}: longer than its header says (decompressed)")
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise DataFileError(f"{path}: a damaged gzip file ({exc})") from None
+    return data.reshape(shape)
+
+
 def load_mnist_uint8(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """MNIST as stored: images (n, 784) uint8, labels (n,) int64, from torchvision's layout
-    (DATA_ROOT/MNIST/raw/*-idx*-ubyte, uncompressed); never downloads. Every file is checked."""
+    (DATA_ROOT/MNIST/raw/*-idx*-ubyte, or the same names gzip-compressed, *.gz, as MNIST is
+    distributed); never downloads. Every file is checked."""
     raw = os.path.join(data_root, "MNIST", "raw")
     if not os.path.isdir(raw):
         raise ConfigError(

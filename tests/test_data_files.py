@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import pickle
 
@@ -38,7 +39,8 @@ def test_a_small_valid_mnist_loads(tmp_path):
 @pytest.mark.parametrize("images,labels,message", [
     (idx(0x803, (60000, 28, 28), bytes(984)), idx(0x801, (60000,), bytes(60000)), "images-idx3-ubyte: truncated"),
     (idx(0x803, (2, 28, 28), bytes(2 * 784 + 7)), idx(0x801, (2,), bytes(2)), "longer than its header"),
-    (idx(0x1f8b0808, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes(2)), "magic number 0x1f8b0808"),
+    (idx(0x1f8b0808, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes(2)), "images-idx3-ubyte: a damaged gzip"),
+    (idx(0x0a0b0808, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes(2)), "magic number 0x0a0b0808"),
     (idx(0x801, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes(2)), "images-idx3-ubyte: not an IDX file"),
     (idx(0x803, (2, 28, 28), bytes(2 * 784)), idx(0x801, (3,), bytes(3)), "3 labels for the 2 images"),
     (idx(0x803, (2, 28, 28), bytes(2 * 784)), idx(0x801, (2,), bytes([1, 12])), "label 12 is not a digit"),
@@ -58,10 +60,47 @@ def test_a_damaged_mnist_file_is_one_clear_error_naming_it(tmp_path, images, lab
 def test_a_missing_mnist_file_is_named(tmp_path):
     raw = write_mnist(tmp_path, idx(0x803, (2, 28, 28), bytes(2 * 784)), b"")
     os.remove(os.path.join(raw, "train-labels-idx1-ubyte"))
-    with pytest.raises(DataFileError, match="train-labels-idx1-ubyte: no such file"):
+    with pytest.raises(DataFileError, match=r"train-labels-idx1-ubyte: no such file \(nor train-labels-idx1-ubyte.gz\)"):
         load_mnist(str(tmp_path))
     with pytest.raises(DataFileError, match="not an IDX file"):
         read_idx_ubyte(os.path.join(raw, "train-images-idx3-ubyte"), 1)  # right file, wrong rank
+
+
+def test_gzip_compressed_mnist_loads_as_the_uncompressed_files_do(tmp_path, mnist_root):
+    """MNIST as distributed (*.gz beside nothing else), and a compressed file under the plain name."""
+    raw = os.path.join(tmp_path, "MNIST", "raw")
+    os.makedirs(raw)
+    for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        with open(os.path.join(mnist_root, "MNIST", "raw", name), "rb") as src:
+            content = src.read()
+        target = name + ".gz" if name.startswith("t10k-images") else name  # the labels: gzip under the plain name
+        with gzip.open(os.path.join(raw, target), "wb") as dst:
+            dst.write(content)
+    images, labels = load_mnist(str(tmp_path), train=False)
+    expected_images, expected_labels = load_mnist(mnist_root, train=False)
+    assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+    assert images.shape == (10000, 784)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda z: z[:len(z) // 2], "images-idx3-ubyte.gz: a damaged gzip file"),  # cut inside the stream
+    (lambda z: z[:10] + bytes(len(z) - 10), "images-idx3-ubyte.gz: a damaged gzip file"),  # corrupt body
+    (lambda z: gzip.compress(idx(0x803, (60000, 28, 28), bytes(984))), "truncated: the header announces 60000 x 28 x 28 "
+                                                                         "bytes but the file holds 1000 once decompressed"),
+    (lambda z: gzip.compress(idx(0x803, (2, 28, 28), bytes(2 * 784 + 1))), "longer than its header says"),
+    (lambda z: gzip.compress(b"\0\0"), "images-idx3-ubyte.gz: 2 bytes once decompressed, too short"),
+    (lambda z: gzip.compress(idx(0x801, (2, 28, 28), bytes(2 * 784))), "not an IDX file of 3-d unsigned bytes"),
+])
+def test_a_damaged_gzip_mnist_file_is_one_clear_error_naming_it(tmp_path, damage, message):
+    raw = write_mnist(tmp_path, b"", idx(0x801, (2,), bytes(2)))
+    os.remove(os.path.join(raw, "train-images-idx3-ubyte"))
+    pixels = np.random.default_rng(0).integers(0, 256, 2 * 784, dtype=np.uint8).tobytes()  # incompressible
+    good = gzip.compress(idx(0x803, (2, 28, 28), pixels))
+    with open(os.path.join(raw, "train-images-idx3-ubyte.gz"), "wb") as fh:
+        fh.write(damage(good))
+    with pytest.raises(DataFileError, match=message) as error:
+        load_mnist(str(tmp_path))
+    assert raw in str(error.value)
 
 
 def test_mnist_reads_as_torchvision_does(mnist_root):
