@@ -169,6 +169,22 @@ def load_mnist(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.
     return to_unit_range(images), labels
 
 
+class CifarBatchUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR-10 batch and nothing else: dicts, lists, strings, numbers and numpy arrays.
+    A pickle naming any other callable (os.system, say) is refused before it runs, so a planted data
+    file cannot execute code in a worker."""
+
+    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+               ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refused to load {module}.{name} (a CIFAR-10 batch holds only "
+                                         "dicts, lists, strings, numbers and numpy arrays)")
+        return super().find_class(module, name)
+
+
 def load_cifar10_uint8(data_root: str, train: bool = True,
                        verify_md5: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """CIFAR-10 as stored: images (n, 3072) uint8 channel-first, labels (n,) int64 (see load_cifar10)."""
@@ -193,7 +209,7 @@ def load_cifar10_uint8(data_root: str, train: bool = True,
         path = os.path.join(folder, name)
         try:
             with open(path, "rb") as fh:
-                entry = pickle.load(fh, encoding="latin1")
+                entry = CifarBatchUnpickler(fh, encoding="latin1").load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError,
                 IndexError, KeyError, UnicodeDecodeError, MemoryError) as exc:
             # a truncated or corrupt file breaks the unpickler in many ways: one clear error for all
@@ -226,7 +242,8 @@ def load_cifar10(data_root: str, train: bool = True, verify_md5: bool = False) -
     torchvision.datasets.CIFAR10 reads them (pickled dicts of "data" uint8 (n, 3072) and "labels")
     but without its md5 check of every file against the official archive, which only the official
     files pass; verify_md5=True runs that check (torchvision's checksums) and refuses other files.
-    These are local files the user put there: nothing here unpickles bytes from the network.
+    These are local files the user put there: nothing here unpickles bytes from the network, and the
+    unpickler takes numpy arrays and plain containers only (CifarBatchUnpickler).
     """
     images, labels = load_cifar10_uint8(data_root, train, verify_md5)
     return to_unit_range(images), labels

@@ -112,6 +112,43 @@ def test_mnist_reads_as_torchvision_does(mnist_root):
     assert torch.equal(labels, reference.targets)
 
 
+class _Planted:
+    """Unpickles as a call of os.system: what a planted data file would do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_cifar10_batch_that_would_run_code_is_refused_before_it_runs(tmp_path, protocol):
+    write_fake_cifar10(tmp_path)
+    marker = os.path.join(tmp_path, "planted-code-ran")
+    path = os.path.join(tmp_path, "cifar-10-batches-py", "data_batch_3")
+    with open(path, "wb") as fh:
+        pickle.dump({"data": np.zeros((2, 3072), np.uint8), "labels": [0, 1], "x": _Planted(marker)}, fh,
+                    protocol=protocol)
+    with pytest.raises(DataFileError, match=r"data_batch_3: not a readable CIFAR-10 batch .*refused to load "
+                                            r"(posix|os)\.system"):
+        load_cifar10(str(tmp_path))
+    assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_cifar10_batches_pickled_with_any_protocol_load(tmp_path, protocol):
+    raw, labels = write_fake_cifar10(tmp_path)
+    path = os.path.join(tmp_path, "cifar-10-batches-py", "data_batch_1")
+    with open(path, "rb") as fh:
+        entry = pickle.load(fh)
+    with open(path, "wb") as fh:
+        pickle.dump(entry, fh, protocol=protocol)
+    images, loaded = load_cifar10(str(tmp_path))
+    assert loaded.tolist() == labels
+    assert torch.equal(images, torch.from_numpy(raw).float().div(127.5).sub(1.0))
+
+
 def test_a_truncated_or_corrupt_cifar10_batch_is_one_clear_error_naming_it(tmp_path):
     write_fake_cifar10(tmp_path)
     path = os.path.join(tmp_path, "cifar-10-batches-py", "data_batch_2")
