@@ -28,7 +28,8 @@ SYNTHETIC_SEED = 1234  # fixed: every worker must build the same synthetic datas
 # The flat sample shape of each dataset (ModelSpec.sample_shape).
 DATASET_SAMPLE_SHAPES: dict[str, tuple[int, ...]] = {"mnist": (784,), "cifar10": (3072,), "synthetic": (784,)}
 
-CIFAR10_FOLDER = "cifar-10-batches-py"  # torchvision's layout, as extracted from cifar-10-python.tar.gz
+CIFAR10_FOLDER = "cifar-10-batches-py"  # torchvision's layout, as extracted from CIFAR10_ARCHIVE
+CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
 CIFAR10_TRAIN_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5")
 CIFAR10_TEST_FILES = ("test_batch",)
 
@@ -62,6 +63,7 @@ MNIST_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 
 GZIP_MAGIC = b"\x1f\x8b"
 GZIP_CHUNK = 1 << 20
+DEFLATE_MAX_RATIO = 1032  # deflate's largest expansion: 258 bytes from about 2 bits
 
 
 def read_idx_ubyte(path: str, dims: int) -> np.ndarray:
@@ -117,6 +119,11 @@ def _read_idx_gzip(path: str, dims: int) -> np.ndarray:
     try:
         with gzip.open(path, "rb") as fh:
             shape, header_size = _idx_header(path, fh, dims, None)
+            # Deflate expands at most ~1032:1: a header announcing more than the file could hold is
+            # refused before its array is allocated (a forged header must not exhaust the memory).
+            if math.prod(shape) > DEFLATE_MAX_RATIO * os.path.getsize(path):
+                raise DataFileError(f"{path}: truncated: the header announces {' x '.join(map(str, shape))} "
+                                    f"bytes, more than {os.path.getsize(path)} compressed bytes can hold")
             data = np.empty(math.prod(shape), dtype=np.uint8)
             view, got = memoryview(data), 0
             while got < data.size:
@@ -192,9 +199,12 @@ def load_cifar10_uint8(data_root: str, train: bool = True,
     names = CIFAR10_TRAIN_FILES if train else CIFAR10_TEST_FILES
     missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
     if missing:
+        archive = os.path.join(data_root, CIFAR10_ARCHIVE)
+        hint = (f"; {archive} is there: extract it with `tar -xzf {archive} -C {data_root}`"
+                if os.path.isfile(archive) else "")
         raise ConfigError(
             f"CIFAR-10 not found under {folder!r} (missing {', '.join(missing)}): point --data-root at a folder "
-            f"holding {CIFAR10_FOLDER} (torchvision.datasets.CIFAR10(root, download=True) creates one)"
+            f"holding {CIFAR10_FOLDER} (torchvision.datasets.CIFAR10(root, download=True) creates one){hint}"
         )
     if verify_md5:
         from torchvision.datasets import CIFAR10

@@ -85,11 +85,13 @@ def test_gzip_compressed_mnist_loads_as_the_uncompressed_files_do(tmp_path, mnis
 @pytest.mark.parametrize("damage,message", [
     (lambda z: z[:len(z) // 2], "images-idx3-ubyte.gz: a damaged gzip file"),  # cut inside the stream
     (lambda z: z[:10] + bytes(len(z) - 10), "images-idx3-ubyte.gz: a damaged gzip file"),  # corrupt body
-    (lambda z: gzip.compress(idx(0x803, (60000, 28, 28), bytes(984))), "truncated: the header announces 60000 x 28 x 28 "
-                                                                         "bytes but the file holds 1000 once decompressed"),
+    (lambda z: gzip.compress(idx(0x803, (100, 28, 28), np.random.default_rng(1).bytes(984))),
+     "truncated: the header announces 100 x 28 x 28 bytes but the file holds 1000 once decompressed"),
     (lambda z: gzip.compress(idx(0x803, (2, 28, 28), bytes(2 * 784 + 1))), "longer than its header says"),
     (lambda z: gzip.compress(b"\0\0"), "images-idx3-ubyte.gz: 2 bytes once decompressed, too short"),
     (lambda z: gzip.compress(idx(0x801, (2, 28, 28), bytes(2 * 784))), "not an IDX file of 3-d unsigned bytes"),
+    # a forged header: refused before an array of 2^62 bytes is asked for
+    (lambda z: gzip.compress(idx(0x803, (2 ** 31, 2 ** 31, 1), bytes(64))), "more than .* compressed bytes can hold"),
 ])
 def test_a_damaged_gzip_mnist_file_is_one_clear_error_naming_it(tmp_path, damage, message):
     raw = write_mnist(tmp_path, b"", idx(0x801, (2,), bytes(2)))
@@ -147,6 +149,17 @@ def test_cifar10_batches_pickled_with_any_protocol_load(tmp_path, protocol):
     images, loaded = load_cifar10(str(tmp_path))
     assert loaded.tolist() == labels
     assert torch.equal(images, torch.from_numpy(raw).float().div(127.5).sub(1.0))
+
+
+def test_missing_cifar10_beside_its_archive_says_to_extract_it(tmp_path):
+    from mdgan.config import ConfigError
+
+    with pytest.raises(ConfigError, match="CIFAR-10 not found") as error:
+        load_cifar10(str(tmp_path))
+    assert "extract" not in str(error.value)
+    (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"cifar-10-python.tar.gz is there: extract it with `tar -xzf "):
+        load_cifar10(str(tmp_path))
 
 
 def test_a_truncated_or_corrupt_cifar10_batch_is_one_clear_error_naming_it(tmp_path):
