@@ -62,38 +62,60 @@ MNIST_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 
 
 GZIP_MAGIC = b"\x1f\x8b"
-GZIP_CHUNK = 1 << 20
+READ_CHUNK = 1 << 20
 DEFLATE_MAX_RATIO = 1032  # deflate's largest expansion: 258 bytes from about 2 bits
+
+
+def idx_file(path: str) -> str:
+    """`path`, or `path`.gz when only the compressed file is there (MNIST as distributed)."""
+    return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
 
 
 def read_idx_ubyte(path: str, dims: int) -> np.ndarray:
     """An IDX file of unsigned bytes with `dims` dimensions, checked against its own header.
 
-    The file may be gzip-compressed (as MNIST is distributed): `path` itself, or `path`.gz when
-    `path` does not exist. -> a writable uint8 array of the header's shape. Raises DataFileError
-    naming the file when it is missing, is not IDX, has another type or rank, or holds more or fewer
-    bytes than the header says.
+    The file may be gzip-compressed: `path` itself, or `path`.gz (see idx_file). -> a writable
+    uint8 array of the header's shape. Raises DataFileError naming the file when it is missing, is
+    not IDX, has another type or rank, or holds more or fewer bytes than the header says.
     """
-    if not os.path.exists(path) and os.path.exists(path + ".gz"):
-        path += ".gz"
+    path = idx_file(path)
     try:
-        with open(path, "rb") as fh:
-            compressed = fh.read(2) == GZIP_MAGIC
-        if compressed:
-            return _read_idx_gzip(path, dims)
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
-            shape, header_size = _idx_header(path, fh, dims, size)
-            expected = header_size + math.prod(shape)
-            if size != expected:
-                what = "truncated" if size < expected else "longer than its header says"
-                raise DataFileError(f"{path}: {what}: the header announces {' x '.join(map(str, shape))} bytes "
-                                    f"({expected} bytes with the header) but the file holds {size}")
-            data = np.fromfile(fh, dtype=np.uint8, count=math.prod(shape))
+        with open(path, "rb") as raw:
+            compressed = raw.read(2) == GZIP_MAGIC
+            raw.seek(0)
+            size = os.fstat(raw.fileno()).st_size
+            try:
+                return _read_idx(path, gzip.GzipFile(fileobj=raw) if compressed else raw, dims, size, compressed)
+            except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+                raise DataFileError(f"{path}: a damaged gzip file ({exc})") from None
     except FileNotFoundError:
         raise DataFileError(f"{path}: no such file (nor {os.path.basename(path)}.gz)") from None
     except OSError as exc:
         raise DataFileError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+
+
+def _read_idx(path: str, fh, dims: int, size: int, compressed: bool) -> np.ndarray:
+    """The array of an IDX stream (`fh`, decompressing or not) of a file of `size` bytes on disk,
+    read into the array a megabyte at a time (never the whole file twice in memory)."""
+    shape, header_size = _idx_header(path, fh, dims, None if compressed else size)
+    count = math.prod(shape)
+    announced = f"the header announces {' x '.join(map(str, shape))} bytes"
+    # The array is allocated only once the file can hold it: a plain file's size says whether the
+    # body is all there, and deflate expands at most ~1032:1, so a forged header cannot exhaust the memory.
+    if compressed and count > DEFLATE_MAX_RATIO * size:
+        raise DataFileError(f"{path}: truncated: {announced}, more than {size} compressed bytes can hold")
+    if not compressed and header_size + count != size:
+        what = "truncated" if size < header_size + count else "longer than its header says"
+        raise DataFileError(f"{path}: {what}: {announced} ({header_size + count} bytes with the header) but the "
+                            f"file holds {size}")
+    data = np.empty(count, dtype=np.uint8)
+    view, got = memoryview(data), 0
+    while got < count and (n := fh.readinto(view[got:got + READ_CHUNK])):
+        got += n
+    if got < count:
+        raise DataFileError(f"{path}: truncated: {announced} but the file holds {header_size + got} once decompressed")
+    if fh.read(1):
+        raise DataFileError(f"{path}: longer than its header says (decompressed)")
     return data.reshape(shape)
 
 
@@ -113,34 +135,6 @@ def _idx_header(path: str, fh, dims: int, size: int | None) -> tuple[tuple[int, 
     return tuple(int.from_bytes(header[4 + 4 * i:8 + 4 * i], "big") for i in range(dims)), len(header)
 
 
-def _read_idx_gzip(path: str, dims: int) -> np.ndarray:
-    """read_idx_ubyte of a gzip-compressed file, decompressed into the array a megabyte at a time
-    (never the whole file twice in memory)."""
-    try:
-        with gzip.open(path, "rb") as fh:
-            shape, header_size = _idx_header(path, fh, dims, None)
-            # Deflate expands at most ~1032:1: a header announcing more than the file could hold is
-            # refused before its array is allocated (a forged header must not exhaust the memory).
-            if math.prod(shape) > DEFLATE_MAX_RATIO * os.path.getsize(path):
-                raise DataFileError(f"{path}: truncated: the header announces {' x '.join(map(str, shape))} "
-                                    f"bytes, more than {os.path.getsize(path)} compressed bytes can hold")
-            data = np.empty(math.prod(shape), dtype=np.uint8)
-            view, got = memoryview(data), 0
-            while got < data.size:
-                n = fh.readinto(view[got:got + GZIP_CHUNK])
-                if not n:
-                    break
-                got += n
-            if got < data.size:
-                raise DataFileError(f"{path}: truncated: the header announces {' x '.join(map(str, shape))} bytes "
-                                    f"but the file holds {header_size + got} once decompressed")
-            if fh.read(1):
-                raise DataFileError(f"{path}: longer than its header says (decompressed)")
-    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise DataFileError(f"{path}: a damaged gzip file ({exc})") from None
-    return data.reshape(shape)
-
-
 def load_mnist_uint8(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """MNIST as stored: images (n, 784) uint8, labels (n,) int64, from torchvision's layout
     (DATA_ROOT/MNIST/raw/*-idx*-ubyte, or the same names gzip-compressed, *.gz, as MNIST is
@@ -151,7 +145,7 @@ def load_mnist_uint8(data_root: str, train: bool = True) -> tuple[torch.Tensor, 
             f"MNIST not found under {raw!r}: point --data-root at a folder holding MNIST/raw "
             "(torchvision.datasets.MNIST(root, download=True) creates one)"
         )
-    image_file, label_file = (os.path.join(raw, name) for name in MNIST_FILES[train])
+    image_file, label_file = (idx_file(os.path.join(raw, name)) for name in MNIST_FILES[train])  # or *.gz
     images = read_idx_ubyte(image_file, 3)  # (n, 28, 28)
     labels = read_idx_ubyte(label_file, 1)  # (n,)
     if images.shape[1:] != (28, 28):

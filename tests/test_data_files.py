@@ -90,6 +90,7 @@ def test_gzip_compressed_mnist_loads_as_the_uncompressed_files_do(tmp_path, mnis
     (lambda z: gzip.compress(idx(0x803, (2, 28, 28), bytes(2 * 784 + 1))), "longer than its header says"),
     (lambda z: gzip.compress(b"\0\0"), "images-idx3-ubyte.gz: 2 bytes once decompressed, too short"),
     (lambda z: gzip.compress(idx(0x801, (2, 28, 28), bytes(2 * 784))), "not an IDX file of 3-d unsigned bytes"),
+    (lambda z: gzip.compress(idx(0x803, (2, 14, 14), bytes(2 * 196))), "images-idx3-ubyte.gz: images of 14 x 14"),
     # a forged header: refused before an array of 2^62 bytes is asked for
     (lambda z: gzip.compress(idx(0x803, (2 ** 31, 2 ** 31, 1), bytes(64))), "more than .* compressed bytes can hold"),
 ])
