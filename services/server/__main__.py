@@ -19,9 +19,9 @@ from mdgan.models import build_discriminator
 from mdgan.roster import Roster
 from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluator, open_run, write_outputs
 from mdgan import scheduling
-from mdgan.settings import (EnvArgumentParser, add_evaluation_arguments, add_scheduling_argument, add_site_arguments,
-                            add_threads_argument, add_training_arguments, class_names, configure_compute,
-                            training_config)
+from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_evaluation_arguments,
+                            add_scheduling_argument, add_site_arguments, add_threads_argument,
+                            add_training_arguments, class_names, configure_compute, training_config)
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -82,6 +82,7 @@ def build_parser() -> EnvArgumentParser:
                          help="on SIGTERM, how long to wait for the iteration under way to end and be checkpointed (s)")
     add_threads_argument(parser, default=0)
     add_scheduling_argument(parser, default="normal")
+    add_affinity_argument(parser)
     add_training_arguments(parser)
     add_site_arguments(parser, launcher=False)
     add_evaluation_arguments(parser)
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_compute(args.threads)
     scheduling.apply(args.cpu_scheduling)
     try:
+        scheduling.apply_pin(args.pin_cpu)
         rpc.run(serve(args))
     except (ConfigError, TimeoutError, CheckpointError) as exc:
         log.error("%s", exc)

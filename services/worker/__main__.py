@@ -24,8 +24,8 @@ from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
 from mdgan import scheduling
-from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_scheduling_argument, add_threads_argument,
-                            configure_compute, data_config)
+from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
+                            add_threads_argument, configure_compute, data_config)
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
@@ -75,6 +75,7 @@ def build_parser() -> EnvArgumentParser:
     tls.add_tls_arguments(parser)
     add_threads_argument(parser, default=0)
     add_scheduling_argument(parser, default="normal")
+    add_affinity_argument(parser)
     add_data_arguments(parser)
     g = parser.add_argument_group("emulation, for experiments and tests only")
     g.add_argument("--attack", choices=ATTACKS, default=None,
@@ -255,15 +256,20 @@ async def until_signalled(*coroutines):
 
 
 def configure_process(args) -> None:
-    """What is the process's, not one worker's: torch threads and the allocator, CPU scheduling."""
+    """What is the process's, not one worker's: torch threads and the allocator, CPU scheduling and
+    affinity. Raises ConfigError for a CPU this process may not use."""
     configure_compute(args.threads)
     scheduling.apply(args.cpu_scheduling)
+    scheduling.apply_pin(args.pin_cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    configure_process(args)
+    try:
+        configure_process(args)
+    except ConfigError as exc:
+        return exit_code(exc)
     (outcome,) = rpc.run(until_signalled(serve(args)))
     if isinstance(outcome, BaseException):
         code = exit_code(outcome)

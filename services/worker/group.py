@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 
 from mdgan.checkpoint import atomic_write_json
+from mdgan.config import ConfigError
 from services.common import rpc
 from services.worker.__main__ import LOG_FORMAT, build_parser, configure_process, exit_code, serve, until_signalled
 
@@ -110,10 +111,13 @@ def main(members: list[Member], status_path: str) -> int:
     router = PerWorkerLog({member.name: member.log_path for member in members}, fallback)
     root.addHandler(router)
     log.info("%d workers in this process: %s", len(members), ", ".join(m.name for m in members))
-    configure_process(first)  # the process's; the launcher gives every worker the same flags
     try:
+        configure_process(first)  # the process's; the launcher gives every worker the same flags
         codes = rpc.run(serve_group(parsed, status_path))
         log.info("exit codes: %s", codes)
+    except ConfigError as exc:  # before any worker started: the process's own error, in its log
+        log.error("%s", exc)
+        return 2
     finally:
         root.removeHandler(router)
         router.close()
