@@ -772,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "faster; killing one such process stops all of its workers")
     local.add_argument("--pin-workers", choices=("auto", "off"), default="auto",
                        help="auto (default): when there are no more worker processes than cores, keep each on a "
-                            "core of its own (the server is left free): 8-12%% less time per iteration on 2 "
+                            "core of its own (the server is left free): about 6%% less time per iteration on 2 "
                             "cores; off: let the kernel place them (e.g. when other programs keep a core busy)")
     local.set_defaults(func=cmd_local)
     certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",

@@ -11,10 +11,10 @@ per iteration, and about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md,
 
 With no more worker processes than cores (the default layout: one per core), `mdgan local` also keeps
 each worker process on a core of its own (`pin`, `worker_cpus`); the server is left free, to run
-wherever a worker waits. A process the kernel moves to the other core resumes its step with that
-core's caches cold, and the two workers, whose batches arrive together, were often moved onto the
-same core while the other one ran the server: pinned, an iteration took 8-12% less time at N=4 and
-N=10 (docs/PERFORMANCE.md, eighth pass).
+wherever a worker waits. A process the kernel moves to another core resumes its step with that
+core's caches cold. Pinned, an iteration took about 6% less time at N=4 and N=10 on 2 cores (0.89-0.99x
+in seven comparisons within one run each) for the same CPU (0.98-1.05x; docs/PERFORMANCE.md, eighth
+pass).
 """
 
 from __future__ import annotations

@@ -45,7 +45,15 @@ class EnvArgumentParser(argparse.ArgumentParser):
                     self.error(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
                 action.default = (lowered in _TRUE) == isinstance(action, argparse._StoreTrueAction)
             else:
-                action.default = raw  # argparse applies `type` (and checks `choices`) on string defaults
+                if action.choices is not None:  # argparse applies `type` to a string default, but checks no choices
+                    try:
+                        value = action.type(raw) if action.type else raw
+                    except (TypeError, ValueError, argparse.ArgumentTypeError):
+                        value = raw
+                    if value not in action.choices:
+                        self.error(f"{name}={raw!r}: invalid choice (choose from "
+                                   f"{', '.join(map(repr, action.choices))})")
+                action.default = raw
 
     def parse_known_args(self, args=None, namespace=None):
         self._apply_environment()

@@ -126,6 +126,23 @@ def test_split_flags_and_environment(monkeypatch):
     assert (config.split, config.dirichlet_alpha) == ("dirichlet", 2.5)
 
 
+def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkeypatch, capsys):
+    # argparse checks the choices of a value given on the command line only: a variable is checked
+    # here, before `mdgan local` starts any process with it.
+    from mdgan import cli
+
+    monkeypatch.setenv("MDGAN_CPU_SCHEDULING", "bogus")
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["local"])
+    assert exit_.value.code == 2
+    assert "MDGAN_CPU_SCHEDULING='bogus': invalid choice (choose from 'batch', 'normal')" in capsys.readouterr().err
+    monkeypatch.setenv("MDGAN_CPU_SCHEDULING", "normal")
+    monkeypatch.setenv("MDGAN_PIN_WORKERS", "off")
+    monkeypatch.setenv("MDGAN_KAPPA", "3")
+    args = cli.build_parser().parse_args(["local"])
+    assert (args.cpu_scheduling, args.pin_workers, args.kappa) == ("normal", "off", 3)
+
+
 # ---------------------------------------------------------------------------------------------
 # CIFAR-10 from torchvision's layout, on fake files written the way the official ones are
 
