@@ -770,7 +770,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "i.e. ceil(workers / cores) each, and one process per worker when there are enough "
                             "cores. On a machine with fewer cores than workers this costs less CPU and starts "
                             "faster; killing one such process stops all of its workers")
-    local.add_argument("--pin-workers", choices=("auto", "off"), default="auto",
+    local.add_argument("--pin-workers", choices=scheduling.PIN_WORKERS_CHOICES, default="auto",
                        help="auto (default): when there are no more worker processes than cores, keep each on a "
                             "core of its own (the server is left free): about 6%% less time per iteration on 2 "
                             "cores; off: let the kernel place them (e.g. when other programs keep a core busy)")

@@ -89,7 +89,8 @@ def read_idx_ubyte(path: str, dims: int) -> np.ndarray:
             except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
                 raise DataFileError(f"{path}: a damaged gzip file ({exc})") from None
     except FileNotFoundError:
-        raise DataFileError(f"{path}: no such file (nor {os.path.basename(path)}.gz)") from None
+        compressed_too = "" if path.endswith(".gz") else f" (nor {os.path.basename(path)}.gz)"
+        raise DataFileError(f"{path}: no such file{compressed_too}") from None
     except OSError as exc:
         raise DataFileError(f"{path}: cannot be read: {exc.strerror or exc}") from None
 

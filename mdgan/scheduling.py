@@ -112,12 +112,15 @@ def apply_pin(cpu: int | None) -> None:
         (log.warning if applied.startswith("unchanged") else log.info)("CPU affinity: %s", applied)
 
 
+PIN_WORKERS_CHOICES = ("auto", "off")
+
+
 def worker_cpus(processes: int, choice: str, cpus=None) -> list[int | None]:
     """`mdgan local --pin-workers`: the CPU each of `processes` worker processes keeps to, or None.
     auto: one CPU each, in order, when there are at least two usable CPUs and no more worker
     processes than CPUs (more would share cores anyway, and the kernel balances them better);
     off: none pinned."""
-    if choice not in ("auto", "off"):
+    if choice not in PIN_WORKERS_CHOICES:
         raise ConfigError(f"--pin-workers must be auto or off, got {choice!r}")
     if cpus is None:
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()

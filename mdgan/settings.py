@@ -45,19 +45,25 @@ class EnvArgumentParser(argparse.ArgumentParser):
                     self.error(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
                 action.default = (lowered in _TRUE) == isinstance(action, argparse._StoreTrueAction)
             else:
-                if action.choices is not None:  # argparse applies `type` to a string default, but checks no choices
-                    try:
-                        value = action.type(raw) if action.type else raw
-                    except (TypeError, ValueError, argparse.ArgumentTypeError):
-                        value = raw
-                    if value not in action.choices:
-                        self.error(f"{name}={raw!r}: invalid choice (choose from "
-                                   f"{', '.join(map(repr, action.choices))})")
-                action.default = raw
+                action.default = raw  # argparse applies `type` to a string default (not `choices`: below)
+                action._env_raw = raw
+
+    def _check_environment_choices(self, namespace: argparse.Namespace) -> None:
+        """argparse checks the choices of a value on the command line only; a variable's value that
+        the command line did not override is checked here, before anything starts with it."""
+        for action in self._actions:
+            raw = getattr(action, "_env_raw", None)
+            if raw is None or action.choices is None:
+                continue
+            if getattr(namespace, action.dest, None) not in action.choices:
+                self.error(f"{env_name(action.dest)}={raw!r}: invalid choice (choose from "
+                           f"{', '.join(map(repr, action.choices))})")
 
     def parse_known_args(self, args=None, namespace=None):
         self._apply_environment()
-        return super().parse_known_args(args, namespace)
+        namespace, extras = super().parse_known_args(args, namespace)
+        self._check_environment_choices(namespace)
+        return namespace, extras
 
     def format_help(self) -> str:
         self._apply_environment()

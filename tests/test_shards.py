@@ -136,6 +136,8 @@ def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkey
         cli.build_parser().parse_args(["local"])
     assert exit_.value.code == 2
     assert "MDGAN_CPU_SCHEDULING='bogus': invalid choice (choose from 'batch', 'normal')" in capsys.readouterr().err
+    # the command line comes first: a flag given overrides the variable, which is then not used
+    assert cli.build_parser().parse_args(["local", "--cpu-scheduling", "batch"]).cpu_scheduling == "batch"
     monkeypatch.setenv("MDGAN_CPU_SCHEDULING", "normal")
     monkeypatch.setenv("MDGAN_PIN_WORKERS", "off")
     monkeypatch.setenv("MDGAN_KAPPA", "3")
