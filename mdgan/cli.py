@@ -137,13 +137,15 @@ def _free_ports(count: int, host: str = "127.0.0.1", floor: int = 10000) -> list
         ports.append(port)
         if len(ports) == count:
             return ports
-    while len(ports) < count:
+    for _ in range(3 * count + 100):  # the kernel hands out the same few ports again when it runs short
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
         if port not in ports:
             ports.append(port)
-    return ports
+            if len(ports) == count:
+                return ports
+    raise ConfigError(f"only {len(ports)} of the {count} ports the services need are free on {host}")
 
 
 # Every service of a local cluster is forked from one "zygote" (multiprocessing's fork server) that
@@ -152,6 +154,7 @@ def _free_ports(count: int, host: str = "127.0.0.1", floor: int = 10000) -> list
 # forks (it has created no gRPC channel, event loop or torch thread pool), which makes fork safe.
 FORK_SERVER_PRELOAD = "services.common.preload"
 LOG_TAIL_LINES = 20
+MACHINE_PORTS = 65535 - 1023  # the TCP ports above the privileged ones
 
 
 class Terminated(Exception):
@@ -263,9 +266,10 @@ class LocalCluster:
 
         size = workers_per_process(self.args.workers, self.args.workers_per_process)
         starts = range(0, len(workers), size)
-        cpus = scheduling.worker_cpus(len(starts), self.args.pin_workers)
-        for start, cpu in zip(starts, cpus):
-            pinned = [] if cpu is None else ["--pin-cpu", str(cpu)]  # a process's: its workers all say the same
+        placements = scheduling.worker_cpus(len(starts), self.args.pin_workers, self.args.threads)
+        for start, cpus in zip(starts, placements):
+            # a process's: its workers all say the same
+            pinned = [] if cpus is None else ["--pin-cpu", scheduling.cpu_list(cpus)]
             chunk = [(name, [*argv, *pinned]) for name, argv in workers[start:start + size]]
             if len(chunk) == 1:
                 (name, argv), = chunk
@@ -310,6 +314,9 @@ class LocalCluster:
         from mdgan.sites import site_dir
 
         a = self.args
+        # An earlier run's logs and exit codes here would be read as this run's (a worker "failed"
+        # before it started); each service truncates its own log anyway.
+        shutil.rmtree(self.logs, ignore_errors=True)
         os.makedirs(self.logs, exist_ok=True)
         security = self.security_flags()
         port_file = os.path.join(self.out, "server.port")
@@ -576,6 +583,10 @@ def cmd_local(args) -> int:
         if args.byzantine:
             raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
     workers_per_process(args.workers, args.workers_per_process)  # a bad value fails here
+    needed = 2 * args.workers + 2  # each service's /metrics, each worker's Peer service, the server's gRPC
+    if needed > MACHINE_PORTS:
+        raise ConfigError(f"--workers {args.workers}: a cluster on one machine needs {needed} ports (a /metrics "
+                          f"port and a Peer service port per worker) and a machine has {MACHINE_PORTS}")
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = False
@@ -709,7 +720,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mdgan.attacks import ATTACKS
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
-                                add_scheduling_argument, add_threads_argument, add_training_arguments)
+                                add_scheduling_argument, add_threads_argument, add_training_arguments,
+                                positive_seconds)
 
     parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -755,13 +767,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "state or a copy of a live peer's discriminator)")
     simulate.set_defaults(func=cmd_simulate)
     local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
-    local.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
-    local.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
-    local.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
+    local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
+    local.add_argument("--swap-timeout", type=positive_seconds, default=120.0, help="deadline for a discriminator swap (s)")
+    local.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
     local.add_argument("--insecure", action="store_true",
                        help="plaintext gRPC between the processes (default: mutual TLS with a throwaway CA made in "
                             "OUT/tls/)")
-    local.add_argument("--join-timeout", type=float, default=600.0,
+    local.add_argument("--join-timeout", type=positive_seconds, default=600.0,
                        help="seconds the server waits for all workers to join")
     add_scheduling_argument(local, default="batch")  # for every service of the cluster
     local.add_argument("--workers-per-process", type=int, default=0, metavar="K",
@@ -771,9 +783,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "cores. On a machine with fewer cores than workers this costs less CPU and starts "
                             "faster; killing one such process stops all of its workers")
     local.add_argument("--pin-workers", choices=scheduling.PIN_WORKERS_CHOICES, default="auto",
-                       help="auto (default): when there are no more worker processes than cores, keep each on a "
-                            "core of its own (the server is left free): about 6%% less time per iteration on 2 "
-                            "cores; off: let the kernel place them (e.g. when other programs keep a core busy)")
+                       help="auto (default): when there are cores enough, keep each worker process on --threads "
+                            "cores of its own (the server is left free): about 6%% less time per iteration on 2 "
+                            "cores; nothing is pinned with more worker processes x --threads than cores, or with "
+                            "--threads 0; off: let the kernel place them (e.g. when other programs keep a core "
+                            "busy)")
     local.set_defaults(func=cmd_local)
     certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",
                            description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "
@@ -864,7 +878,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as exc:
-        parser.error(str(exc))
+        # A bad value found while running (a data file, a flag combination): say it under the
+        # subcommand's name, without the top-level usage banner that would say nothing about it.
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
 

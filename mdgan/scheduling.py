@@ -10,7 +10,9 @@ from sched_attr.sched_runtime; where the call fails, the policy alone is set): 0
 per iteration, and about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md, fourth pass).
 
 With no more worker processes than cores (the default layout: one per core), `mdgan local` also keeps
-each worker process on a core of its own (`pin`, `worker_cpus`); the server is left free, to run
+each worker process on a core of its own (`pin`, `worker_cpus`; T cores with --threads T when there are
+enough, none otherwise: torch's threads kept on fewer cores than there are threads wait for each other
+at every operation, `check_threads_fit`); the server is left free, to run
 wherever a worker waits. A process the kernel moves to another core resumes its step with that
 core's caches cold. Pinned, an iteration took about 6% less time at N=4 and N=10 on 2 cores (0.89-0.99x
 in seven comparisons within one run each) for the same CPU (0.98-1.05x; docs/PERFORMANCE.md, eighth
@@ -82,49 +84,79 @@ def cpu_list(cpus) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def pin(cpu: int) -> str:
-    """Keep the calling process on CPU `cpu`: every thread it has (gRPC's, torch's) and every one it
-    starts later. Returns what was applied, or why nothing was; a CPU this process may not use is a
-    ConfigError (a bad flag, said before anything starts)."""
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """'3', '0-1' or '0,2-3' (taskset -c's form) as a set of CPU numbers; ValueError if malformed."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"a CPU list such as 3, 0-1 or 0,2-3, got {text!r}")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"a CPU range goes up, got {part.strip()!r} in {text!r}")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def pin(cpus) -> str:
+    """Keep the calling process on the CPUs `cpus`: every thread it has (gRPC's, torch's) and every
+    one it starts later. Returns what was applied, or why nothing was; a CPU this process may not use
+    is a ConfigError (a bad flag, said before anything starts)."""
+    cpus = frozenset(cpus)
     if not hasattr(os, "sched_setaffinity"):
-        return "unchanged: this system cannot keep a process on one CPU"
+        return "unchanged: this system cannot keep a process on chosen CPUs"
     allowed = os.sched_getaffinity(0)
-    if cpu not in allowed:
-        raise ConfigError(f"--pin-cpu {cpu}: not a CPU this process may use (it may use {cpu_list(allowed)})")
+    if not cpus <= allowed:
+        raise ConfigError(f"--pin-cpu {cpu_list(cpus)}: CPU {cpu_list(cpus - allowed)} is not one this process may "
+                          f"use (it may use {cpu_list(allowed)})")
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # no /proc: this thread only, and those it starts later
         threads = [0]
     for thread in threads:
         try:
-            os.sched_setaffinity(thread, {cpu})
+            os.sched_setaffinity(thread, cpus)
         except ProcessLookupError:  # it ended meanwhile
             pass
         except OSError as exc:  # a cgroup or seccomp policy said no
             return f"unchanged: {exc}"
-    return f"pinned to CPU {cpu}"
+    return f"pinned to CPU{'s' if len(cpus) > 1 else ''} {cpu_list(cpus)}"
 
 
-def apply_pin(cpu: int | None) -> None:
-    """--pin-cpu: keep this process on `cpu` (None: wherever the kernel puts it), logged."""
-    if cpu is not None:
-        applied = pin(cpu)
+def apply_pin(cpus) -> None:
+    """--pin-cpu: keep this process on `cpus` (None: wherever the kernel puts it), logged."""
+    if cpus is not None:
+        applied = pin(cpus)
         (log.warning if applied.startswith("unchanged") else log.info)("CPU affinity: %s", applied)
+
+
+def check_threads_fit(threads: int, cpus) -> int:
+    """The torch threads a process kept on `cpus` (--pin-cpu; None: not kept) runs: `threads`, or
+    with 0 (torch's default: one per usable core) one per CPU it is kept on. More threads than CPUs
+    is a ConfigError: torch's threads wait for each other at every operation, and pinned, one of them
+    can only run when another is preempted (measured: 100 iterations of `mdgan local --threads 2`
+    pinned one CPU a process took over 120 s, against 13 s unpinned and 1.8 s with one thread)."""
+    if cpus is None:
+        return threads
+    if threads > len(cpus):
+        raise ConfigError(f"--threads {threads} with --pin-cpu {cpu_list(cpus)}: more torch threads than CPUs to "
+                          f"run them, which makes every step wait; give --threads {len(cpus)} or fewer, or more CPUs")
+    return threads or len(cpus)
 
 
 PIN_WORKERS_CHOICES = ("auto", "off")
 
 
-def worker_cpus(processes: int, choice: str, cpus=None) -> list[int | None]:
-    """`mdgan local --pin-workers`: the CPU each of `processes` worker processes keeps to, or None.
-    auto: one CPU each, in order, when there are at least two usable CPUs and no more worker
-    processes than CPUs (more would share cores anyway, and the kernel balances them better);
-    off: none pinned."""
+def worker_cpus(processes: int, choice: str, threads: int, cpus=None) -> list[frozenset[int] | None]:
+    """`mdgan local --pin-workers`: the CPUs each of `processes` worker processes of `threads` torch
+    threads keeps to, or None. auto: `threads` CPUs each, in order, when there are at least two usable
+    CPUs and enough for every process's threads (more would share cores anyway, and the kernel
+    balances them better); with threads 0 (torch's default: every core), none. off: none pinned."""
     if choice not in PIN_WORKERS_CHOICES:
         raise ConfigError(f"--pin-workers must be auto or off, got {choice!r}")
     if cpus is None:
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     cpus = sorted(cpus)
-    if choice == "off" or len(cpus) < 2 or processes > len(cpus):
+    if choice == "off" or threads < 1 or len(cpus) < 2 or processes * threads > len(cpus):
         return [None] * processes
-    return cpus[:processes]
+    return [frozenset(cpus[i * threads:(i + 1) * threads]) for i in range(processes)]

@@ -7,9 +7,10 @@ Precedence: a flag given on the command line, then MDGAN_<FLAG> (e.g. MDGAN_BATC
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
-from mdgan import allocator
+from mdgan import allocator, scheduling
 from mdgan.config import (AGGREGATIONS, DATASETS, GAN_KINDS, LOSSES, SPLITS, SYNC_MODES, WIRE_DTYPES, ConfigError,
                           DataConfig, ModelSpec, OptimizerSpec, TrainingConfig)
 
@@ -177,8 +178,8 @@ def evaluation_options(args: argparse.Namespace, data_root: str | None):
 
 
 def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
-    parser.add_argument("--threads", type=int, default=default,
-                        help="torch intra-op threads per process (0: torch's default)")
+    parser.add_argument("--threads", type=_non_negative, default=default,
+                        help="torch intra-op threads per process (0: torch's default, one per usable core)")
     parser.add_argument("--device", default="cpu", help="where this process computes: cpu, cuda or cuda:N")
 
 
@@ -222,20 +223,53 @@ def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> No
 
 
 def add_affinity_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pin-cpu", type=_cpu_number, default=None, metavar="CPU",
-                        help="keep this process (all its threads) on CPU number CPU, as `taskset -c CPU` would "
-                             "(default: wherever the kernel puts it); `mdgan local` gives each worker process a "
-                             "core of its own this way (see its --pin-workers)")
+    parser.add_argument("--pin-cpu", type=_cpu_set, default=None, metavar="CPUS",
+                        help="keep this process (all its threads) on these CPUs, as `taskset -c CPUS` would: 3, "
+                             "0-1 or 0,2-3 (default: wherever the kernel puts it); no more --threads than CPUs, and "
+                             "--threads 0 becomes one per CPU; `mdgan local` gives each worker process cores of its "
+                             "own this way (see its --pin-workers)")
 
 
-def _cpu_number(text: str) -> int:
+def _cpu_set(text: str) -> frozenset[int]:
     try:
-        cpu = int(text)
+        return scheduling.parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_seconds(text: str) -> float:
+    """A duration flag: a finite number of seconds above 0 (0 or less would time out at once)."""
+    seconds = _finite(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0, got {text!r}")
+    return seconds
+
+
+def non_negative_seconds(text: str) -> float:
+    seconds = _finite(text)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more, got {text!r}")
+    return seconds
+
+
+def _finite(text: str) -> float:
+    try:
+        number = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a CPU number, got {text!r}") from None
-    if cpu < 0:
-        raise argparse.ArgumentTypeError(f"a CPU number is >= 0, got {cpu}")
-    return cpu
+        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"a finite number of seconds, got {text!r}")
+    return number
+
+
+def _non_negative(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number, got {text!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
 
 
 def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
@@ -243,12 +277,14 @@ def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
                       split=args.split, dirichlet_alpha=args.dirichlet_alpha).validate()
 
 
-def configure_compute(threads: int) -> None:
+def configure_compute(threads: int, pinned_cpus=None) -> None:
     """What every process that trains sets once, before its first step: torch's threads (0: torch's
-    default) and the allocator's thresholds (mdgan/allocator.py). `simulate`, `experiment` and each
-    service of `mdgan local` set the same, so their figures compare."""
+    default; in a process kept on `pinned_cpus`, one per CPU, and no more than that: a ConfigError)
+    and the allocator's thresholds (mdgan/allocator.py). `simulate`, `experiment` and each service of
+    `mdgan local` set the same, so their figures compare."""
     import torch
 
+    threads = scheduling.check_threads_fit(threads, pinned_cpus)
     if threads > 0:
         torch.set_num_threads(threads)
     allocator.keep_freed_memory()

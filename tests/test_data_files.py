@@ -177,3 +177,15 @@ def test_a_truncated_or_corrupt_cifar10_batch_is_one_clear_error_naming_it(tmp_p
         pickle.dump({"data": np.zeros((3, 3072), dtype=np.uint8), "labels": [0, 1]}, fh)
     with pytest.raises(DataFileError, match="data_batch_2: 2 labels for 3 images"):
         load_cifar10(str(tmp_path))
+
+
+def test_the_cli_says_a_damaged_file_under_its_subcommand_without_a_usage_banner(tmp_path, capsys):
+    from mdgan import cli
+
+    write_mnist(tmp_path, idx(0x803, (60000, 28, 28), bytes(984)), idx(0x801, (60000,), bytes(60000)))
+    code = cli.main(["simulate", "--workers", "2", "--iterations", "1", "--data-root", str(tmp_path),
+                     "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("mdgan simulate: error: ") and "train-images-idx3-ubyte: truncated" in err
+    assert "usage:" not in err and "Traceback" not in err

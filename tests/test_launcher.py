@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -76,14 +77,15 @@ def thread_affinities(pid: int) -> set[tuple[int, ...]]:
 
 # (one cluster start-up per case checks both: what a signal leaves behind, and how the services
 # are scheduled and placed)
-@pytest.mark.parametrize("sig, scheduling, workers, per_process, pin", [
-    (signal.SIGTERM, "batch", 2, 1, "auto"), (signal.SIGHUP, "normal", 2, 1, "off"),
-    (signal.SIGINT, "batch", 4, 2, "auto")])  # two processes of two workers each
+@pytest.mark.parametrize("sig, scheduling, workers, per_process, pin, threads", [
+    (signal.SIGTERM, "batch", 2, 1, "auto", 1), (signal.SIGHUP, "normal", 2, 1, "off", 1),
+    (signal.SIGINT, "batch", 4, 2, "auto", 1),  # two processes of two workers each
+    (signal.SIGTERM, "batch", 2, 1, "auto", 2)])  # two threads each: two CPUs a process, or none pinned
 def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_as_scheduled(
-        tmp_path, sig, scheduling, workers, per_process, pin):
+        tmp_path, sig, scheduling, workers, per_process, pin, threads):
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", str(workers), "--iterations", "1000000",
                       "--cpu-scheduling", scheduling, "--workers-per-process", str(per_process),
-                      "--pin-workers", pin)
+                      "--pin-workers", pin, "--threads", str(threads))
     pids: set[int] = set()
     try:
         history = tmp_path / "run" / "history.jsonl"
@@ -97,13 +99,15 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
         assert len(services) == 3
         expected = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
         assert [os.sched_getscheduler(p) for p in services] == [expected] * 3
-        # Placed: with two CPUs or more, each of the two worker processes (every one of its
-        # threads) on a CPU of its own and the server free; unpinned, all three free.
+        # Placed: with two CPUs or more, and `threads` of them for each, each of the two worker
+        # processes (every one of its threads) on CPUs of its own and the server free; unpinned,
+        # all three free.
         cpus = sorted(os.sched_getaffinity(0))
         placed = sorted(sorted(thread_affinities(p)) for p in services)
         free = [tuple(cpus)]
-        if pin == "auto" and len(cpus) >= 2:
-            assert placed == sorted([[(cpus[0],)], [(cpus[1],)], free])
+        pinned = pin == "auto" and len(cpus) >= 2 and 2 * threads <= len(cpus)
+        if pinned:
+            assert placed == sorted([[tuple(cpus[:threads])], [tuple(cpus[threads:2 * threads])], free])
         else:
             assert placed == [free] * 3
         # the service's own --cpu-scheduling, forwarded: said in each worker process's log
@@ -112,7 +116,7 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
         for name in process_logs:
             text = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
             assert ("CPU scheduling: SCHED_BATCH" in text) == (scheduling == "batch"), name
-            assert ("CPU affinity: pinned to CPU" in text) == (pin == "auto" and len(cpus) >= 2), name
+            assert ("CPU affinity: pinned to CPU" in text) == pinned, name
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + sig
@@ -148,6 +152,27 @@ def test_a_worker_that_cannot_load_its_data_stops_the_cluster_with_its_error(tmp
         assert time.monotonic() - started < 120  # not the server's 600 s join timeout
     finally:
         kill_everything(launcher, set())
+
+
+def test_an_earlier_runs_logs_and_exit_codes_in_the_same_folder_do_not_fail_a_new_run(tmp_path):
+    # What a failed run leaves: its worker process's exit codes and its workers' logs. Read as the
+    # new run's, they stopped it within seconds with the old error.
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "workers-0-1.status.json").write_text('{"worker-0": 3, "worker-1": 3}')
+    (logs / "worker-0.log").write_text("ERROR the server refused us: an earlier run's reason\n")
+    (logs / "worker-7.log").write_text("a worker of an earlier, larger run\n")
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--workers-per-process", "2",
+                      "--iterations", "5")
+    try:
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        kill_everything(launcher, set())
+    assert launcher.returncode == 0, err
+    assert "earlier run" not in err
+    assert sorted(os.listdir(logs)) == ["server.log", "worker-0.log", "worker-1.log", "workers-0-1.log",
+                                        "workers-0-1.status.json"]
+    assert json.loads((logs / "workers-0-1.status.json").read_text()) == {"worker-0": 0, "worker-1": 0}
 
 
 def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
@@ -191,6 +216,39 @@ def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
     assert cli.workers_per_process(10, 3) == 3  # as asked
     with pytest.raises(cli.ConfigError, match="workers-per-process"):
         cli.workers_per_process(10, -1)
+
+
+def test_more_workers_than_one_machine_has_ports_for_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    # It used to look for 70001 free ports forever, printing nothing.
+    from mdgan import cli
+
+    code = cli.main(["local", "--workers", "40000", "--kappa", "1", "--dataset", "synthetic",
+                     "--out", str(tmp_path / "run")])
+    assert code == 2
+    assert "--workers 40000: a cluster on one machine needs 80002 ports" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # said before anything was made
+    # Only the kernel's choice left, and the kernel short of ports (it hands out the same one again):
+    # an error, not a search without end.
+    class ShortOfPorts:
+        def __init__(self, *_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            pass
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", 40000)
+
+    monkeypatch.setattr(cli, "_ephemeral_range", lambda: (1, 65535))
+    monkeypatch.setattr(cli.socket, "socket", ShortOfPorts)
+    with pytest.raises(cli.ConfigError, match=r"only 1 of the 3 ports the services need are free on 127.0.0.1"):
+        cli._free_ports(3)
 
 
 def test_metrics_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range():
@@ -284,15 +342,36 @@ print(scheduling.batch())
 def test_worker_processes_get_a_cpu_each_only_when_there_are_enough():
     from mdgan import scheduling
 
-    assert scheduling.worker_cpus(2, "auto", {0, 1}) == [0, 1]
-    assert scheduling.worker_cpus(2, "auto", {7, 2, 5}) == [2, 5]  # the launcher's own CPUs, in order
-    assert scheduling.worker_cpus(1, "auto", {0, 1}) == [0]
-    assert scheduling.worker_cpus(3, "auto", {0, 1}) == [None] * 3  # more processes than CPUs: the kernel's
-    assert scheduling.worker_cpus(1, "auto", {3}) == [None]  # one CPU: nothing to choose
-    assert scheduling.worker_cpus(2, "off", {0, 1}) == [None, None]
+    assert scheduling.worker_cpus(2, "auto", 1, {0, 1}) == [{0}, {1}]
+    assert scheduling.worker_cpus(2, "auto", 1, {7, 2, 5}) == [{2}, {5}]  # the launcher's own CPUs, in order
+    assert scheduling.worker_cpus(1, "auto", 1, {0, 1}) == [{0}]
+    assert scheduling.worker_cpus(3, "auto", 1, {0, 1}) == [None] * 3  # more processes than CPUs: the kernel's
+    assert scheduling.worker_cpus(1, "auto", 1, {3}) == [None]  # one CPU: nothing to choose
+    assert scheduling.worker_cpus(2, "off", 1, {0, 1}) == [None, None]
+    # --threads T: T CPUs a process, when there are enough; torch's default (0) wants every core
+    assert scheduling.worker_cpus(2, "auto", 2, {0, 1, 2, 3, 4}) == [{0, 1}, {2, 3}]
+    assert scheduling.worker_cpus(2, "auto", 2, {0, 1}) == [None, None]
+    assert scheduling.worker_cpus(1, "auto", 2, {0, 1}) == [{0, 1}]
+    assert scheduling.worker_cpus(2, "auto", 0, {0, 1, 2, 3}) == [None, None]
     with pytest.raises(scheduling.ConfigError, match="auto or off"):
-        scheduling.worker_cpus(2, "on", {0, 1})
+        scheduling.worker_cpus(2, "on", 1, {0, 1})
     assert scheduling.cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
+def test_cpu_lists_and_threads_that_fit_them():
+    from mdgan import scheduling
+
+    assert scheduling.parse_cpu_list("3") == {3}
+    assert scheduling.parse_cpu_list("0-2,5, 7-8") == {0, 1, 2, 5, 7, 8}
+    for bad in ("", "-1", "x", "1-", "0,,1", "2-1", "1.5"):
+        with pytest.raises(ValueError):
+            scheduling.parse_cpu_list(bad)
+    assert scheduling.check_threads_fit(0, None) == 0  # not pinned: torch's default stays torch's
+    assert scheduling.check_threads_fit(3, None) == 3
+    assert scheduling.check_threads_fit(0, {4, 5}) == 2  # pinned: one per CPU it is kept on
+    assert scheduling.check_threads_fit(1, {4, 5}) == 1
+    with pytest.raises(scheduling.ConfigError, match=r"--threads 2 with --pin-cpu 4: more torch threads than CPUs"):
+        scheduling.check_threads_fit(2, {4})
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning to the only CPU changes nothing")
@@ -300,19 +379,26 @@ def test_pinning_keeps_every_thread_on_the_cpu_those_started_before_and_after():
     code = """
 import os, threading
 from mdgan import scheduling
-cpu = sorted(os.sched_getaffinity(0))[-1]
+everything = sorted(os.sched_getaffinity(0))
+cpu = everything[-1]
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()
-print(scheduling.pin(cpu))
+print(scheduling.pin({cpu}))
 after = threading.Thread(target=stop.wait); after.start()
 print(cpu, sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}))
 stop.set()
+before.join(); after.join()
+os.sched_setaffinity(0, everything)  # free again, then kept on two CPUs
+print(scheduling.pin(everything[:2]), sorted(os.sched_getaffinity(0)) == everything[:2])
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    applied, placed = out.splitlines()
+    applied, placed, widened = out.splitlines()
     cpu, threads = placed.split(" ", 1)
     assert applied == f"pinned to CPU {cpu}"
     assert threads == f"[({cpu},)]"  # the main thread and both others: one CPU, the same
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    assert widened == f"pinned to CPUs {first}-{second} True" if second == first + 1 else \
+        widened == f"pinned to CPUs {first},{second} True"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU this process is kept off")
@@ -323,20 +409,28 @@ import os
 from mdgan import scheduling
 os.sched_setaffinity(0, {{{cpus[0]}}})
 try:
-    scheduling.pin({cpus[1]})
+    scheduling.pin({{{cpus[1]}}})
 except scheduling.ConfigError as exc:
     print(exc)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == f"--pin-cpu {cpus[1]}: not a CPU this process may use (it may use {cpus[0]})"
+    assert out.strip() == f"--pin-cpu {cpus[1]}: CPU {cpus[1]} is not one this process may use (it may use {cpus[0]})"
     # The services say it, and exit 2 before they load data or listen; a malformed number is a usage error.
     beyond = str(max(cpus) + 1)
     for service in ("services.worker", "services.server"):
         run = subprocess.run([sys.executable, "-m", service, "--pin-cpu", beyond, "--dataset", "synthetic"], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 2, (service, run.stderr)
-        assert f"--pin-cpu {beyond}: not a CPU this process may use" in run.stderr, service
+        assert f"--pin-cpu {beyond}: CPU {beyond} is not one this process may use" in run.stderr, service
         assert "Traceback" not in run.stderr
-        bad = subprocess.run([sys.executable, "-m", service, "--pin-cpu", "-1"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120)
-        assert bad.returncode == 2 and "a CPU number is >= 0, got -1" in bad.stderr, (service, bad.stderr)
+        # two torch threads kept on one CPU would wait for each other at every step: refused
+        crowded = subprocess.run([sys.executable, "-m", service, "--pin-cpu", str(cpus[0]), "--threads", "2",
+                                  "--dataset", "synthetic"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert crowded.returncode == 2, (service, crowded.stderr)
+        assert f"--threads 2 with --pin-cpu {cpus[0]}: more torch threads than CPUs" in crowded.stderr, service
+        assert "Traceback" not in crowded.stderr
+        for flag, value, message in (("--pin-cpu", "-1", "a CPU list such as 3, 0-1 or 0,2-3, got '-1'"),
+                                     ("--threads", "-2", "must be >= 0, got -2")):
+            bad = subprocess.run([sys.executable, "-m", service, flag, value], cwd=REPO, capture_output=True,
+                                 text=True, timeout=120)
+            assert bad.returncode == 2 and message in bad.stderr, (service, bad.stderr)

@@ -145,6 +145,40 @@ def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkey
     assert (args.cpu_scheduling, args.pin_workers, args.kappa) == ("normal", "off", 3)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["local", "--join-timeout", "-1"], "argument --join-timeout: a number of seconds above 0, got '-1'"),
+    (["local", "--step-timeout", "0"], "argument --step-timeout: a number of seconds above 0, got '0'"),
+    (["local", "--heartbeat-interval", "nan"], "argument --heartbeat-interval: a finite number of seconds"),
+    (["local", "--swap-timeout", "soon"], "argument --swap-timeout: a number of seconds, got 'soon'"),
+    (["local", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
+    (["simulate", "--threads", "two"], "argument --threads: a whole number, got 'two'"),
+])
+def test_durations_and_thread_counts_out_of_range_are_usage_errors(argv, message, capsys):
+    # A deadline of 0 s used to start a run that timed out at once or not at all; --threads -2 ran
+    # with torch's default, oversubscribed: said at once instead.
+    from mdgan import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_services_durations_are_checked_from_the_environment_too(monkeypatch, capsys):
+    from services.server.__main__ import build_parser as server_parser
+    from services.worker.__main__ import build_parser as worker_parser
+
+    monkeypatch.setenv("MDGAN_STOP_GRACE", "0")  # 0: do not wait, a valid choice
+    assert server_parser().parse_args([]).stop_grace == 0
+    monkeypatch.setenv("MDGAN_STOP_GRACE", "-5")
+    with pytest.raises(SystemExit):
+        server_parser().parse_args([])
+    assert "--stop-grace: a number of seconds, 0 or more, got '-5'" in capsys.readouterr().err
+    monkeypatch.setenv("MDGAN_SERVER_TIMEOUT", "0")
+    with pytest.raises(SystemExit):
+        worker_parser().parse_args([])
+    assert "--server-timeout: a number of seconds above 0, got '0'" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # CIFAR-10 from torchvision's layout, on fake files written the way the official ones are
 

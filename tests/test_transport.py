@@ -171,6 +171,52 @@ def test_bad_joins_get_the_right_status():
     }
 
 
+def test_joins_beyond_those_in_progress_are_told_to_retry_and_a_worker_does(caplog):
+    # 300 workers of `mdgan local` used to open more than MAX_PENDING_JOINS streams at once; the
+    # extra ones were refused for good (RESOURCE_EXHAUSTED) and the run stopped.
+    from services.server.coordinator import MAX_PENDING_JOINS
+
+    config = TrainingConfig(workers=2, batch_size=B).validate()
+    shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
+
+    async def scenario():
+        coordinator = Coordinator(config)
+        server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, s))
+        node = WorkerNode(f"127.0.0.1:{port}", "127.0.0.1:9", shard=shard, connect_timeout=60)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                held = [stub.Train(timeout=30) for _ in range(MAX_PENDING_JOINS)]  # open, never a join
+                for _ in range(200):
+                    if coordinator._pending_joins == MAX_PENDING_JOINS:
+                        break
+                    await asyncio.sleep(0.05)
+                assert coordinator._pending_joins == MAX_PENDING_JOINS
+                refused = await _join_status(port, _join(shard_index=1))
+                joining = asyncio.create_task(node.run())
+                while "too many joins in progress" not in caplog.text:  # refused, and retrying
+                    assert not joining.done(), joining
+                    await asyncio.sleep(0.05)
+                for call in held:
+                    call.cancel()
+                for _ in range(400):  # admitted once the others went
+                    if coordinator.workers:
+                        break
+                    assert not joining.done(), joining
+                    await asyncio.sleep(0.05)
+                joined = sorted(coordinator.workers)
+                joining.cancel()
+                await asyncio.gather(joining, return_exceptions=True)
+                return refused, joined
+        finally:
+            await server.stop(None)
+
+    with caplog.at_level("WARNING", logger="mdgan.worker"):
+        refused, joined = asyncio.run(scenario())
+    assert refused == grpc.StatusCode.UNAVAILABLE
+    assert joined == [0]
+
+
 def test_peer_service_checks_every_pushed_discriminator():
     config = TrainingConfig(workers=2, batch_size=B).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)

@@ -21,7 +21,8 @@ from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluat
 from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_evaluation_arguments,
                             add_scheduling_argument, add_site_arguments, add_threads_argument,
-                            add_training_arguments, class_names, configure_compute, training_config)
+                            add_training_arguments, class_names, configure_compute, non_negative_seconds,
+                            positive_seconds, training_config)
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -38,11 +39,11 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--listen", default="0.0.0.0:50051", help="host:port to serve the Coordinator on (port 0: any)")
     parser.add_argument("--out", default="runs/server", help="run directory (summary, history, samples, checkpoint)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
-    parser.add_argument("--join-timeout", type=float, default=600.0, help="seconds to wait for all workers to join")
-    parser.add_argument("--step-timeout", type=float, default=60.0, help="deadline for a worker's feedback (s)")
-    parser.add_argument("--swap-timeout", type=float, default=120.0, help="deadline for a discriminator swap (s)")
-    parser.add_argument("--heartbeat-interval", type=float, default=5.0, help="idle heartbeat period (s)")
-    parser.add_argument("--liveness-timeout", type=float, default=None,
+    parser.add_argument("--join-timeout", type=positive_seconds, default=600.0, help="seconds to wait for all workers to join")
+    parser.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
+    parser.add_argument("--swap-timeout", type=positive_seconds, default=120.0, help="deadline for a discriminator swap (s)")
+    parser.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
+    parser.add_argument("--liveness-timeout", type=positive_seconds, default=None,
                         help="drop a worker silent this long (s; default: step timeout + 3 heartbeats)")
     parser.add_argument("--metrics-port", type=int, default=9100, help="HTTP port of /metrics (0: none)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
@@ -53,7 +54,7 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="mdgan",
                         help="MD-GAN, or over the same services the FL-GAN baseline (FedAvg of whole GANs), "
                              "the parallel Wasserstein GAN (pwgan) or the data-parallel parameter-server GAN (dpgan)")
-    parser.add_argument("--round-timeout", type=float, default=3600.0,
+    parser.add_argument("--round-timeout", type=positive_seconds, default=3600.0,
                         help="FL-GAN: deadline for a worker's local round (s)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
                         help="the kind of data the workers hold (sets the sample shape; default: the architecture's)")
@@ -76,9 +77,9 @@ def build_parser() -> EnvArgumentParser:
     durable.add_argument("--min-workers", type=int, default=None,
                          help="start once this many workers joined, go on while this many are alive, pause below "
                               "(default: start with all, go on while one is alive)")
-    durable.add_argument("--pause-timeout", type=float, default=600.0,
+    durable.add_argument("--pause-timeout", type=positive_seconds, default=600.0,
                          help="give up after this long paused below --min-workers (s)")
-    durable.add_argument("--stop-grace", type=float, default=20.0,
+    durable.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
                          help="on SIGTERM, how long to wait for the iteration under way to end and be checkpointed (s)")
     add_threads_argument(parser, default=0)
     add_scheduling_argument(parser, default="normal")
@@ -212,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    configure_compute(args.threads)
-    scheduling.apply(args.cpu_scheduling)
     try:
+        configure_compute(args.threads, args.pin_cpu)
+        scheduling.apply(args.cpu_scheduling)
         scheduling.apply_pin(args.pin_cpu)
         rpc.run(serve(args))
     except (ConfigError, TimeoutError, CheckpointError) as exc:

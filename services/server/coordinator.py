@@ -196,7 +196,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         if self._pending_joins >= MAX_PENDING_JOINS:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins in progress; try again")
+            # transient, unlike a full run (RESOURCE_EXHAUSTED): a worker retries UNAVAILABLE with backoff
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "too many joins in progress; try again shortly")
         self._pending_joins += 1
         try:
             join, index, size, identity, plan = await self._join(context)

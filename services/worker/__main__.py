@@ -25,7 +25,7 @@ from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
 from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
-                            add_threads_argument, configure_compute, data_config)
+                            add_threads_argument, configure_compute, data_config, positive_seconds)
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
@@ -52,8 +52,8 @@ def build_parser() -> EnvArgumentParser:
                         help="emulation: --data-root is a dataset shared by N workers, cut into N shards (--split, "
                              "--split-seed), and this worker keeps one; unset (default): all of --data-root is this "
                              "site's own data")
-    parser.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying the server")
-    parser.add_argument("--server-timeout", type=float, default=120.0,
+    parser.add_argument("--connect-timeout", type=positive_seconds, default=300.0, help="seconds to keep trying the server")
+    parser.add_argument("--server-timeout", type=positive_seconds, default=120.0,
                         help="leave when no server of our run has been heard for this long (s): a broken stream "
                              "is retried (exponential backoff with jitter) until then")
     parser.add_argument("--state-dir", default=None,
@@ -257,8 +257,8 @@ async def until_signalled(*coroutines):
 
 def configure_process(args) -> None:
     """What is the process's, not one worker's: torch threads and the allocator, CPU scheduling and
-    affinity. Raises ConfigError for a CPU this process may not use."""
-    configure_compute(args.threads)
+    affinity. Raises ConfigError for a CPU this process may not use, or more threads than its CPUs."""
+    configure_compute(args.threads, args.pin_cpu)
     scheduling.apply(args.cpu_scheduling)
     scheduling.apply_pin(args.pin_cpu)
 
