@@ -7,6 +7,8 @@ this module never imports gRPC itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import importlib
 import json
 import math
@@ -35,6 +37,29 @@ def _print_summary(summary: dict) -> None:
     print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
 
 
+RUN_DIR_LOCK = ".mdgan.lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(out: str, command: str):
+    """Keep `out` ours while a run writes there: a second `mdgan local` or `simulate` in the same
+    folder would remove the first's logs and overwrite its history, summary and checkpoints."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, RUN_DIR_LOCK), "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise ConfigError(f"--out {out}: a run is under way there ({holder}); wait for it to end, or choose "
+                              f"another --out") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"mdgan {command}, pid {os.getpid()}")
+        fh.flush()
+        yield  # (the lock goes with the file's closing, or the process's death)
+
+
 def cmd_simulate(args) -> int:
     from mdgan.algorithms.options import dpgan_options, pwgan_options
     from mdgan.run import simulate
@@ -47,13 +72,15 @@ def cmd_simulate(args) -> int:
     config = training_config(args)
     if args.resume:
         args.out = args.resume
-    summary = simulate(config, data_config(args, config.workers), args.out, progress=not args.no_progress,
-                       evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
-                       churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
-                       keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
-                       run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
-                       byzantine=args.byzantine, attack=args.attack,
-                       pwgan=pwgan_options(args), dpgan=dpgan_options(args, config.workers))
+    with run_dir_lock(args.out, "simulate"):
+        summary = simulate(
+            config, data_config(args, config.workers), args.out, progress=not args.no_progress,
+            evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+            churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
+            run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
+            byzantine=args.byzantine, attack=args.attack,
+            pwgan=pwgan_options(args), dpgan=dpgan_options(args, config.workers))
     _print_summary(summary)
     print(f"run directory: {args.out}")
     return 0
@@ -587,6 +614,11 @@ def cmd_local(args) -> int:
     if needed > MACHINE_PORTS:
         raise ConfigError(f"--workers {args.workers}: a cluster on one machine needs {needed} ports (a /metrics "
                           f"port and a Peer service port per worker) and a machine has {MACHINE_PORTS}")
+    with run_dir_lock(args.out, "local"):
+        return _run_local(args)
+
+
+def _run_local(args) -> int:
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = False
@@ -882,6 +914,9 @@ def main(argv: list[str] | None = None) -> int:
         # subcommand's name, without the top-level usage banner that would say nothing about it.
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a folder that cannot be made, a full disk: the system's words and the path
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def thread_affinities(pid: int) -> set[tuple[int, ...]]:
     (signal.SIGINT, "batch", 4, 2, "auto", 1),  # two processes of two workers each
     (signal.SIGTERM, "batch", 2, 1, "auto", 2)])  # two threads each: two CPUs a process, or none pinned
 def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_as_scheduled(
-        tmp_path, sig, scheduling, workers, per_process, pin, threads):
+        tmp_path, capsys, sig, scheduling, workers, per_process, pin, threads):
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", str(workers), "--iterations", "1000000",
                       "--cpu-scheduling", scheduling, "--workers-per-process", str(per_process),
                       "--pin-workers", pin, "--threads", str(threads))
@@ -117,6 +117,13 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
             text = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
             assert ("CPU scheduling: SCHED_BATCH" in text) == (scheduling == "batch"), name
             assert ("CPU affinity: pinned to CPU" in text) == pinned, name
+        # A second run in the same folder is refused while this one is under way (it would remove this
+        # run's logs and overwrite its history).
+        from mdgan import cli
+
+        assert cli.main(["local", "--dataset", "synthetic", "--workers", "2", "--out", str(tmp_path / "run")]) == 2
+        assert f"a run is under way there (mdgan local, pid {launcher.pid})" in capsys.readouterr().err
+        assert (tmp_path / "run" / "logs" / "server.log").exists()
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + sig
@@ -434,3 +441,20 @@ except scheduling.ConfigError as exc:
             bad = subprocess.run([sys.executable, "-m", service, flag, value], cwd=REPO, capture_output=True,
                                  text=True, timeout=120)
             assert bad.returncode == 2 and message in bad.stderr, (service, bad.stderr)
+
+
+def test_a_run_folder_that_cannot_be_made_is_a_clear_error_in_every_entry_point(tmp_path, capsys):
+    from mdgan import cli
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["simulate", "--dataset", "synthetic", "--workers", "2", "--iterations", "1",
+                     "--out", str(blocker / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mdgan simulate: error: ") and "Not a directory" in err and str(blocker) in err
+    for service, flags in (("services.server", ["--out", str(blocker)]),
+                           ("services.worker", ["--state-dir", str(blocker / "state")])):
+        run = subprocess.run([sys.executable, "-m", service, *flags, "--insecure", "--dataset", "synthetic"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, (service, run.stderr)
+        assert str(blocker) in run.stderr and "Traceback" not in run.stderr, (service, run.stderr)

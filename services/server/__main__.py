@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduling.apply(args.cpu_scheduling)
         scheduling.apply_pin(args.pin_cpu)
         rpc.run(serve(args))
-    except (ConfigError, TimeoutError, CheckpointError) as exc:
-        log.error("%s", exc)
+    except (ConfigError, CheckpointError, OSError) as exc:  # OSError: a folder it cannot make, a full disk
+        log.error("%s", exc or type(exc).__name__)
         return 2
     return 0
 

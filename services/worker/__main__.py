@@ -228,8 +228,8 @@ async def serve(args) -> str:
 
 def exit_code(exc: BaseException) -> int | None:
     """How a worker that ended with `exc` exits, its reason logged: 0 stopped by a signal, 2 a
-    configuration or the server's fault, 3 refused by the server; None for an ending it does not
-    know (a bug)."""
+    configuration, the system's or the server's fault, 3 refused by the server; None for an ending
+    it does not know (a bug)."""
     if isinstance(exc, JoinRefused):
         log.error("the server refused us: %s", exc)
         return 3
@@ -242,6 +242,9 @@ def exit_code(exc: BaseException) -> int | None:
     if isinstance(exc, asyncio.CancelledError):
         log.info("terminated by signal")
         return 0
+    if isinstance(exc, OSError):  # a folder it cannot make or write, a full disk: the system's words
+        log.error("%s", exc or type(exc).__name__)
+        return 2
     return None
 
 
