@@ -133,9 +133,10 @@ def apply_pin(cpus) -> None:
 def check_threads_fit(threads: int, cpus) -> int:
     """The torch threads a process kept on `cpus` (--pin-cpu; None: not kept) runs: `threads`, or
     with 0 (torch's default: one per usable core) one per CPU it is kept on. More threads than CPUs
-    is a ConfigError: torch's threads wait for each other at every operation, and pinned, one of them
-    can only run when another is preempted (measured: 100 iterations of `mdgan local --threads 2`
-    pinned one CPU a process took over 120 s, against 13 s unpinned and 1.8 s with one thread)."""
+    is a ConfigError: torch's threads wait for each other at every operation, and kept on too few
+    CPUs, one of them runs only when another is preempted (`mdgan local --workers 4 --threads 2` with
+    each worker process on one CPU: 1.71 s per iteration, against 0.18 s unpinned; docs/PERFORMANCE.md,
+    ninth pass)."""
     if cpus is None:
         return threads
     if threads > len(cpus):
