@@ -753,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mdgan.run import ALGORITHMS
     from mdgan.settings import (EnvArgumentParser, add_data_arguments, add_evaluation_arguments, add_site_arguments,
                                 add_scheduling_argument, add_threads_argument, add_training_arguments,
-                                positive_seconds)
+                                non_negative_int, positive_seconds)
 
     parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -776,7 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", default=f"runs/{name}", help="run directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         durable = p.add_argument_group("durable runs (MD-GAN)")
-        durable.add_argument("--checkpoint-every", type=int, default=0,
+        durable.add_argument("--checkpoint-every", type=non_negative_int, default=0,
                              help="checkpoint every this many iterations (0: never); workers keep theirs in "
                                   "OUT/workers/")
         durable.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")

@@ -178,7 +178,7 @@ def evaluation_options(args: argparse.Namespace, data_root: str | None):
 
 
 def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
-    parser.add_argument("--threads", type=_non_negative, default=default,
+    parser.add_argument("--threads", type=non_negative_int, default=default,
                         help="torch intra-op threads per process (0: torch's default, one per usable core)")
     parser.add_argument("--device", default="cpu", help="where this process computes: cpu, cuda or cuda:N")
 
@@ -237,6 +237,47 @@ def _cpu_set(text: str) -> frozenset[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+URI_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")  # gRPC's own target forms
+
+
+def _host_port(text: str, lowest_port: int) -> str:
+    if text.startswith(URI_SCHEMES):
+        return text  # gRPC parses its own forms, and says what is wrong with them
+    host, colon, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:PORT
+    if not colon or not host or not port.isdigit() or not lowest_port <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"HOST:PORT with a port from {lowest_port} to 65535 (or a gRPC target "
+                                         f"such as dns:///HOST:PORT), got {text!r}")
+    return text
+
+
+def listen_address(text: str) -> str:
+    """--listen: HOST:PORT to bind (port 0: any free one)."""
+    return _host_port(text, 0)
+
+
+def dial_address(text: str) -> str:
+    """--server: HOST:PORT to connect to, or one of gRPC's target forms."""
+    return _host_port(text, 1)
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port from 0 to 65535, got {port}")
+    return port
+
+
+def log_level(text: str) -> str:
+    level = text.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"one of debug, info, warning, error, critical, got {text!r}")
+    return level
+
+
 def positive_seconds(text: str) -> float:
     """A duration flag: a finite number of seconds above 0 (0 or less would time out at once)."""
     seconds = _finite(text)
@@ -262,7 +303,7 @@ def _finite(text: str) -> float:
     return number
 
 
-def _non_negative(text: str) -> int:
+def non_negative_int(text: str) -> int:
     try:
         number = int(text)
     except ValueError:

@@ -163,6 +163,46 @@ def test_durations_and_thread_counts_out_of_range_are_usage_errors(argv, message
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("service, argv, message", [
+    ("worker", ["--server", "localhost:notaport"], "argument --server: HOST:PORT with a port from 1 to 65535"),
+    ("worker", ["--server", "[::1]:0"], "argument --server: HOST:PORT with a port from 1 to 65535"),
+    ("worker", ["--listen", ":50052"], "argument --listen: HOST:PORT with a port from 0 to 65535"),
+    ("server", ["--listen", "0.0.0.0:65536"], "argument --listen: HOST:PORT with a port from 0 to 65535"),
+    ("worker", ["--metrics-port", "70000"], "argument --metrics-port: a port from 0 to 65535, got 70000"),
+    ("server", ["--metrics-port", "-5"], "argument --metrics-port: a port from 0 to 65535, got -5"),
+    ("server", ["--log-level", "loud"], "argument --log-level: one of debug, info, warning, error, critical"),
+])
+def test_the_services_addresses_ports_and_log_levels_are_checked_as_flags(service, argv, message, capsys):
+    # They used to be taken as given: a malformed --server was retried for --connect-timeout, a port
+    # above 65535 or an unknown log level ended in a traceback, a negative port meant "none".
+    from services.server.__main__ import build_parser as server_parser
+    from services.worker.__main__ import build_parser as worker_parser
+
+    parser = server_parser() if service == "server" else worker_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_good_addresses_and_grpc_targets_pass_unchanged():
+    from services.worker.__main__ import build_parser as worker_parser
+
+    for server in ("mdgan-server:50051", "10.0.0.7:1", "[::1]:50051", "dns:///mdgan-server.ns.svc:50051",
+                   "unix:/run/mdgan.sock"):
+        assert worker_parser().parse_args(["--server", server]).server == server
+    args = worker_parser().parse_args(["--listen", "[::]:0", "--metrics-port", "0", "--log-level", "debug"])
+    assert (args.listen, args.metrics_port, args.log_level) == ("[::]:0", 0, "DEBUG")
+
+
+def test_the_health_probe_refuses_an_address_it_could_never_reach(capsys):
+    # It answered NOT SERVING (exit 1), as for a service that is down: a typo in a probe looked like an outage.
+    from services.common import healthcheck
+
+    with pytest.raises(SystemExit) as exit_:
+        healthcheck.main(["notanaddress", "--insecure"])
+    assert exit_.value.code == 2 and "argument address: HOST:PORT" in capsys.readouterr().err
+
+
 def test_the_services_durations_are_checked_from_the_environment_too(monkeypatch, capsys):
     from services.server.__main__ import build_parser as server_parser
     from services.worker.__main__ import build_parser as worker_parser

@@ -21,6 +21,8 @@ import os
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
                                start_http_server)
 
+from mdgan.config import ConfigError
+
 log = logging.getLogger(__name__)
 disable_created_metrics()  # no `_created` series beside every counter: less noise, same information
 
@@ -121,7 +123,11 @@ class Telemetry:
         """Expose /metrics over HTTP; returns the bound port (None: port 0 disables it)."""
         if port <= 0:
             return None
-        server, _ = start_http_server(port, addr, registry=self.registry)
+        try:
+            server, _ = start_http_server(port, addr, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {port}: cannot serve /metrics on {addr}:{port} "
+                              f"({exc.strerror or exc})") from None
         bound = server.server_port
         log.info("metrics on http://%s:%d/metrics", addr, bound)
         return bound

@@ -87,8 +87,12 @@ def from_args(args: argparse.Namespace, role: str) -> TLSConfig | None:
 
 def add_port(server: grpc.aio.Server, address: str, tls: TLSConfig | None) -> int:
     """Bind `address` with mTLS (or plaintext when tls is None); returns the bound port."""
-    return server.add_insecure_port(address) if tls is None else server.add_secure_port(address,
-                                                                                       tls.server_credentials())
+    try:
+        return server.add_insecure_port(address) if tls is None else server.add_secure_port(
+            address, tls.server_credentials())
+    except RuntimeError:  # gRPC says only that binding failed
+        raise ConfigError(f"--listen {address}: cannot listen there (the port is taken, or the host is not an "
+                          f"address of this machine)") from None
 
 
 def channel(address: str, tls: TLSConfig | None, options: list | None = None,

@@ -21,8 +21,9 @@ from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluat
 from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_evaluation_arguments,
                             add_scheduling_argument, add_site_arguments, add_threads_argument,
-                            add_training_arguments, class_names, configure_compute, non_negative_seconds,
-                            positive_seconds, training_config)
+                            add_training_arguments, class_names, configure_compute, listen_address, log_level,
+                            non_negative_int, non_negative_seconds, port_number, positive_seconds,
+                            training_config)
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -36,7 +37,7 @@ SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="mdgan-server", description=__doc__)
-    parser.add_argument("--listen", default="0.0.0.0:50051", help="host:port to serve the Coordinator on (port 0: any)")
+    parser.add_argument("--listen", type=listen_address, default="0.0.0.0:50051", help="host:port to serve the Coordinator on (port 0: any)")
     parser.add_argument("--out", default="runs/server", help="run directory (summary, history, samples, checkpoint)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
     parser.add_argument("--join-timeout", type=positive_seconds, default=600.0, help="seconds to wait for all workers to join")
@@ -45,12 +46,12 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
     parser.add_argument("--liveness-timeout", type=positive_seconds, default=None,
                         help="drop a worker silent this long (s; default: step timeout + 3 heartbeats)")
-    parser.add_argument("--metrics-port", type=int, default=9100, help="HTTP port of /metrics (0: none)")
+    parser.add_argument("--metrics-port", type=port_number, default=9100, help="HTTP port of /metrics (0: none)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
     parser.add_argument("--metrics-dump", default=None,
                         help="write the final metrics exposition to this file (default: OUT/metrics/server.prom)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--log-level", type=log_level, default="INFO", help="logging level")
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="mdgan",
                         help="MD-GAN, or over the same services the FL-GAN baseline (FedAvg of whole GANs), "
                              "the parallel Wasserstein GAN (pwgan) or the data-parallel parameter-server GAN (dpgan)")
@@ -70,7 +71,7 @@ def build_parser() -> EnvArgumentParser:
                          help="continue the run in --out from its last complete checkpoint: 'yes' (bare --resume) "
                               "fails if there is none, 'auto' starts a new run then (for restart policies), 'no' "
                               "always starts a new run")
-    durable.add_argument("--checkpoint-every", type=int, default=0,
+    durable.add_argument("--checkpoint-every", type=non_negative_int, default=0,
                          help="checkpoint every this many iterations, and on SIGTERM (server and workers at the same "
                               "iteration boundary; 0: never)")
     durable.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints kept in OUT/checkpoints")
@@ -148,17 +149,16 @@ async def serve(args) -> dict:
     await rpc.set_serving(health, [SERVICE], True)
     log.info("serving %s on port %d (%s); waiting for %d workers", SERVICE, port,
              "mutual TLS" if credentials else "PLAINTEXT", roster.start_quorum)
-    if args.port_file:
-        with open(args.port_file + ".tmp", "w") as fh:
-            fh.write(str(port))
-        os.replace(args.port_file + ".tmp", args.port_file)
-
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     result = None
-    try:
+    try:  # (from here on, whatever happens stops the gRPC server before the event loop closes)
+        if args.port_file:
+            with open(args.port_file + ".tmp", "w") as fh:
+                fh.write(str(port))
+            os.replace(args.port_file + ".tmp", args.port_file)
         result, wall = await session.run(coordinator, stopping)
         observe_scores(telemetry, recorder.scores)
         summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={

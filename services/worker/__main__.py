@@ -25,7 +25,8 @@ from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
 from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
-                            add_threads_argument, configure_compute, data_config, positive_seconds)
+                            add_threads_argument, configure_compute, data_config, dial_address, listen_address,
+                            log_level, port_number, positive_seconds)
 from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
@@ -39,8 +40,8 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="mdgan-worker", description=__doc__)
-    parser.add_argument("--server", default="localhost:50051", help="host:port of the mdgan server")
-    parser.add_argument("--listen", default="0.0.0.0:50052", help="host:port to serve the Peer service on (port 0: any)")
+    parser.add_argument("--server", type=dial_address, default="localhost:50051", help="host:port of the mdgan server")
+    parser.add_argument("--listen", type=listen_address, default="0.0.0.0:50052", help="host:port to serve the Peer service on (port 0: any)")
     parser.add_argument("--advertise-address", default=None,
                         help="HOST or HOST:PORT peers use to reach this worker (default: this host's name; the port "
                              "defaults to the bound one)")
@@ -62,10 +63,10 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--keep-checkpoints", type=int, default=3, help="saved states kept in --state-dir")
     parser.add_argument("--run-id", default=None,
                         help="join this run only (default: the run recorded in --state-dir, else any)")
-    parser.add_argument("--metrics-port", type=int, default=9101, help="HTTP port of /metrics (0: none)")
+    parser.add_argument("--metrics-port", type=port_number, default=9101, help="HTTP port of /metrics (0: none)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
     parser.add_argument("--metrics-dump", default=None, help="write the final metrics exposition to this file")
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--log-level", type=log_level, default="INFO", help="logging level")
     parser.add_argument("--name", default=None,
                         help="the identity this worker claims with --insecure (default: worker-<shard index>; with "
                              "--shard-index assign, the server names it after the shard it assigns); under mutual TLS the identity is the "
