@@ -60,6 +60,15 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 self.error(f"{env_name(action.dest)}={raw!r}: invalid choice (choose from "
                            f"{', '.join(map(repr, action.choices))})")
 
+    def _get_value(self, action, arg_string):
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as exc:
+            # the variable's own string (the same object), not a flag's: name the variable
+            if arg_string is getattr(action, "_env_raw", None):
+                self.error(f"{env_name(action.dest)}={arg_string!r}: {exc.message}")
+            raise
+
     def parse_known_args(self, args=None, namespace=None):
         self._apply_environment()
         namespace, extras = super().parse_known_args(args, namespace)

@@ -212,11 +212,16 @@ def test_the_services_durations_are_checked_from_the_environment_too(monkeypatch
     monkeypatch.setenv("MDGAN_STOP_GRACE", "-5")
     with pytest.raises(SystemExit):
         server_parser().parse_args([])
-    assert "--stop-grace: a number of seconds, 0 or more, got '-5'" in capsys.readouterr().err
+    assert "MDGAN_STOP_GRACE='-5': a number of seconds, 0 or more, got '-5'" in capsys.readouterr().err
     monkeypatch.setenv("MDGAN_SERVER_TIMEOUT", "0")
     with pytest.raises(SystemExit):
         worker_parser().parse_args([])
-    assert "--server-timeout: a number of seconds above 0, got '0'" in capsys.readouterr().err
+    assert "MDGAN_SERVER_TIMEOUT='0': a number of seconds above 0, got '0'" in capsys.readouterr().err
+    # the command line wins: a good flag overrides a bad variable, and a bad flag is named as the flag
+    assert worker_parser().parse_args(["--server-timeout", "30"]).server_timeout == 30
+    with pytest.raises(SystemExit):
+        worker_parser().parse_args(["--server-timeout", "-1"])
+    assert "argument --server-timeout: a number of seconds above 0, got '-1'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
