@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
+import warnings
 
 from mdgan import scheduling
 from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
@@ -733,8 +734,15 @@ def cmd_experiment(args) -> int:
     from mdgan.settings import configure_compute
 
     configure_compute(args.threads)
-    result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only, jobs=args.jobs,
-                            threads=args.threads)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does
+    try:
+        result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only,
+                                jobs=args.jobs, threads=args.threads)
+    except Terminated as exc:
+        print(f"mdgan experiment: {exc}: stopped; run it again to resume", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -907,6 +915,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What Ctrl-C leaves: the coroutine of a training step it cut short, never awaited. Not news.
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     try:
         return args.func(args)
     except ConfigError as exc:
@@ -917,6 +927,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a folder that cannot be made, a full disk: the system's words and the path
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C in a command that runs in this process (`local` stops its cluster itself)
+        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ import math
 import multiprocessing
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import signal
+import sys
+import warnings
 
 import yaml
 from tqdm import tqdm
@@ -300,10 +302,26 @@ def _trained(run: dict) -> dict:
     return {k: v for k, v in run.items() if k not in PRESENTATION_KEYS}
 
 
-def _run_in_child(run: dict, run_dir: str, threads: int) -> str:
+def _start_child() -> None:
+    """A worker process of `run_experiment(jobs > 1)`: Ctrl-C at the terminal reaches the whole
+    process group; the parent alone handles it, and stops its children (no traceback from each).
+    Stopped (SIGTERM), a child exits as from sys.exit, so multiprocessing's finalizers release what
+    it holds (tqdm's lock, a named semaphore) instead of leaving it to the resource tracker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # what stopping leaves: the coroutine of the training step it cut short, never awaited
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+
+
+def _exit_on_sigterm(signum, frame):
+    sys.exit(128 + signum)
+
+
+def _run_in_child(task: tuple[dict, str, int]) -> str:
     """One run in a worker process of `run_experiment(jobs > 1)`: its own torch threads, no progress bar."""
     from mdgan.settings import configure_compute
 
+    run, run_dir, threads = task
     configure_compute(threads)
     run_one(run, run_dir, progress=False)
     return run["name"]
@@ -351,15 +369,19 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
             bar.update(1)
     elif todo:
         # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_run_in_child, run, run_dir, threads) for run, run_dir in todo]
-            try:
-                for future in as_completed(futures):
-                    bar.set_postfix_str(f"finished {future.result()}")  # a failed run raises here
-                    bar.update(1)
-            except BaseException:
-                pool.shutdown(cancel_futures=True)  # runs not started yet stay for a resume
-                raise
+        pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
+        try:
+            for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
+                bar.set_postfix_str(f"finished {name}")  # a failed run raises here
+                bar.update(1)
+            pool.close()
+        except BaseException:
+            # a failed run, Ctrl-C or SIGTERM: the runs under way stop now (waiting for them could
+            # take hours); they and those not started are run again by a resume
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
     bar.close()
     done = len(todo)
     rows = collect(runs, out)

@@ -152,3 +152,55 @@ def test_pwgan_and_dpgan_runs_take_their_options_and_the_runs_table_compares_the
             assert float(row[f"{direction}_bytes_per_iteration"]) == summaries[name]["payload_bytes"][direction] / 3
         assert float(row["seconds_per_iteration"]) > 0 and row["iterations"] == "3"
     assert float(rows["mdgan"]["server_to_worker_bytes_per_iteration"]) == 3 * 2 * 5 * 784 * 4  # Table III
+
+
+def _session_processes(session: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":  # fields[3]: the session id
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the command", "Ctrl-C to its process group"])
+def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
+    # A SIGTERM or a Ctrl-C used to wait for the runs under way to finish (hours), or to print a
+    # traceback from every worker process.
+    import signal
+    import time
+
+    path = _write(tmp_path, {
+        "name": "long", "out": str(tmp_path / "out"),
+        "base": {"dataset": "synthetic", "iterations": 1000000, "workers": 2, "batch_size": 5, "eval_every": -1},
+        "runs": [{"algorithm": "mdgan", "kappa": 1}, {"algorithm": "mdgan", "kappa": 2}],
+    })
+    command = subprocess.Popen([sys.executable, "-m", "mdgan.cli", "experiment", path, "--jobs", "2", "--no-progress"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_session_processes(command.pid)) < 3:  # the command and its two runs' processes
+            assert command.poll() is None and time.monotonic() < deadline, command.communicate()
+            time.sleep(0.2)
+        time.sleep(3)  # the runs are training
+        if how.startswith("SIGTERM"):
+            command.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(command.pid, signal.SIGINT)
+        _, err = command.communicate(timeout=60)
+        expected = signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT
+        assert command.returncode == 128 + expected, err
+        assert "Traceback" not in err and "leaked" not in err and "never awaited" not in err, err
+        assert err.strip().splitlines()[-1] in ("mdgan experiment: SIGTERM: stopped; run it again to resume",
+                                                 "mdgan experiment: interrupted")
+        time.sleep(1)
+        assert _session_processes(command.pid) == []  # no run goes on behind it
+    finally:
+        for pid in _session_processes(command.pid):
+            os.kill(pid, signal.SIGKILL)

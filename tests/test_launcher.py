@@ -481,3 +481,21 @@ def test_a_port_the_service_cannot_bind_is_a_clear_error(tmp_path):
             assert message in run.stderr and "Traceback" not in run.stderr, (service, run.stderr)
     finally:
         taken.close()
+
+
+def test_ctrl_c_stops_mdgan_simulate_with_one_line(tmp_path):
+    simulate = subprocess.Popen([sys.executable, "-m", "mdgan.cli", "simulate", "--dataset", "synthetic",
+                                 "--workers", "2", "--iterations", "1000000", "--eval-every", "-1", "--no-progress",
+                                 "--out", str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "history.jsonl").exists():  # training
+            assert simulate.poll() is None and time.monotonic() < deadline, simulate.communicate()
+            time.sleep(0.2)
+        os.killpg(simulate.pid, signal.SIGINT)
+        _, err = simulate.communicate(timeout=60)
+    finally:
+        kill_everything(simulate, set())
+    assert simulate.returncode == 130
+    assert err.strip() == "mdgan simulate: interrupted", err  # no traceback, no warning
