@@ -487,7 +487,9 @@ def test_ctrl_c_stops_mdgan_simulate_with_one_line(tmp_path):
     simulate = subprocess.Popen([sys.executable, "-m", "mdgan.cli", "simulate", "--dataset", "synthetic",
                                  "--workers", "2", "--iterations", "1000000", "--eval-every", "-1", "--no-progress",
                                  "--out", str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                # as from a terminal: SIGINT at its default (a background test run ignores it)
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "run" / "history.jsonl").exists():  # training
