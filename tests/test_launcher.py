@@ -453,11 +453,16 @@ def test_a_run_folder_that_cannot_be_made_is_a_clear_error_in_every_entry_point(
     err = capsys.readouterr().err
     assert err.startswith("mdgan simulate: error: ") and "Not a directory" in err and str(blocker) in err
     for service, flags in (("services.server", ["--out", str(blocker)]),
+                           # after it started serving: its gRPC server is stopped before the loop closes
+                           ("services.server", ["--out", str(tmp_path / "server"), "--port-file",
+                                                str(blocker / "port"), "--listen", "127.0.0.1:0",
+                                                "--metrics-port", "0"]),
                            ("services.worker", ["--state-dir", str(blocker / "state")])):
         run = subprocess.run([sys.executable, "-m", service, *flags, "--insecure", "--dataset", "synthetic"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
         assert run.returncode == 2, (service, run.stderr)
         assert str(blocker) in run.stderr and "Traceback" not in run.stderr, (service, run.stderr)
+        assert "Event loop is closed" not in run.stderr, (service, run.stderr)
 
 
 def test_a_port_the_service_cannot_bind_is_a_clear_error(tmp_path):

@@ -152,6 +152,7 @@ def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkey
     (["local", "--swap-timeout", "soon"], "argument --swap-timeout: a number of seconds, got 'soon'"),
     (["local", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
     (["simulate", "--threads", "two"], "argument --threads: a whole number, got 'two'"),
+    (["local", "--checkpoint-every", "-1"], "argument --checkpoint-every: must be >= 0, got -1"),
 ])
 def test_durations_and_thread_counts_out_of_range_are_usage_errors(argv, message, capsys):
     # A deadline of 0 s used to start a run that timed out at once or not at all; --threads -2 ran
