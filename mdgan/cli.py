@@ -206,12 +206,7 @@ def _become_service(log_path: str) -> None:
     # Its own process group: a Ctrl-C at the terminal reaches the launcher only, which stops the
     # services in order; and a service dies with the fork server (itself tied to the launcher).
     os.setpgid(0, 0)
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            sys.exit(1)
+    scheduling.die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -552,10 +547,7 @@ def _stop_multiprocessing_helpers() -> None:
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on every platform
-        return os.cpu_count() or 1
+    return len(scheduling.usable_cpus())
 
 
 def workers_per_process(workers: int, asked: int) -> int:
@@ -919,14 +911,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     try:
         return args.func(args)
-    except ConfigError as exc:
-        # A bad value found while running (a data file, a flag combination): say it under the
-        # subcommand's name, without the top-level usage banner that would say nothing about it.
+    except (ConfigError, OSError) as exc:
+        # A bad value found while running (a data file, a flag combination; 2), or the system's
+        # refusal (a folder that cannot be made, a full disk; 1): said under the subcommand's name,
+        # without the top-level usage banner that would say nothing about it.
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a folder that cannot be made, a full disk: the system's words and the path
-        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:  # Ctrl-C in a command that runs in this process (`local` stops its cluster itself)
         print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

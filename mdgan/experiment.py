@@ -47,6 +47,7 @@ import warnings
 import yaml
 from tqdm import tqdm
 
+from mdgan import scheduling
 from mdgan.config import ConfigError, DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
 
 DEFAULTS = {
@@ -309,13 +310,7 @@ def _start_child() -> None:
     it holds (tqdm's lock, a named semaphore) instead of leaving it to the resource tracker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    if sys.platform == "linux":  # and when the parent dies outright (SIGKILL, the OOM killer), so do we
-        import ctypes
-
-        parent = os.getppid()
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # it died before prctl took effect
-            sys.exit(1)
+    scheduling.die_with_parent()  # and when the parent dies outright (SIGKILL, the OOM killer), so do we
     # what stopping leaves: the coroutine of the training step it cut short, never awaited
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 

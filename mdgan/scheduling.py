@@ -17,6 +17,10 @@ wherever a worker waits. A process the kernel moves to another core resumes its 
 core's caches cold. Pinned, an iteration took about 6% less time at N=4 and N=10 on 2 cores (0.89-0.99x
 in seven comparisons within one run each) for the same CPU (0.98-1.05x; docs/PERFORMANCE.md, eighth
 pass).
+
+`usable_cpus` is the CPUs a process may use (the launcher's layout starts from it); `die_with_parent`
+asks the kernel to stop a child process when its parent dies, however it dies (the services of
+`mdgan local`, the runs of `mdgan experiment --jobs`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import ctypes
 import logging
 import os
 import platform
+import signal
+import sys
 
 from mdgan.config import ConfigError
 
@@ -71,6 +77,25 @@ def apply(choice: str) -> None:
     if choice == "batch":
         applied = batch()
         (log.warning if applied.startswith("unchanged") else log.info)("CPU scheduling: %s", applied)
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask: a cpuset or `taskset` around it counts),
+    in order."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))  # not on every platform
+
+
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when its parent dies, even outright (SIGKILL, the
+    OOM killer), so no child goes on alone; exit now if the parent is already gone (Linux only)."""
+    if sys.platform != "linux":
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before prctl took effect
+        sys.exit(1)
 
 
 def cpu_list(cpus) -> str:
@@ -155,9 +180,7 @@ def worker_cpus(processes: int, choice: str, threads: int, cpus=None) -> list[fr
     balances them better); with threads 0 (torch's default: every core), none. off: none pinned."""
     if choice not in PIN_WORKERS_CHOICES:
         raise ConfigError(f"--pin-workers must be auto or off, got {choice!r}")
-    if cpus is None:
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    cpus = sorted(cpus)
+    cpus = usable_cpus() if cpus is None else sorted(cpus)
     if choice == "off" or threads < 1 or len(cpus) < 2 or processes * threads > len(cpus):
         return [None] * processes
     return [frozenset(cpus[i * threads:(i + 1) * threads]) for i in range(processes)]

@@ -271,13 +271,7 @@ def dial_address(text: str) -> str:
 
 
 def port_number(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port from 0 to 65535, got {port}")
-    return port
+    return _whole_number(text, 0, 65535, "a port from 0 to 65535")
 
 
 def log_level(text: str) -> str:
@@ -313,12 +307,16 @@ def _finite(text: str) -> float:
 
 
 def non_negative_int(text: str) -> int:
+    return _whole_number(text, 0, None, "must be >= 0")
+
+
+def _whole_number(text: str, low: int, high: int | None, expected: str) -> int:
     try:
         number = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a whole number, got {text!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    if number < low or (high is not None and number > high):
+        raise argparse.ArgumentTypeError(f"{expected}, got {number}")
     return number
 
 

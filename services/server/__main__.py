@@ -212,7 +212,7 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         configure_compute(args.threads, args.pin_cpu)
         scheduling.apply(args.cpu_scheduling)

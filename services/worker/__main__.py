@@ -269,7 +269,7 @@ def configure_process(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     try:
         configure_process(args)
     except ConfigError as exc:

@@ -105,7 +105,7 @@ def main(members: list[Member], status_path: str) -> int:
     parsed = [(member, build_parser().parse_args(member.argv)) for member in members]
     first = parsed[0][1]
     root = logging.getLogger()
-    root.setLevel(first.log_level.upper())
+    root.setLevel(first.log_level)
     fallback = logging.StreamHandler(sys.stderr)  # the group's own log: its process's output
     fallback.setFormatter(logging.Formatter(LOG_FORMAT))
     router = PerWorkerLog({member.name: member.log_path for member in members}, fallback)
