@@ -253,7 +253,9 @@ class LocalCluster:
     """A server and N worker processes on loopback; every process logs to DIR/logs/.
 
     The launcher supervises them: a service that exits before the run starts stops the whole
-    cluster (its name and the tail of its log are reported); termination signals stop them all.
+    cluster (its name and the tail of its log are reported); one that ends with an error or is
+    killed after the start is reported in a line, and the run goes on with the others; termination
+    signals stop them all.
     """
 
     def __init__(self, args):
@@ -263,6 +265,7 @@ class LocalCluster:
         self.processes: list[tuple[str, multiprocessing.Process]] = []
         self.metrics_ports: dict[str, int] = {}
         self.groups: dict[str, list[str]] = {}  # a process of several workers -> their names
+        self._reported: set[str] = set()  # workers (and processes) whose early end was told
         self._context = multiprocessing.get_context("forkserver")
         # (not mdgan.cli itself: multiprocessing runs the launcher's main module again in each child)
         self._context.set_forkserver_preload([FORK_SERVER_PRELOAD])
@@ -422,6 +425,41 @@ class LocalCluster:
                 raise ServiceFailed(f"{name} {how} before the run started; the end of {self.log_path(name)}:\n"
                                     f"{_log_tail(self.log_path(name))}")
 
+    def departures(self, iteration: int | None) -> list[str]:
+        """One line for each worker that ended with an error or was killed since the last look,
+        after the start. The run goes on without it (losing workers mid-run is the algorithm's
+        business, Figure 5's crashes), but an operator must not learn it only from workers_alive:
+        the line names the worker, how it ended, when, and its log (with an error's last line)."""
+        when = f"at iteration {iteration}" if iteration else "after the start"
+        lines = []
+
+        def tell(worker: str, how: str, log_name: str) -> None:
+            last = _log_tail(self.log_path(log_name), 1) if not how.startswith("was killed") else ""
+            lines.append(f"{worker} {how} {when}; the run goes on with the other workers "
+                         f"(log: {self.log_path(log_name)}){': ' + last if last else ''}")
+
+        for name, process in self.processes:
+            if name == "server":
+                continue
+            members = self.member_codes(name)
+            for member, code in members.items():  # a worker of several that ended by itself
+                if code not in (None, 0) and member not in self._reported:
+                    self._reported.add(member)
+                    tell(f"{member} (in process {name})", f"exited with code {code}", member)
+            code = process.exitcode
+            if code in (None, 0) or name in self._reported:
+                continue
+            self._reported.add(name)
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            if not members:
+                tell(name, how, name)
+                continue
+            with_it = [m for m in members if m not in self._reported]  # ended with their process
+            self._reported.update(with_it)
+            if with_it:
+                tell(f"process {name} ({', '.join(with_it)})", how, name)
+        return lines
+
     def member_codes(self, process_name: str) -> dict[str, int | None]:
         """The exit code of each worker of a process of several (None: running or unknown); {} for a
         process of one service."""
@@ -445,12 +483,20 @@ class LocalCluster:
         with tqdm(total=self.args.workers, desc="workers joined", unit="worker", disable=quiet) as bar:
             joined, last_note = 0, time.monotonic()
             while server.exitcode is None:  # (a server done before we looked: its exit code says how it went)
-                self.check_children(started=False)
                 values = _scrape(self.metrics_ports["server"], "mdgan_workers_alive", "mdgan_iterations_total")
                 # Started once an iteration is done: history.jsonl is there from the start (and, resumed,
                 # holds the lines before), and a worker lost after the start is the run's business.
                 if values.get("mdgan_iterations_total", 0) > 0:
                     break
+                try:
+                    self.check_children(started=False)
+                except ServiceFailed:
+                    # Started since we looked? Then that worker left a run under way (told below), and
+                    # the run goes on: the run may have started up to a poll before it died.
+                    if _scrape(self.metrics_ports["server"], "mdgan_iterations_total").get(
+                            "mdgan_iterations_total", 0) > 0:
+                        break
+                    raise
                 alive = values.get("mdgan_workers_alive")
                 if alive is not None and int(alive) != joined:
                     bar.update(int(alive) - joined)
@@ -460,7 +506,7 @@ class LocalCluster:
                     last_note = time.monotonic()
                 time.sleep(0.2)
             bar.update(self.args.workers - joined)
-        pending, handle = "", None
+        pending, handle, iteration = "", None, None
         with tqdm(total=self.args.iterations, desc="mdgan local", unit="it", disable=quiet) as bar:
             try:
                 while True:
@@ -471,8 +517,12 @@ class LocalCluster:
                         pending += handle.read()
                         *lines, pending = pending.split("\n")
                         if lines:
+                            last = json.loads(lines[-1])
+                            iteration = last.get("iteration", iteration)
                             bar.update(len(lines))
-                            bar.set_postfix(workers=json.loads(lines[-1]).get("active_workers"), refresh=False)
+                            bar.set_postfix(workers=last.get("active_workers"), refresh=False)
+                    for line in self.departures(iteration):
+                        bar.write(f"mdgan local: {line}", file=sys.stderr)
                     if done:
                         return server.exitcode
                     time.sleep(0.2)

@@ -213,6 +213,67 @@ def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
     cluster(groups={"workers-2-3": {"worker-2": None, "worker-3": 2}}).check_children(started=True)  # the run's business
 
 
+def test_a_worker_that_ends_after_the_start_is_told_once_and_the_run_goes_on(tmp_path):
+    """After the start a lost worker does not stop the run, but the operator is told: which worker,
+    how it ended, when, and its log (an error's last line with it); each only once."""
+    from types import SimpleNamespace
+
+    from mdgan.cli import LocalCluster
+    from mdgan.checkpoint import atomic_write_json
+
+    made = LocalCluster(SimpleNamespace(out=str(tmp_path)))
+    os.makedirs(tmp_path / "logs")
+    (tmp_path / "logs" / "worker-1.log").write_text("INFO joined\nERROR worker-1's own reason\n")
+    (tmp_path / "logs" / "worker-3.log").write_text("ERROR worker-3's own reason\n")
+    single = {"server": SimpleNamespace(exitcode=None), "worker-0": SimpleNamespace(exitcode=None),
+              "worker-1": SimpleNamespace(exitcode=None)}
+    group = SimpleNamespace(exitcode=None)
+    made.processes = [*single.items(), ("workers-2-4", group)]
+    made.groups["workers-2-4"] = ["worker-2", "worker-3", "worker-4"]
+    atomic_write_json(made.status_path("workers-2-4"), {"worker-2": None, "worker-3": None, "worker-4": None})
+    assert made.departures(5) == []  # all running
+    single["worker-0"].exitcode = 0  # a worker stopped by the server at the end: nothing to tell
+    single["worker-1"].exitcode = 2
+    atomic_write_json(made.status_path("workers-2-4"), {"worker-2": None, "worker-3": 1, "worker-4": None})
+    lines = made.departures(12)
+    assert len(lines) == 2
+    assert lines[0].startswith("worker-1 exited with code 2 at iteration 12; the run goes on")
+    assert lines[0].endswith("worker-1.log): ERROR worker-1's own reason")
+    assert lines[1].startswith("worker-3 (in process workers-2-4) exited with code 1 at iteration 12")
+    assert lines[1].endswith("worker-3's own reason")
+    assert made.departures(13) == []  # told once
+    group.exitcode = -9  # its process killed: the workers still in it end with it, told in one line
+    lines = made.departures(20)
+    assert lines == [f"process workers-2-4 (worker-2, worker-4) was killed by SIGKILL at iteration 20; the run "
+                     f"goes on with the other workers (log: {tmp_path / 'logs' / 'workers-2-4.log'})"]
+    single["server"].exitcode = 1  # the server's own end is not a departure (follow() reports it)
+    assert made.departures(21) == []
+
+
+def test_a_worker_killed_mid_run_is_told_and_the_run_ends_with_the_others(tmp_path):
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--workers-per-process", "1",
+                      "--iterations", "600", "--swap-every", "1000000")
+    try:
+        history, log = tmp_path / "run" / "history.jsonl", str(tmp_path / "run" / "logs" / "worker-1.log")
+        deadline = time.monotonic() + 120
+        while not (history.exists() and history.read_text().count("\n") >= 5):  # the run is under way
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        victim = [p for p in descendants(launcher.pid) if os.path.realpath(f"/proc/{p}/fd/1") == log]
+        assert len(victim) == 1
+        os.kill(victim[0], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=300)
+    finally:
+        kill_everything(launcher, set())
+    assert launcher.returncode == 0, err  # the run went on and finished
+    told = [line for line in err.splitlines() if "worker-1 was killed by SIGKILL at iteration" in line]
+    assert len(told) == 1, err
+    assert f"the run goes on with the other workers (log: {log})" in told[0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == 600 and summary["workers_alive"] == 1
+    assert summary["exit_codes"]["worker-1"] == -signal.SIGKILL and summary["exit_codes"]["worker-0"] == 0
+
+
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
     from mdgan import cli
 
