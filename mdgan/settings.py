@@ -36,7 +36,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 continue
             action._env_applied = True
             name = env_name(action.dest)
-            action.help = f"{action.help or ''} [env {name}]".strip()
+            # the built-in default (a variable's is applied below); 0 is shown, an empty value is not
+            shown = not (action.default is None or action.default is False or action.default in ("", [], ())
+                         or action.default == argparse.SUPPRESS or action.nargs == 0
+                         or "default" in (action.help or ""))
+            default = f" (default: {str(action.default).replace('%', '%%')})" if shown else ""
+            action.help = f"{action.help or ''}{default} [env {name}]".strip()
             if name not in os.environ:
                 continue
             raw = os.environ[name]

@@ -126,6 +126,31 @@ def test_split_flags_and_environment(monkeypatch):
     assert (config.split, config.dirichlet_alpha) == ("dirichlet", 2.5)
 
 
+def test_help_shows_each_options_default_and_its_variable(monkeypatch):
+    import argparse
+
+    from mdgan.settings import EnvArgumentParser
+
+    monkeypatch.setenv("MDGAN_STEP_TIMEOUT", "7")
+    parser = EnvArgumentParser(formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400, max_help_position=100))
+    parser.add_argument("--step-timeout", type=float, default=60.0, help="deadline (s)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="every C iterations")
+    parser.add_argument("--ratio", default="90%", help="a share")
+    parser.add_argument("--out", default=None, help="run directory")
+    parser.add_argument("--san", action="append", default=[], help="a name")
+    parser.add_argument("--insecure", action="store_true", help="plaintext")
+    parser.add_argument("--pin", default="auto", help="auto (default): pinned")
+    lines = {line.split()[0]: " ".join(line.split()) for line in parser.format_help().splitlines()
+             if line.strip().startswith("--")}
+    # the built-in default (the variable's value is what parsing uses), then the variable
+    assert lines["--step-timeout"].endswith("deadline (s) (default: 60.0) [env MDGAN_STEP_TIMEOUT]")
+    assert lines["--checkpoint-every"].endswith("every C iterations (default: 0) [env MDGAN_CHECKPOINT_EVERY]")
+    assert lines["--ratio"].endswith("a share (default: 90%) [env MDGAN_RATIO]")
+    for option in ("--out", "--san", "--insecure", "--pin"):  # nothing to show, or said already
+        assert "(default:" not in lines[option], lines[option]
+    assert parser.parse_args([]).step_timeout == 7.0
+
+
 def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkeypatch, capsys):
     # argparse checks the choices of a value given on the command line only: a variable is checked
     # here, before `mdgan local` starts any process with it.
