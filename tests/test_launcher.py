@@ -274,6 +274,43 @@ def test_a_worker_killed_mid_run_is_told_and_the_run_ends_with_the_others(tmp_pa
     assert summary["exit_codes"]["worker-1"] == -signal.SIGKILL and summary["exit_codes"]["worker-0"] == 0
 
 
+def test_a_worker_paused_past_its_deadline_rejoins_when_it_wakes(tmp_path):
+    """A worker frozen (SIGSTOP: a paused VM, a swap storm) is dropped at the step deadline. When it
+    wakes it finishes the step on the batch it already had, and its feedback finds the stream ended:
+    that is a broken stream, so it rejoins. It used to end with an InvalidStateError traceback."""
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--workers-per-process", "1",
+                      "--iterations", "1000000", "--step-timeout", "2")
+    logs = tmp_path / "run" / "logs"
+    try:
+        history = tmp_path / "run" / "history.jsonl"
+        deadline = time.monotonic() + 120
+        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        victim, = [p for p in descendants(launcher.pid)
+                   if os.path.realpath(f"/proc/{p}/fd/1") == str(logs / "worker-1.log")]
+        for pause in (1, 2):  # (twice: it failed only when the pause caught the worker holding a batch)
+            os.kill(victim, signal.SIGSTOP)
+            deadline = time.monotonic() + 60
+            while (logs / "server.log").read_text().count("dropping worker-1") < pause:
+                assert time.monotonic() < deadline, (logs / "server.log").read_text()
+                time.sleep(0.2)
+            time.sleep(1)  # the stream's end waits for it
+            os.kill(victim, signal.SIGCONT)
+            deadline = time.monotonic() + 60
+            while (logs / "server.log").read_text().count("worker-1 joined") < 1 + pause:  # back in the run
+                assert alive(victim) and time.monotonic() < deadline, (logs / "worker-1.log").read_text()
+                time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        kill_everything(launcher, set())
+    worker_log = (logs / "worker-1.log").read_text()
+    assert "Traceback" not in worker_log and "lost the server" in worker_log, worker_log
+    assert "worker-1 exited" not in err, err  # it never left: told nothing
+    assert launcher.returncode == 128 + signal.SIGTERM
+
+
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
     from mdgan import cli
 

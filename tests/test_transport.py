@@ -217,6 +217,34 @@ def test_joins_beyond_those_in_progress_are_told_to_retry_and_a_worker_does(capl
     assert joined == [0]
 
 
+def test_an_answer_to_a_stream_the_server_has_ended_is_a_broken_stream():
+    # A worker paused past its deadline (SIGSTOP, a frozen VM) steps, when it wakes, on the batch it
+    # had, and answers on a stream the server ended meanwhile. grpc.aio raises InvalidStateError for
+    # that; it ended the worker with a traceback, where a broken stream makes it rejoin.
+    from services.worker.algorithms.base import StreamBroken
+
+    class EndsAtOnce(coordinator_pb2_grpc.CoordinatorServicer):
+        async def Train(self, request_iterator, context):
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details("dropped")
+
+    shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
+
+    async def scenario():
+        server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(EndsAtOnce(), s))
+        node = WorkerNode(f"127.0.0.1:{port}", "127.0.0.1:9", shard=shard)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
+                assert await call.code() == grpc.StatusCode.UNAVAILABLE  # the stream has ended
+                with pytest.raises(StreamBroken, match="the server dropped us or is gone.*UNAVAILABLE dropped"):
+                    await node.write(call, pb.WorkerMessage(feedback=pb.Feedback(iteration=3)))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
 def test_peer_service_checks_every_pushed_discriminator():
     config = TrainingConfig(workers=2, batch_size=B).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)

@@ -142,8 +142,16 @@ class WorkerNode:
         return store.holding("worker") if store else []
 
     async def write(self, call, message: pb.WorkerMessage) -> None:
-        async with self._write_lock:
-            await call.write(message)
+        try:
+            async with self._write_lock:
+                await call.write(message)
+        except asyncio.InvalidStateError:
+            # The server ended the stream while we stepped on a batch it had sent: it dropped us (we
+            # were paused past its deadline) or it is gone. A broken stream, as if found by a read:
+            # reconnect and rejoin (before, the worker ended with a traceback).
+            code = await call.code()
+            raise StreamBroken(f"the stream ended before our answer was sent (the server dropped us or is gone): "
+                               f"{code.name} {await call.details()}") from None
         kind, payload = self._traffic(message.WhichOneof("body"), message)
         self.telemetry.count("worker_to_server", kind, "sender", message, payload)
 
