@@ -54,16 +54,33 @@ def _atomic_write(path: str, write) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # name the file (a full disk says only ENOSPC)
+            raise OSError(exc.errno, exc.strerror or str(exc), path) from None
         raise
     _fsync_dir(folder)
 
 
+def _torch_save(obj, fh) -> None:
+    try:
+        torch.save(obj, fh)
+    except RuntimeError as exc:
+        # A write that failed (a full disk, a quota) ends in torch's own RuntimeError ("unexpected
+        # pos ..."), the OSError as its context: the OSError is what happened, and what callers expect.
+        if isinstance(exc.__context__, OSError):
+            raise exc.__context__ from None
+        raise
+
+
 def atomic_save(obj, path: str) -> None:
     """torch.save, atomically."""
-    _atomic_write(path, lambda fh: torch.save(obj, fh))
+    _atomic_write(path, lambda fh: _torch_save(obj, fh))
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    _atomic_write(path, lambda fh: fh.write(data))
 
 
 def atomic_write_json(path: str, obj) -> None:

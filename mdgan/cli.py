@@ -210,6 +210,12 @@ def _become_service(log_path: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # tqdm's default lock is a multiprocessing semaphore, registered with the launcher's resource
+    # tracker: a service killed outright could not unregister it, and the tracker warned of a "leaked
+    # semaphore" as `mdgan local` ended. A service shows no bar; a thread lock does.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _run_service(module: str, argv: list[str], log_path: str) -> None:
@@ -312,10 +318,9 @@ class LocalCluster:
 
     def write_targets(self, groups: list[dict]) -> None:
         """metrics_targets.json, replaced atomically (Prometheus may read it at any moment)."""
-        path = os.path.join(self.out, "metrics_targets.json")
-        with open(path + ".tmp", "w") as fh:
-            json.dump(groups, fh, indent=2)
-        os.replace(path + ".tmp", path)
+        from mdgan.checkpoint import atomic_write_json
+
+        atomic_write_json(os.path.join(self.out, "metrics_targets.json"), groups)
 
     def _metrics_flags(self, name: str, port: int) -> list[str]:
         return ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
@@ -545,7 +550,10 @@ class LocalCluster:
         """Wait for every service to end (up to `grace` s; at once with terminate=True they are sent
         SIGTERM first); then SIGTERM, and SIGKILL 5 s later, whatever is still running."""
         if os.path.exists(os.path.join(self.out, "metrics_targets.json")):
-            self.write_targets([])  # the processes are gone: nothing left to scrape
+            try:
+                self.write_targets([])  # the processes are gone: nothing left to scrape
+            except OSError as exc:  # (a full disk): the processes must be stopped all the same
+                print(f"mdgan local: {exc}", file=sys.stderr)
         if terminate:
             self._signal_all(signal.SIGTERM)
         for escalate, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0), (None, 5.0)):
@@ -664,10 +672,12 @@ def cmd_local(args) -> int:
 def _run_local(args) -> int:
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    terminate = False
+    terminate = server_failed = False
     try:
         server = cluster.start()
         code = cluster.follow(server)
+        # A server that failed stopped no worker: they would try to reconnect until the grace ran out.
+        server_failed = code != 0
     except Terminated as exc:
         print(f"mdgan local: {exc}: stopping the cluster", file=sys.stderr)
         code, terminate = 128 + exc.signum, True
@@ -679,15 +689,17 @@ def _run_local(args) -> int:
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
         try:
-            codes = cluster.stop(grace=10.0 if terminate else 30.0, terminate=terminate)
+            codes = cluster.stop(grace=10.0 if terminate or server_failed else 30.0,
+                                 terminate=terminate or server_failed)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     if code != 0:
         if not terminate:
-            print(f"mdgan local: the server exited with {code}; the end of its log:\n"
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+            print(f"mdgan local: the server {how}; the end of its log:\n"
                   f"{_log_tail(cluster.log_path('server'))}\nlogs in {cluster.logs}", file=sys.stderr)
-        return code or 1
+        return code if code > 0 else 1  # (a signal's negative code is no exit status)
     with open(os.path.join(cluster.out, "summary.json")) as fh:
         summary = json.load(fh)
     summary["mode"] = "local"

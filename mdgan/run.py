@@ -132,6 +132,17 @@ def make_evaluator(generator_side: GeneratorSide, data_root: str | None, every: 
     return PeriodicEvaluator(scorer, generator_side, every, samples)
 
 
+def _append_line(fh, line: str) -> None:
+    """One line, flushed (`tail -f` sees it); a failed write (a full disk) names the file."""
+    try:
+        fh.write(line + "\n")
+        fh.flush()
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror or str(exc), fh.name) from None
+        raise
+
+
 class RunRecorder:
     """Writes history.jsonl and swaps.jsonl line by line (so `tail -f` works); drives the progress bar."""
 
@@ -167,8 +178,7 @@ class RunRecorder:
             if evaluations:  # the newest flat (for plain readers) and all of them, none lost
                 row.update(evaluations[-1])
                 row["evaluations"] = evaluations
-        self._history.write(json.dumps(row) + "\n")
-        self._history.flush()
+        _append_line(self._history, json.dumps(row))
         self._bar.update(1)
         if not self._bar.disable:  # (formatting the postfix costs even when no bar is shown)
             self._bar.set_postfix(workers=record.active_workers, g=f"{record.gen_loss:.3f}",
@@ -176,8 +186,7 @@ class RunRecorder:
 
     def swap(self, record: dict) -> None:
         """One line per swap round: the plan (sender -> receiver) and what each worker reported."""
-        self._swaps.write(json.dumps(record) + "\n")
-        self._swaps.flush()
+        _append_line(self._swaps, json.dumps(record))
 
     def state_dict(self) -> dict:
         return {"evaluator": self.evaluator.state_dict() if self.evaluator is not None else None}
@@ -200,8 +209,11 @@ class RunRecorder:
             self._finish(iteration)
         wall -= self._eval_seconds
         self._bar.close()
-        self._history.close()
-        self._swaps.close()
+        for fh in (self._history, self._swaps):
+            try:  # (what a failed write left in the buffer is written again here)
+                fh.close()
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror or str(exc), fh.name) from None
         return wall
 
     @property

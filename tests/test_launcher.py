@@ -311,6 +311,34 @@ def test_a_worker_paused_past_its_deadline_rejoins_when_it_wakes(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM
 
 
+def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(tmp_path):
+    # The launcher waited the 30 s grace for workers that were only trying to reconnect, said "the
+    # server exited with -9", exited with status 247 (-9 given to sys.exit), and the resource tracker
+    # warned of a semaphore leaked by the server (tqdm's lock).
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
+    pids: set[int] = set()
+    try:
+        history = tmp_path / "run" / "history.jsonl"
+        deadline = time.monotonic() + 120
+        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        pids = descendants(launcher.pid)
+        server, = [p for p in pids if os.path.realpath(f"/proc/{p}/fd/1") == str(tmp_path / "run" / "logs" /
+                                                                                   "server.log")]
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = launcher.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        kill_everything(launcher, pids)
+    assert launcher.returncode == 1, err
+    assert err.startswith("mdgan local: the server was killed by SIGKILL; the end of its log:"), err
+    assert "leaked" not in err and "Traceback" not in err, err
+    assert took < 20, took  # not the 30 s grace given to workers of a server that ended well
+    assert not [p for p in pids if alive(p)]
+
+
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
     from mdgan import cli
 

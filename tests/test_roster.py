@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from mdgan import checkpoint
+from mdgan import run as run_module
 from mdgan.checkpoint import CheckpointError, CheckpointStore
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
@@ -124,6 +126,48 @@ def test_a_crash_mid_write_leaves_the_last_checkpoint_usable(tmp_path, monkeypat
         fh.truncate(20)
     with pytest.raises(CheckpointError, match="unreadable"):
         store.load(10, "server")
+
+
+class _DiskFullAfter:
+    """A file that takes `room` bytes, then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, fh, room: int):
+        self.fh, self.room = fh, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def test_a_full_disk_is_an_oserror_naming_the_file_and_the_last_checkpoint_stays(tmp_path, monkeypatch):
+    # torch.save ends a write that failed in its own RuntimeError ("unexpected pos ..."); the worker
+    # (which answers an OSError with "could not write state") died of it, the server with a traceback.
+    store = CheckpointStore(str(tmp_path), keep=3)
+    store.save(10, "server", {"weights": torch.zeros(1000)})
+    store.mark_complete(10, {})
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: _DiskFullAfter(real_fdopen(fd, mode), room=1500))
+    path = os.path.join(store.folder(20), "server.pt")
+    with pytest.raises(OSError) as raised:
+        store.save(20, "server", {"weights": torch.zeros(1000)})
+    assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, path)
+    assert "No space left on device" in str(raised.value) and path in str(raised.value)
+    with pytest.raises(OSError, match="No space left on device.*history.jsonl"):  # a run's own files too
+        run_module._append_line(_DiskFullAfter(open(tmp_path / "history.jsonl", "w"), room=0), "{}")
+    monkeypatch.undo()
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".tmp")]
+    assert store.latest_complete() == 10 and store.load(10, "server")["weights"].shape == (1000,)
 
 
 def test_history_is_truncated_to_whole_lines_up_to_the_checkpoint(tmp_path):

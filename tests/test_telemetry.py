@@ -39,3 +39,12 @@ def test_metrics_are_served_over_http_and_dumped(tmp_path):
     assert Telemetry("worker").serve(0) is None  # port 0 turns the endpoint off
     t.dump(str(tmp_path / "m" / "worker.prom"))
     assert "mdgan_iterations_total 3.0" in (tmp_path / "m" / "worker.prom").read_text()
+
+
+def test_a_dump_that_cannot_be_written_is_logged_not_raised(tmp_path, caplog):
+    # It runs in the services' `finally` as they stop: raising there hid why they stopped (the
+    # server's own error) and skipped stopping its gRPC server.
+    (tmp_path / "m").write_text("a file where the folder should be")
+    with caplog.at_level("ERROR", logger="services.common.telemetry"):
+        Telemetry("server").dump(str(tmp_path / "m" / "server.prom"))
+    assert "could not write the final metrics" in caplog.text and "server.prom" in caplog.text

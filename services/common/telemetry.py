@@ -16,11 +16,11 @@ gradients, discriminator states); `*_message_bytes_total` counts whole serialize
 from __future__ import annotations
 
 import logging
-import os
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
                                start_http_server)
 
+from mdgan.checkpoint import atomic_write_bytes
 from mdgan.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -136,13 +136,15 @@ class Telemetry:
         return generate_latest(self.registry)
 
     def dump(self, path: str | None) -> None:
-        """Write the current exposition to a file (the run's record of this process)."""
+        """Write the current exposition to a file (the run's record of this process). A failure (a
+        full disk) is logged, not raised: this runs as the service stops, in a `finally`, and must
+        neither hide why it stops nor keep its gRPC server from being stopped."""
         if not path:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "wb") as fh:
-            fh.write(self.exposition())
-        os.replace(path + ".tmp", path)
+        try:
+            atomic_write_bytes(path, self.exposition())
+        except OSError as exc:
+            log.error("could not write the final metrics to %s: %s", path, exc)
 
 
 def counter_total(counter: Counter, **labels: str) -> int:
