@@ -233,6 +233,11 @@ def _run_worker_group(members: list, log_path: str, status_path: str) -> None:
     sys.exit(group.main(members, status_path))
 
 
+def _how_it_ended(exitcode: int) -> str:
+    """A process's exit code in words (multiprocessing gives -N for a death by signal N)."""
+    return f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with code {exitcode}"
+
+
 def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     try:
         with open(path, errors="replace") as fh:
@@ -426,8 +431,8 @@ class LocalCluster:
                                         f"{_log_tail(self.log_path(member))}")
             if process.exitcode not in (None, 0):
                 code = process.exitcode
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                raise ServiceFailed(f"{name} {how} before the run started; the end of {self.log_path(name)}:\n"
+                raise ServiceFailed(f"{name} {_how_it_ended(code)} before the run started; the end of "
+                                    f"{self.log_path(name)}:\n"
                                     f"{_log_tail(self.log_path(name))}")
 
     def departures(self, iteration: int | None) -> list[str]:
@@ -439,7 +444,7 @@ class LocalCluster:
         lines = []
 
         def tell(worker: str, how: str, log_name: str) -> None:
-            last = _log_tail(self.log_path(log_name), 1) if not how.startswith("was killed") else ""
+            last = "" if how.startswith("was killed") else _log_tail(self.log_path(log_name), 1)
             lines.append(f"{worker} {how} {when}; the run goes on with the other workers "
                          f"(log: {self.log_path(log_name)}){': ' + last if last else ''}")
 
@@ -455,7 +460,7 @@ class LocalCluster:
             if code in (None, 0) or name in self._reported:
                 continue
             self._reported.add(name)
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            how = _how_it_ended(code)
             if not members:
                 tell(name, how, name)
                 continue
@@ -696,8 +701,7 @@ def _run_local(args) -> int:
                 signal.signal(sig, handler)
     if code != 0:
         if not terminate:
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
-            print(f"mdgan local: the server {how}; the end of its log:\n"
+            print(f"mdgan local: the server {_how_it_ended(code)}; the end of its log:\n"
                   f"{_log_tail(cluster.log_path('server'))}\nlogs in {cluster.logs}", file=sys.stderr)
         return code if code > 0 else 1  # (a signal's negative code is no exit status)
     with open(os.path.join(cluster.out, "summary.json")) as fh:

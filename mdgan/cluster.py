@@ -46,7 +46,8 @@ SWAP, COPY = "swap", "copy"
 @dataclass(frozen=True)
 class SwapOrder:
     """A swap (send yours to send_to, take receive_from's), or a one-way copy to a late joiner
-    (kind COPY: the donor has only send_to, the joiner only receive_from; round = the iteration)."""
+    (kind COPY: the donor has only send_to, the joiner only receive_from; round = the boundary's
+    iteration, or above it for a copy tried again: each attempt has a number of its own)."""
 
     swap_round: int
     send_to: str  # worker id that receives this worker's discriminator ("" : send nothing)
@@ -79,8 +80,8 @@ class WorkerHandle(abc.ABC):
         """Send this worker's D to order.send_to and install the one from order.receive_from."""
 
     @abc.abstractmethod
-    async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
-        """`sender` left during the swap round: stop waiting for its discriminator."""
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
+        """`sender` left during the swap round (or the copy, kind COPY): stop waiting for its discriminator."""
 
     @abc.abstractmethod
     async def stop(self, reason: str) -> None:
@@ -186,8 +187,8 @@ class InProcessWorker(WorkerHandle):
         self.side.adopt(incoming)
         return SwapReport(order.swap_round, False, True, 0)
 
-    async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
-        self.board.deliver(swap_round, self.worker_id, sender, None)
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
+        self.board.deliver(-swap_round if kind == COPY else swap_round, self.worker_id, sender, None)
 
     async def checkpoint(self, iteration: int) -> str | None:
         if self.crashed:
@@ -318,6 +319,10 @@ class Trainer:
         self.save_checkpoint = save_checkpoint
         self.traffic = Traffic()
         self.swaps = 0
+        # The last copy order's number. A worker's copy mailbox takes each number once, so a copy tried
+        # again at the same boundary (its donor left) needs a new one: with the boundary's own number
+        # again, the joiner refused every later copy as too old, and the run stood at that boundary.
+        self._copy_round = 0
         self._counted_lost: set[WorkerHandle] = set()  # handles whose loss an iteration record counted
         self.rejections = 0
         self.completed = 0  # iterations done (the boundary the run stands at)
@@ -406,10 +411,21 @@ class Trainer:
                 joiner.needs_copy = False
                 continue
             donor = donors[i % len(donors)]
-            give = SwapOrder(t, joiner.worker_id, "", COPY)
-            take = SwapOrder(t, "", donor.worker_id, COPY)
-            reports = await asyncio.gather(with_deadline(donor.swap(give), self.swap_timeout),
-                                           with_deadline(joiner.swap(take), self.swap_timeout), return_exceptions=True)
+            self._copy_round = copy_round = max(t, self._copy_round + 1)
+            give = SwapOrder(copy_round, joiner.worker_id, "", COPY)
+            take = SwapOrder(copy_round, "", donor.worker_id, COPY)
+            giving = asyncio.ensure_future(with_deadline(donor.swap(give), self.swap_timeout))
+            taking = asyncio.ensure_future(with_deadline(joiner.swap(take), self.swap_timeout))
+            gave, = await asyncio.gather(giving, return_exceptions=True)
+            if isinstance(gave, (WorkerLost, asyncio.TimeoutError)):
+                # The donor left: nothing will come, and the joiner need not wait out the swap deadline
+                # (the run stands still meanwhile).
+                try:
+                    await joiner.cancel_swap(copy_round, donor.worker_id, str(gave) or "deadline", kind=COPY)
+                except WorkerLost:
+                    pass  # the joiner is gone too: its own report says so
+            took, = await asyncio.gather(taking, return_exceptions=True)
+            reports = (gave, took)
             for worker, report in zip((donor, joiner), reports):
                 if isinstance(report, (WorkerLost, asyncio.TimeoutError)):
                     await self._drop(worker, str(report) or "missed its copy deadline")

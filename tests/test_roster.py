@@ -13,6 +13,7 @@ import torch
 from mdgan import checkpoint
 from mdgan import run as run_module
 from mdgan.checkpoint import CheckpointError, CheckpointStore
+from mdgan.cluster import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle, WorkerLost
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from mdgan.run import EvaluationOptions, parse_churn, simulate
@@ -89,6 +90,63 @@ def test_rejoin_plans():
     assert roster.rejoin_plan([50, 100], 130) == RejoinPlan()  # mid-run, back after a blip: keep its D
     assert roster.rejoin_plan([50, 100], 0) == RejoinPlan(restore=100)  # restarted: its newest state
     assert roster.rejoin_plan([], 0) == RejoinPlan(copy=True)  # nothing of its own: a peer's copy
+
+
+class CopyPeer(WorkerHandle):
+    """A worker as the copy to a late joiner sees it: a donor that gives (or is lost), a joiner that takes."""
+
+    def __init__(self, index: int, lost: bool = False, needs_copy: bool = False):
+        self.worker_id, self.shard_index, self.shard_size = f"worker-{index}", index, 100
+        self.lost, self.needs_copy = lost, needs_copy
+        self.orders: list[SwapOrder] = []
+        self.cancels: list[tuple[int, str, str]] = []
+        self.inbox: dict[int, asyncio.Future] = {}  # a joiner's: copy round -> who sent it (None: cancelled)
+        self.peers: dict[str, "CopyPeer"] = {}
+
+    def _box(self, swap_round: int) -> asyncio.Future:
+        return self.inbox.setdefault(swap_round, asyncio.get_running_loop().create_future())
+
+    async def swap(self, order: SwapOrder) -> SwapReport:
+        self.orders.append(order)
+        if self.lost:
+            raise WorkerLost(f"{self.worker_id}: stream closed")
+        if order.send_to:  # the donor gives
+            self.peers[order.send_to]._box(order.swap_round).set_result(self.worker_id)
+            return SwapReport(order.swap_round, True, False, 1)
+        sender = await self._box(order.swap_round)  # the joiner waits for it
+        return SwapReport(order.swap_round, False, sender is not None, 0)
+
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
+        self.cancels.append((swap_round, sender, kind))
+        self._box(swap_round).set_result(None)
+
+    async def step(self, iteration, batch):
+        raise AssertionError("no step here")
+
+    async def stop(self, reason: str) -> None:
+        pass
+
+
+def test_a_copy_tried_again_at_a_boundary_has_a_new_number_and_a_lost_donor_ends_the_joiners_wait():
+    # The run stood at a boundary for good: the donor of a late joiner's copy died, the joiner waited
+    # out the swap deadline (the run standing still), and every later try at that boundary had the same
+    # number, which the joiner's mailbox refuses as too old.
+    config = TrainingConfig(workers=3, batch_size=10).validate()
+    lost, donor, joiner = CopyPeer(0, lost=True), CopyPeer(1), CopyPeer(2, needs_copy=True)
+    lost.peers = donor.peers = {joiner.worker_id: joiner}
+    trainer = Trainer(config, None, [lost, donor, joiner], swap_timeout=3600)
+
+    async def admit_twice():
+        await asyncio.wait_for(trainer._admit([joiner], 7), 30)  # not the hour of the swap deadline
+        assert joiner.needs_copy  # no copy: it waits for the next try
+        await asyncio.wait_for(trainer._admit([joiner], 7), 30)  # the same boundary (nobody else could step)
+
+    asyncio.run(admit_twice())
+    assert [o.swap_round for o in joiner.orders] == [7, 8]  # a new number for the second try
+    assert [o.receive_from for o in joiner.orders] == ["worker-0", "worker-1"]
+    assert joiner.cancels == [(7, "worker-0", COPY)]  # told at once that its donor left
+    assert not joiner.needs_copy and lost not in trainer.roster.members()
+    assert [(o.swap_round, o.send_to, o.kind) for o in donor.orders] == [(8, "worker-2", COPY)]
 
 
 def test_checkpoints_are_counted_only_when_complete_and_the_last_k_are_kept(tmp_path):

@@ -301,6 +301,56 @@ def test_peer_service_checks_every_pushed_discriminator():
     assert all(torch.equal(received[k], v) for k, v in state.items())
 
 
+def test_a_late_joiner_whose_donor_left_is_told_and_takes_the_next_copy_attempt():
+    # The joiner waited out the swap deadline for a donor that had died (the run standing still for
+    # it), then refused every later copy at that boundary as "too old": the server retried with the
+    # same number, and the run never passed that boundary.
+    config = TrainingConfig(workers=3, batch_size=B).validate()
+    shard = load_shard(DataConfig("synthetic", num_shards=3), 1)
+    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    state = DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=3), 2)).export_state()
+
+    async def push(swap_round: int, sender: str) -> grpc.StatusCode:
+        chunks = list(codec.state_chunks(state, swap_round, sender))
+        chunks[0].header.copy = True
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, 10)
+                return grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+    async def scenario():
+        nonlocal port
+        server, port = await _serve(lambda s: peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), s))
+        node.swap_timeout = 60.0
+        worker = node.algorithm = MDGANWorker(node, config, shard)
+        worker.copies.awaiting = True  # the welcome said: wait for a copy
+        try:
+            first = pb.SwapOrder(round=40, receive_from_worker="worker-0", kind="copy")
+            worker.copies.expect(40, "worker-0")
+            waiting = asyncio.create_task(worker._copy(first))
+            await asyncio.sleep(0.1)
+            await worker._on_swap_cancel(None, pb.SwapCancel(round=40, sender_worker="worker-0", reason="lost",
+                                                            copy=True))
+            cancelled = await asyncio.wait_for(waiting, 10)  # at once, not after the 60 s deadline
+            late = await push(40, "worker-0")  # that number is spent
+            second = pb.SwapOrder(round=41, receive_from_worker="worker-2", kind="copy")
+            worker.copies.expect(41, "worker-2")
+            taking = asyncio.create_task(worker._copy(second))
+            pushed = await push(41, "worker-2")
+            return cancelled, late, pushed, await asyncio.wait_for(taking, 10), worker.side.export_state()
+        finally:
+            await server.stop(None)
+
+    port = 0
+    cancelled, late, pushed, taken, adopted = asyncio.run(scenario())
+    assert not cancelled.received and cancelled.error == "worker-0 left before sending its copy"
+    assert late == grpc.StatusCode.FAILED_PRECONDITION
+    assert pushed == grpc.StatusCode.OK and taken.received and not taken.error
+    assert all(torch.equal(adopted[k], v) for k, v in state.items())
+
+
 async def _fake_flgan_worker(port: int):
     """An FL-GAN worker that sends back a generator of the wrong shape in round 1, then echoes the models."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -247,14 +247,16 @@ class CheckpointDone(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SwapCancel(_message.Message):
-    __slots__ = ("round", "sender_worker", "reason")
+    __slots__ = ("round", "sender_worker", "reason", "copy")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENDER_WORKER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     round: int
     sender_worker: str
     reason: str
-    def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    copy: bool
+    def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., reason: _Optional[str] = ..., copy: _Optional[bool] = ...) -> None: ...
 
 class SwapReport(_message.Message):
     __slots__ = ("round", "sent", "received", "sent_payload_bytes", "sent_message_bytes", "error")

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from mdgan.cluster import InputRejected, IterationRecord, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.cluster import COPY, SWAP, InputRejected, IterationRecord, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.config import TrainingConfig
 from mdgan.mdgan import StepResult, WorkerBatch
 from mdgan.run import ServerCheckpoints
@@ -103,9 +103,9 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         finally:
             self._checkpoints.pop(iteration, None)
 
-    async def cancel_swap(self, swap_round: int, sender: str, reason: str) -> None:
-        await self.connection.send(pb.ServerMessage(swap_cancel=pb.SwapCancel(round=swap_round, sender_worker=sender,
-                                                                              reason=reason)))
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
+        await self.connection.send(pb.ServerMessage(swap_cancel=pb.SwapCancel(
+            round=swap_round, sender_worker=sender, reason=reason, copy=kind == COPY)))
 
     # -- the worker's messages ---------------------------------------------------------------
     async def _on_feedback(self, feedback: pb.Feedback) -> None:

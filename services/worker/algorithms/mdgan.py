@@ -175,8 +175,9 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         self._swaps.difference_update([t for t in self._swaps if t.done()])
 
     async def _on_swap_cancel(self, call, cancel: pb.SwapCancel) -> None:
-        log.warning("swap %d: %s left (%s)", cancel.round, cancel.sender_worker, cancel.reason)
-        self.mailbox.deliver(cancel.round, cancel.sender_worker, None)
+        log.warning("%s %d: %s left (%s)", "copy" if cancel.copy else "swap", cancel.round, cancel.sender_worker,
+                    cancel.reason)
+        (self.copies if cancel.copy else self.mailbox).deliver(cancel.round, cancel.sender_worker, None)
 
     async def _swap_and_report(self, call, order: pb.SwapOrder) -> None:
         report = await self._swap(order)
@@ -197,7 +198,9 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             sender, incoming = await self.copies.collect(order.round, self.node.swap_timeout)
         except asyncio.TimeoutError:
             return pb.SwapReport(round=order.round, error=f"no copy from {order.receive_from_worker}")
-        if incoming is None or sender != (order.receive_from_identity or order.receive_from_worker):
+        if incoming is None:
+            return pb.SwapReport(round=order.round, error=f"{order.receive_from_worker} left before sending its copy")
+        if sender != (order.receive_from_identity or order.receive_from_worker):
             return pb.SwapReport(round=order.round, error=f"expected a copy from {order.receive_from_worker}, got {sender}")
         self.side.adopt(incoming)
         self.copies.awaiting = False
