@@ -207,6 +207,7 @@ def _become_service(log_path: str) -> None:
     # services in order; and a service dies with the fork server (itself tied to the launcher).
     os.setpgid(0, 0)
     scheduling.die_with_parent()
+    _release_fork_server()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -216,6 +217,27 @@ def _become_service(log_path: str) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+
+
+def _release_fork_server() -> None:
+    """Close this child's copy of the write end of the fork server's "alive" pipe.
+
+    The fork server exits when that pipe's write end is closed everywhere, which is how it learns
+    that the launcher is gone; but multiprocessing hands a copy to every child it forks (so a child
+    could start processes through it too, which services never do). With those copies open, a
+    launcher killed outright (SIGKILL, the OOM killer) left the fork server waiting, and with it every
+    service, which dies with the fork server (die_with_parent): the run went on, orphaned, to its end.
+    (`_forkserver_alive_fd` is multiprocessing's own, private but there since Python 3.4.)"""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
 
 
 def _run_service(module: str, argv: list[str], log_path: str) -> None:

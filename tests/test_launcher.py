@@ -339,6 +339,50 @@ def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(t
     assert not [p for p in pids if alive(p)]
 
 
+def session_members(session: int) -> list[int]:
+    """Live processes of a session (field 6 of /proc/PID/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_mdgan_local_killed_outright_leaves_no_process_behind(tmp_path):
+    # Every service holds a copy of the fork server's "alive" pipe (multiprocessing gives its children
+    # one), so the fork server did not see the launcher die, and the services, which die with the
+    # fork server, trained on, orphaned, to the end of the run.
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "4", "--iterations", "1000000")
+    pids: set[int] = set()
+    try:
+        history = tmp_path / "run" / "history.jsonl"
+        deadline = time.monotonic() + 120
+        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        pids = descendants(launcher.pid)
+        assert len(pids) >= 4  # the fork server, the server and two worker processes
+        launcher.kill()
+        launcher.wait()  # (not communicate(): the fork server shares its output pipes, open while it lives)
+        deadline = time.monotonic() + 60
+        while session_members(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = session_members(launcher.pid)
+    finally:
+        for pid in session_members(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+        kill_everything(launcher, pids)
+    assert left == []
+    # stopped as by a signal (SIGTERM from the kernel as its parent died), so the run can resume
+    assert "resume with --resume" in (tmp_path / "run" / "logs" / "server.log").read_text()
+
+
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
     from mdgan import cli
 
