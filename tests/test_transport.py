@@ -239,6 +239,16 @@ def test_an_answer_to_a_stream_the_server_has_ended_is_a_broken_stream():
                 assert await call.code() == grpc.StatusCode.UNAVAILABLE  # the stream has ended
                 with pytest.raises(StreamBroken, match="the server dropped us or is gone.*UNAVAILABLE dropped"):
                     await node.write(call, pb.WorkerMessage(feedback=pb.Feedback(iteration=3)))
+                # A swap's report, written by a task nobody awaits, ends quietly: the read loop reconnects.
+                worker = MDGANWorker(node, TrainingConfig(workers=2, batch_size=B).validate(), shard)
+
+                async def swapped(order):
+                    return pb.SwapReport(round=order.round, sent=True, received=True)
+
+                worker._swap = swapped
+                task = asyncio.create_task(worker._swap_and_report(call, pb.SwapOrder(round=2)))
+                await asyncio.wait_for(task, 10)
+                assert task.exception() is None
         finally:
             await server.stop(None)
 

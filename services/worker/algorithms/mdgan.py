@@ -19,7 +19,7 @@ from mdgan.mdgan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import peer_pb2_grpc
-from services.worker.algorithms.base import CONTROL, ServerGone, WorkerAlgorithm
+from services.worker.algorithms.base import CONTROL, ServerGone, StreamBroken, WorkerAlgorithm
 from services.worker.peer import CopyMailbox, PeerInbox, SwapMailbox, push_discriminator
 
 log = logging.getLogger("mdgan.worker")
@@ -181,7 +181,13 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
 
     async def _swap_and_report(self, call, order: pb.SwapOrder) -> None:
         report = await self._swap(order)
-        await self.node.write(call, pb.WorkerMessage(swap_report=report))
+        try:
+            await self.node.write(call, pb.WorkerMessage(swap_report=report))
+        except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            # The stream ended while we swapped (a swap takes up to the swap deadline): the read loop
+            # finds that out and reconnects. Raised here, in a task nobody awaits, it was logged as
+            # "Task exception was never retrieved", with a traceback.
+            log.info("swap %d: the report was not sent (%s)", order.round, exc)
 
     async def _copy(self, order: pb.SwapOrder) -> pb.SwapReport:
         """A one-way copy for a late joiner: we give ours (send_to set) or take one (receive_from set)."""
