@@ -15,6 +15,7 @@ Only files this program wrote are ever loaded; bytes from the network never go t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -43,22 +44,32 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def naming(path: str):
+    """An OSError raised inside with no file name (a failed write says only "No space left on
+    device") comes out with `path` as its file name."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), path) from None
+
+
 def _atomic_write(path: str, write) -> None:
     """write(fh) into a temporary file next to `path`, fsync it, rename it over `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with naming(path), os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException as exc:
+    except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(exc, OSError) and exc.filename is None:  # name the file (a full disk says only ENOSPC)
-            raise OSError(exc.errno, exc.strerror or str(exc), path) from None
         raise
     _fsync_dir(folder)
 

@@ -134,13 +134,9 @@ def make_evaluator(generator_side: GeneratorSide, data_root: str | None, every: 
 
 def _append_line(fh, line: str) -> None:
     """One line, flushed (`tail -f` sees it); a failed write (a full disk) names the file."""
-    try:
+    with checkpoint.naming(fh.name):
         fh.write(line + "\n")
         fh.flush()
-    except OSError as exc:
-        if exc.filename is None:
-            raise OSError(exc.errno, exc.strerror or str(exc), fh.name) from None
-        raise
 
 
 class RunRecorder:
@@ -210,10 +206,8 @@ class RunRecorder:
         wall -= self._eval_seconds
         self._bar.close()
         for fh in (self._history, self._swaps):
-            try:  # (what a failed write left in the buffer is written again here)
+            with checkpoint.naming(fh.name):  # (what a failed write left in the buffer is written again here)
                 fh.close()
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror or str(exc), fh.name) from None
         return wall
 
     @property
