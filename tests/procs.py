@@ -112,3 +112,18 @@ def wait_for_iterations(server: Proc, out: str | os.PathLike, count: int, timeou
         assert server.popen.poll() is None, server.log()
         time.sleep(0.05)
     return records
+
+
+def session_processes(session: int) -> list[int]:
+    """The live processes of a session (a command started with start_new_session: its pid)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":  # fields[3]: the session id
+                found.append(int(entry))
+    return found

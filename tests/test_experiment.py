@@ -12,6 +12,7 @@ from mdgan.config import ConfigError
 from mdgan.experiment import expand, load_config, run_experiment
 
 from conftest import REPO
+from procs import session_processes
 
 
 def _write(tmp_path, config: dict) -> str:
@@ -154,20 +155,6 @@ def test_pwgan_and_dpgan_runs_take_their_options_and_the_runs_table_compares_the
     assert float(rows["mdgan"]["server_to_worker_bytes_per_iteration"]) == 3 * 2 * 5 * 784 * 4  # Table III
 
 
-def _session_processes(session: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == session and fields[0] != "Z":  # fields[3]: the session id
-                found.append(int(entry))
-    return found
-
-
 @pytest.mark.parametrize("how", ["SIGTERM to the command", "Ctrl-C to its process group", "SIGKILL to the command"])
 def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
     # A SIGTERM or a Ctrl-C used to wait for the runs under way to finish (hours), or to print a
@@ -186,7 +173,7 @@ def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
-        while len(_session_processes(command.pid)) < 3:  # the command and its two runs' processes
+        while len(session_processes(command.pid)) < 3:  # the command and its two runs' processes
             assert command.poll() is None and time.monotonic() < deadline, command.communicate()
             time.sleep(0.2)
         time.sleep(3)  # the runs are training
@@ -206,9 +193,9 @@ def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
             assert err.strip().splitlines()[-1] in ("mdgan experiment: SIGTERM: stopped; run it again to resume",
                                                      "mdgan experiment: interrupted")
         deadline = time.monotonic() + 30
-        while _session_processes(command.pid) and time.monotonic() < deadline:
+        while session_processes(command.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _session_processes(command.pid) == []  # no run goes on behind it
+        assert session_processes(command.pid) == []  # no run goes on behind it
     finally:
-        for pid in _session_processes(command.pid):
+        for pid in session_processes(command.pid):
             os.kill(pid, signal.SIGKILL)

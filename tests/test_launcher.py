@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import REPO
+from procs import session_processes
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,22 @@ def launch(tmp_path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "mdgan.cli", "local", "--out", str(tmp_path / "run"),
                              "--no-progress", "--eval-every", "-1", *flags], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_until_training(launcher: subprocess.Popen, tmp_path, lines: int = 1) -> None:
+    """Until RUN/history.jsonl has `lines` lines: the run is under way."""
+    history = tmp_path / "run" / "history.jsonl"
+    deadline = time.monotonic() + 120
+    while not (history.exists() and history.read_text().count("\n") >= lines):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.1)
+
+
+def service_pid(launcher: subprocess.Popen, tmp_path, name: str) -> int:
+    """The process of `mdgan local` that writes RUN/logs/NAME.log (a service, or a process of workers)."""
+    log = str(tmp_path / "run" / "logs" / f"{name}.log")
+    found, = [p for p in descendants(launcher.pid) if os.path.realpath(f"/proc/{p}/fd/1") == log]
+    return found
 
 
 def kill_everything(launcher: subprocess.Popen, pids: set[int]) -> None:
@@ -88,11 +105,7 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
                       "--pin-workers", pin, "--threads", str(threads))
     pids: set[int] = set()
     try:
-        history = tmp_path / "run" / "history.jsonl"
-        deadline = time.monotonic() + 120
-        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.2)
+        wait_until_training(launcher, tmp_path)
         pids = descendants(launcher.pid)
         assert len(pids) >= 3  # the server and two worker processes (and the fork server they came from)
         services = [p for p in pids if parent(p) != launcher.pid]  # the fork server's children
@@ -254,14 +267,9 @@ def test_a_worker_killed_mid_run_is_told_and_the_run_ends_with_the_others(tmp_pa
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--workers-per-process", "1",
                       "--iterations", "600", "--swap-every", "1000000")
     try:
-        history, log = tmp_path / "run" / "history.jsonl", str(tmp_path / "run" / "logs" / "worker-1.log")
-        deadline = time.monotonic() + 120
-        while not (history.exists() and history.read_text().count("\n") >= 5):  # the run is under way
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
-        victim = [p for p in descendants(launcher.pid) if os.path.realpath(f"/proc/{p}/fd/1") == log]
-        assert len(victim) == 1
-        os.kill(victim[0], signal.SIGKILL)
+        log = str(tmp_path / "run" / "logs" / "worker-1.log")
+        wait_until_training(launcher, tmp_path, 5)
+        os.kill(service_pid(launcher, tmp_path, "worker-1"), signal.SIGKILL)
         _, err = launcher.communicate(timeout=300)
     finally:
         kill_everything(launcher, set())
@@ -282,13 +290,8 @@ def test_a_worker_paused_past_its_deadline_rejoins_when_it_wakes(tmp_path):
                       "--iterations", "1000000", "--step-timeout", "2")
     logs = tmp_path / "run" / "logs"
     try:
-        history = tmp_path / "run" / "history.jsonl"
-        deadline = time.monotonic() + 120
-        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
-        victim, = [p for p in descendants(launcher.pid)
-                   if os.path.realpath(f"/proc/{p}/fd/1") == str(logs / "worker-1.log")]
+        wait_until_training(launcher, tmp_path)
+        victim = service_pid(launcher, tmp_path, "worker-1")
         for pause in (1, 2):  # (twice: it failed only when the pause caught the worker holding a batch)
             os.kill(victim, signal.SIGSTOP)
             deadline = time.monotonic() + 60
@@ -318,15 +321,9 @@ def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(t
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
     pids: set[int] = set()
     try:
-        history = tmp_path / "run" / "history.jsonl"
-        deadline = time.monotonic() + 120
-        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
+        wait_until_training(launcher, tmp_path)
         pids = descendants(launcher.pid)
-        server, = [p for p in pids if os.path.realpath(f"/proc/{p}/fd/1") == str(tmp_path / "run" / "logs" /
-                                                                                   "server.log")]
-        os.kill(server, signal.SIGKILL)
+        os.kill(service_pid(launcher, tmp_path, "server"), signal.SIGKILL)
         killed = time.monotonic()
         _, err = launcher.communicate(timeout=120)
         took = time.monotonic() - killed
@@ -339,21 +336,6 @@ def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(t
     assert not [p for p in pids if alive(p)]
 
 
-def session_members(session: int) -> list[int]:
-    """Live processes of a session (field 6 of /proc/PID/stat)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == session and fields[0] != "Z":
-                found.append(int(entry))
-    return found
-
-
 def test_mdgan_local_killed_outright_leaves_no_process_behind(tmp_path):
     # Every service holds a copy of the fork server's "alive" pipe (multiprocessing gives its children
     # one), so the fork server did not see the launcher die, and the services, which die with the
@@ -361,21 +343,17 @@ def test_mdgan_local_killed_outright_leaves_no_process_behind(tmp_path):
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "4", "--iterations", "1000000")
     pids: set[int] = set()
     try:
-        history = tmp_path / "run" / "history.jsonl"
-        deadline = time.monotonic() + 120
-        while not (history.exists() and history.stat().st_size > 0):  # the run is under way
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
+        wait_until_training(launcher, tmp_path)
         pids = descendants(launcher.pid)
         assert len(pids) >= 4  # the fork server, the server and two worker processes
         launcher.kill()
         launcher.wait()  # (not communicate(): the fork server shares its output pipes, open while it lives)
         deadline = time.monotonic() + 60
-        while session_members(launcher.pid) and time.monotonic() < deadline:
+        while session_processes(launcher.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = session_members(launcher.pid)
+        left = session_processes(launcher.pid)
     finally:
-        for pid in session_members(launcher.pid):
+        for pid in session_processes(launcher.pid):
             os.kill(pid, signal.SIGKILL)
         kill_everything(launcher, pids)
     assert left == []
