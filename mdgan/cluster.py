@@ -417,11 +417,12 @@ class Trainer:
             giving = asyncio.ensure_future(with_deadline(donor.swap(give), self.swap_timeout))
             taking = asyncio.ensure_future(with_deadline(joiner.swap(take), self.swap_timeout))
             gave, = await asyncio.gather(giving, return_exceptions=True)
-            if isinstance(gave, (WorkerLost, asyncio.TimeoutError)):
-                # The donor left: nothing will come, and the joiner need not wait out the swap deadline
-                # (the run stands still meanwhile).
+            if isinstance(gave, (WorkerLost, asyncio.TimeoutError)) or (isinstance(gave, SwapReport) and not gave.sent):
+                # The donor left, or its push failed: nothing will come, and the joiner need not wait
+                # out the swap deadline (the run stands still meanwhile).
+                why = gave.error if isinstance(gave, SwapReport) else str(gave) or "deadline"
                 try:
-                    await joiner.cancel_swap(copy_round, donor.worker_id, str(gave) or "deadline", kind=COPY)
+                    await joiner.cancel_swap(copy_round, donor.worker_id, why or "nothing sent", kind=COPY)
                 except WorkerLost:
                     pass  # the joiner is gone too: its own report says so
             took, = await asyncio.gather(taking, return_exceptions=True)

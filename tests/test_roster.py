@@ -95,9 +95,9 @@ def test_rejoin_plans():
 class CopyPeer(WorkerHandle):
     """A worker as the copy to a late joiner sees it: a donor that gives (or is lost), a joiner that takes."""
 
-    def __init__(self, index: int, lost: bool = False, needs_copy: bool = False):
+    def __init__(self, index: int, lost: bool = False, needs_copy: bool = False, push_fails: bool = False):
         self.worker_id, self.shard_index, self.shard_size = f"worker-{index}", index, 100
-        self.lost, self.needs_copy = lost, needs_copy
+        self.lost, self.needs_copy, self.push_fails = lost, needs_copy, push_fails
         self.orders: list[SwapOrder] = []
         self.cancels: list[tuple[int, str, str]] = []
         self.inbox: dict[int, asyncio.Future] = {}  # a joiner's: copy round -> who sent it (None: cancelled)
@@ -110,6 +110,8 @@ class CopyPeer(WorkerHandle):
         self.orders.append(order)
         if self.lost:
             raise WorkerLost(f"{self.worker_id}: stream closed")
+        if order.send_to and self.push_fails:  # alive, but its push did not get through
+            return SwapReport(order.swap_round, False, False, 0, f"push to {order.send_to} failed: UNAVAILABLE")
         if order.send_to:  # the donor gives
             self.peers[order.send_to]._box(order.swap_round).set_result(self.worker_id)
             return SwapReport(order.swap_round, True, False, 1)
@@ -147,6 +149,16 @@ def test_a_copy_tried_again_at_a_boundary_has_a_new_number_and_a_lost_donor_ends
     assert joiner.cancels == [(7, "worker-0", COPY)]  # told at once that its donor left
     assert not joiner.needs_copy and lost not in trainer.roster.members()
     assert [(o.swap_round, o.send_to, o.kind) for o in donor.orders] == [(8, "worker-2", COPY)]
+
+
+def test_a_copy_whose_push_failed_ends_the_joiners_wait_and_the_donor_stays():
+    config = TrainingConfig(workers=2, batch_size=10).validate()
+    donor, joiner = CopyPeer(0, push_fails=True), CopyPeer(1, needs_copy=True)
+    donor.peers = {joiner.worker_id: joiner}
+    trainer = Trainer(config, None, [donor, joiner], swap_timeout=3600)
+    asyncio.run(asyncio.wait_for(trainer._admit([joiner], 3), 30))  # not the hour of the swap deadline
+    assert joiner.cancels == [(3, "worker-0", COPY)] and joiner.needs_copy
+    assert donor in trainer.roster.members()  # alive: it may give the copy at the next boundary
 
 
 def test_checkpoints_are_counted_only_when_complete_and_the_last_k_are_kept(tmp_path):

@@ -205,7 +205,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         except asyncio.TimeoutError:
             return pb.SwapReport(round=order.round, error=f"no copy from {order.receive_from_worker}")
         if incoming is None:
-            return pb.SwapReport(round=order.round, error=f"{order.receive_from_worker} left before sending its copy")
+            return pb.SwapReport(round=order.round, error=f"no copy from {order.receive_from_worker}: the server "
+                                                          "called it off (the donor left, or its push failed)")
         if sender != (order.receive_from_identity or order.receive_from_worker):
             return pb.SwapReport(round=order.round, error=f"expected a copy from {order.receive_from_worker}, got {sender}")
         self.side.adopt(incoming)
