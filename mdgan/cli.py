@@ -448,7 +448,7 @@ class LocalCluster:
                 continue
             for member, code in self.member_codes(name).items():
                 if code not in (None, 0):
-                    raise ServiceFailed(f"{member} (in process {name}) exited with code {code} before the run "
+                    raise ServiceFailed(f"{member} (in process {name}) {_how_it_ended(code)} before the run "
                                         f"started; the end of {self.log_path(member)}:\n"
                                         f"{_log_tail(self.log_path(member))}")
             if process.exitcode not in (None, 0):
@@ -465,9 +465,9 @@ class LocalCluster:
         when = f"at iteration {iteration}" if iteration else "after the start"
         lines = []
 
-        def tell(worker: str, how: str, log_name: str) -> None:
-            last = "" if how.startswith("was killed") else _log_tail(self.log_path(log_name), 1)
-            lines.append(f"{worker} {how} {when}; the run goes on with the other workers "
+        def tell(worker: str, code: int, log_name: str) -> None:
+            last = _log_tail(self.log_path(log_name), 1) if code > 0 else ""  # (a signal leaves no error line)
+            lines.append(f"{worker} {_how_it_ended(code)} {when}; the run goes on with the other workers "
                          f"(log: {self.log_path(log_name)}){': ' + last if last else ''}")
 
         for name, process in self.processes:
@@ -477,19 +477,18 @@ class LocalCluster:
             for member, code in members.items():  # a worker of several that ended by itself
                 if code not in (None, 0) and member not in self._reported:
                     self._reported.add(member)
-                    tell(f"{member} (in process {name})", f"exited with code {code}", member)
+                    tell(f"{member} (in process {name})", code, member)
             code = process.exitcode
             if code in (None, 0) or name in self._reported:
                 continue
             self._reported.add(name)
-            how = _how_it_ended(code)
             if not members:
-                tell(name, how, name)
+                tell(name, code, name)
                 continue
             with_it = [m for m in members if m not in self._reported]  # ended with their process
             self._reported.update(with_it)
             if with_it:
-                tell(f"process {name} ({', '.join(with_it)})", how, name)
+                tell(f"process {name} ({', '.join(with_it)})", code, name)
         return lines
 
     def member_codes(self, process_name: str) -> dict[str, int | None]:
@@ -699,12 +698,12 @@ def cmd_local(args) -> int:
 def _run_local(args) -> int:
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    terminate = server_failed = False
+    terminate = stop_now = False  # terminate: a signal, or a failure before the start (both said already)
     try:
         server = cluster.start()
         code = cluster.follow(server)
         # A server that failed stopped no worker: they would try to reconnect until the grace ran out.
-        server_failed = code != 0
+        stop_now = code != 0
     except Terminated as exc:
         print(f"mdgan local: {exc}: stopping the cluster", file=sys.stderr)
         code, terminate = 128 + exc.signum, True
@@ -715,9 +714,9 @@ def _run_local(args) -> int:
         # A second signal while we stop must not leave processes behind: stop() runs to the end.
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
+        now = terminate or stop_now
         try:
-            codes = cluster.stop(grace=10.0 if terminate or server_failed else 30.0,
-                                 terminate=terminate or server_failed)
+            codes = cluster.stop(grace=10.0 if now else 30.0, terminate=now)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

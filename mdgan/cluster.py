@@ -172,8 +172,13 @@ class InProcessWorker(WorkerHandle):
         packed = compression.pack_state(self.side.export_state(), wire)
         return compression.unpack_state(packed, self.side.state_layout(), wire), compression.state_nbytes(packed)
 
+    @staticmethod
+    def _mailbox(swap_round: int, kind: str) -> int:
+        """The board's key: copies have their own mailboxes, apart from swap rounds."""
+        return -swap_round if kind == COPY else swap_round
+
     async def _copy(self, order: SwapOrder) -> SwapReport:
-        key = -order.swap_round  # copies have their own mailboxes, apart from swap rounds
+        key = self._mailbox(order.swap_round, COPY)
         if order.send_to:
             state, sent = self._outgoing_state()
             self.board.deliver(key, order.send_to, self.worker_id, state)
@@ -188,7 +193,7 @@ class InProcessWorker(WorkerHandle):
         return SwapReport(order.swap_round, False, True, 0)
 
     async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
-        self.board.deliver(-swap_round if kind == COPY else swap_round, self.worker_id, sender, None)
+        self.board.deliver(self._mailbox(swap_round, kind), self.worker_id, sender, None)
 
     async def checkpoint(self, iteration: int) -> str | None:
         if self.crashed:
@@ -417,12 +422,16 @@ class Trainer:
             giving = asyncio.ensure_future(with_deadline(donor.swap(give), self.swap_timeout))
             taking = asyncio.ensure_future(with_deadline(joiner.swap(take), self.swap_timeout))
             gave, = await asyncio.gather(giving, return_exceptions=True)
-            if isinstance(gave, (WorkerLost, asyncio.TimeoutError)) or (isinstance(gave, SwapReport) and not gave.sent):
-                # The donor left, or its push failed: nothing will come, and the joiner need not wait
-                # out the swap deadline (the run stands still meanwhile).
-                why = gave.error if isinstance(gave, SwapReport) else str(gave) or "deadline"
+            # The donor left, or its push failed: nothing will come, and the joiner need not wait out
+            # the swap deadline (the run stands still meanwhile).
+            why = None
+            if isinstance(gave, (WorkerLost, asyncio.TimeoutError)):
+                why = str(gave) or "deadline"
+            elif isinstance(gave, SwapReport) and not gave.sent:
+                why = gave.error or "nothing sent"
+            if why is not None:
                 try:
-                    await joiner.cancel_swap(copy_round, donor.worker_id, why or "nothing sent", kind=COPY)
+                    await joiner.cancel_swap(copy_round, donor.worker_id, why, kind=COPY)
                 except WorkerLost:
                     pass  # the joiner is gone too: its own report says so
             took, = await asyncio.gather(taking, return_exceptions=True)

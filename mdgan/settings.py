@@ -23,6 +23,16 @@ def env_name(dest: str) -> str:
     return ENV_PREFIX + dest.upper()
 
 
+def _shown_default(action: argparse.Action) -> str:
+    """' (default: X)' for help: the built-in default (a variable's applies when parsing). Nothing for
+    a flag, an empty or absent default (0 is shown), or a help text that already says it."""
+    default = action.default
+    if action.nargs == 0 or default is None or default is False or default is argparse.SUPPRESS \
+            or default in ("", [], ()) or "default" in (action.help or ""):
+        return ""
+    return f" (default: {str(default).replace('%', '%%')})"  # (help is %-formatted)
+
+
 class EnvArgumentParser(argparse.ArgumentParser):
     """argparse, where every option's default may come from its MDGAN_* variable.
 
@@ -36,12 +46,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 continue
             action._env_applied = True
             name = env_name(action.dest)
-            # the built-in default (a variable's is applied below); 0 is shown, an empty value is not
-            shown = not (action.default is None or action.default is False or action.default in ("", [], ())
-                         or action.default == argparse.SUPPRESS or action.nargs == 0
-                         or "default" in (action.help or ""))
-            default = f" (default: {str(action.default).replace('%', '%%')})" if shown else ""
-            action.help = f"{action.help or ''}{default} [env {name}]".strip()
+            action.help = f"{action.help or ''}{_shown_default(action)} [env {name}]".strip()
             if name not in os.environ:
                 continue
             raw = os.environ[name]
