@@ -579,6 +579,33 @@ class Trainer:
         self._last_checkpoint = t
         return wrote_all
 
+    def _save_final(self, t: int) -> None:
+        """The run's end on disk before any worker hears of it. Told the run is finished, a worker
+        forgets it and leaves; a server killed after telling them, before writing its outputs, resumes
+        from here (`finished`) with nothing left to train, instead of waiting for workers that are gone.
+        The workers need not save: nothing will ever train their discriminators again."""
+        if not (self.checkpoint_every and self.save_checkpoint is not None) or self._last_checkpoint == t:
+            return
+        self.checkpoint_started = time.perf_counter()
+        self.save_checkpoint(t, True)
+        self._last_checkpoint = t
+
+    @property
+    def finished(self) -> bool:
+        """Every iteration of the run is done (resumed from its final checkpoint, or run to the end)."""
+        return self.completed >= self.config.iterations
+
+    async def wait_to_finish(self, timeout: float) -> None:
+        """Resumed from the final checkpoint: give the workers of that checkpoint `timeout` seconds to
+        come back, so that those who never heard of the end are told (run() tells whoever is in);
+        those who heard it have left, and are not waited for longer."""
+        roster = self.roster
+        if not await roster.wait_for(roster.start_quorum, timeout, roster.expected):
+            log.info("the run had finished: %d of the workers of its final checkpoint came back within %.0f s "
+                     "to hear it (the others had heard it already, or will find no server)",
+                     len(roster.alive()), timeout)
+        roster.started = True
+
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> RunResult:
         if not self.roster.started:
@@ -616,6 +643,8 @@ class Trainer:
                 self.on_iteration(last)
             if self.checkpoint_every and t % self.checkpoint_every == 0 and t < self.config.iterations:
                 await self.checkpoint(t)
+        if stopped is None and not self.stop_requested:
+            self._save_final(t)
         alive = self.roster.alive()
         if not self.stop_requested:  # a stopped server leaves its workers to reconnect to its successor
             for worker in alive:

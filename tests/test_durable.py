@@ -156,6 +156,30 @@ def test_a_worker_killed_and_restarted_rejoins_the_run(cluster_factory):
     _assert_history_whole(c.history())
 
 
+def test_a_server_killed_after_telling_its_workers_the_run_is_over_resumes_only_to_write_its_outputs(
+        cluster_factory):
+    # Found by the chaos test: told the run is over, the workers forget it and leave; the server, killed
+    # before its outputs, resumed from its last periodic checkpoint and waited its join timeout for them.
+    total = CHECKPOINT_EVERY * 2 + 20  # the end is not a periodic checkpoint
+    c = cluster_factory()
+    c.start_server("--iterations", str(total))
+    for i in range(N):
+        c.start_worker(i)
+    assert c.server.wait(240) == 0, c.server.log()
+    for worker in c.workers.values():
+        assert worker.wait(60) == 0, worker.log()
+    first = read_json(os.path.join(c.out, "summary.json"))
+    for name in ("summary.json", "samples.png", "checkpoint.pt"):  # what that kill leaves: no outputs yet
+        os.remove(os.path.join(c.out, name))
+    c.start_server("--resume", "auto", "--iterations", str(total), "--join-timeout", "300")
+    assert c.server.wait(90) == 0, c.server.log()  # not the join timeout
+    summary = read_json(os.path.join(c.out, "summary.json"))
+    assert summary["resumed_from"] == total and summary["iterations"] == total
+    assert summary["run_id"] == first["run_id"] and summary["generator_sha256"] == first["generator_sha256"]
+    assert os.path.exists(os.path.join(c.out, "samples.png"))
+    _assert_history_whole(c.history(), total)
+
+
 def test_chaos_every_run_finishes(cluster_factory):
     """Random SIGKILLs of workers and of the server, each restarted after a moment: every run ends
     with a summary of all its iterations within BOUND seconds."""

@@ -161,6 +161,50 @@ def test_a_copy_whose_push_failed_ends_the_joiners_wait_and_the_donor_stays():
     assert donor in trainer.roster.members()  # alive: it may give the copy at the next boundary
 
 
+class Listener(CopyPeer):
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.told: list[str] = []
+
+    async def stop(self, reason: str) -> None:
+        self.told.append(reason)
+
+    async def checkpoint(self, iteration: int) -> None:
+        return None  # saved
+
+
+def test_the_end_is_saved_before_any_worker_hears_it_and_a_server_resumed_there_only_tells_who_comes_back():
+    # A worker told the run is over forgets it and leaves: a server killed after telling them, before
+    # its outputs, resumed from its last periodic checkpoint and waited (the join timeout) for workers
+    # that would never come back.
+    config = TrainingConfig(workers=2, batch_size=10, iterations=4).validate()
+    saved, told_at_save = [], []
+    workers = [Listener(0), Listener(1)]
+    first = Trainer(config, None, workers, checkpoint_every=3, save_checkpoint=lambda t, ok: (
+        saved.append((t, ok)), told_at_save.append([list(w.told) for w in workers])))
+    first.iteration = lambda t: asyncio.sleep(0)  # the math is not what this is about
+    asyncio.run(first.run())
+    assert saved == [(3, True), (4, True)]  # the periodic one, then the end (not a multiple of 3)
+    assert told_at_save[-1] == [[], []]  # saved before anyone was told
+    assert [w.told for w in workers] == [["run finished"]] * 2
+
+    # resumed from that end: one worker had heard it and left, the other comes back a moment later
+    roster = Roster(2)
+    resumed = Trainer(config, None, roster=roster, checkpoint_every=3, save_checkpoint=lambda t, ok: None)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.finished and roster.expected == {0, 1}
+    late = Listener(1)
+
+    async def resume():
+        asyncio.get_running_loop().call_later(0.2, roster.arrive, 1, late.worker_id, late)
+        await asyncio.wait_for(resumed.wait_to_finish(1.0), 30)
+        return await resumed.run()
+
+    result = asyncio.run(resume())
+    assert result.iterations == 4 and result.stopped_early is None
+    assert late.told == ["run finished"] and result.alive == ["worker-1"]
+
+
 def test_checkpoints_are_counted_only_when_complete_and_the_last_k_are_kept(tmp_path):
     store = CheckpointStore(str(tmp_path), keep=2)
     for it in (10, 20, 30, 40):
@@ -253,12 +297,18 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
     out = str(tmp_path / "run")
     full = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10)
     store = CheckpointStore(os.path.join(out, "checkpoints"))
-    assert store.complete() == [10, 20, 30]
+    assert store.complete() == [20, 30, 40]  # the last three: 40 is the run's end
     with pytest.raises(CheckpointError, match="finished"):
         simulate(config, data, out, progress=False, evaluation=quiet, resume="yes")
+    # as if the process died after the last iteration, before its outputs: nothing is trained again
+    os.remove(os.path.join(out, "summary.json"))
+    ended = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10, resume="yes")
+    assert ended["resumed_from"] == 40 and ended["iterations"] == 40
+    assert ended["generator_sha256"] == full["generator_sha256"]
     # as if the process died before checkpoint 30 completed (and so before the end)
-    for name in os.listdir(store.folder(30)):
-        os.remove(os.path.join(store.folder(30), name))
+    for iteration in (30, 40):
+        for name in os.listdir(store.folder(iteration)):
+            os.remove(os.path.join(store.folder(iteration), name))
     os.remove(os.path.join(out, "summary.json"))
     resumed = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10, resume="yes")
     assert resumed["resumed_from"] == 20 and resumed["run_id"] == full["run_id"]

@@ -17,6 +17,9 @@ from services.server.connection import CONTROL, StreamHandle, WorkerConnection, 
 from services.server.context import ServerContext, until
 
 log = logging.getLogger("mdgan.server")
+# Resumed after the run's end: a worker still reconnecting knocks at least every 10 s (its backoff's
+# cap), so this long is enough to find every one that has not heard the run is over.
+FINAL_REJOIN_SECONDS = 15.0
 
 
 @dataclass
@@ -186,7 +189,11 @@ class MDGANServer:
     async def run(self, coordinator, stopping: asyncio.Event):
         """(RunResult, wall seconds); SystemExit when a signal stopped it (checkpointed if it could)."""
         ctx, trainer = self.ctx, self.trainer
-        await until(trainer.wait_to_start(ctx.args.join_timeout), stopping)
+        if trainer.finished:  # a server stopped between the run's end and its outputs: only those are left
+            log.info("run %s had finished all %d iterations: writing its outputs", ctx.run.run_id, trainer.completed)
+            await until(trainer.wait_to_finish(min(ctx.args.join_timeout, FINAL_REJOIN_SECONDS)), stopping)
+        else:
+            await until(trainer.wait_to_start(ctx.args.join_timeout), stopping)
         ctx.recorder.started = ctx.clock()  # the run's wall time starts with its first iteration
         result = None
         try:
