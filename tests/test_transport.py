@@ -255,6 +255,43 @@ def test_an_answer_to_a_stream_the_server_has_ended_is_a_broken_stream():
     asyncio.run(scenario())
 
 
+def test_a_worker_the_server_drops_mid_run_rejoins_and_only_the_runs_end_ends_it(caplog):
+    # Dropped (a missed deadline, a failed swap or checkpoint: each passing), a worker took the stop for
+    # the run's end: it exited 0 and stayed out of an elastic run, and no launcher or restart policy saw it.
+    config = TrainingConfig(workers=1, batch_size=B).validate()
+    shard = load_shard(DataConfig("synthetic", num_shards=1), 0)
+
+    async def joined(coordinator, previous=None):
+        for _ in range(400):
+            handle = coordinator.workers.get(0)
+            if handle is not None and handle is not previous:
+                return handle
+            await asyncio.sleep(0.05)
+        raise AssertionError("the worker did not (re)join")
+
+    async def scenario():
+        coordinator = Coordinator(config, heartbeat_interval=1)
+        server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, s))
+        node = WorkerNode(f"127.0.0.1:{port}", "127.0.0.1:9", shard=shard, connect_timeout=60, server_timeout=60)
+        running = asyncio.create_task(node.run())
+        try:
+            first = await joined(coordinator)
+            coordinator.roster.depart(first)  # as the Trainer drops a worker: off the roster, then told
+            await first.stop("missed its deadline")
+            second = await joined(coordinator, first)
+            assert not running.done()
+            await second.stop("run finished")
+            return await asyncio.wait_for(running, 30)
+        finally:
+            running.cancel()
+            await server.stop(None)
+
+    with caplog.at_level("INFO", logger="mdgan.worker"):
+        outcome = asyncio.run(scenario())
+    assert outcome == "run finished"
+    assert "the server dropped us before the run's end (missed its deadline); reconnecting" in caplog.text
+
+
 def test_peer_service_checks_every_pushed_discriminator():
     config = TrainingConfig(workers=2, batch_size=B).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)

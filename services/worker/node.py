@@ -39,6 +39,12 @@ class JoinRefused(Exception):
     """The server refused this worker for good (another run, another identity, a bad join)."""
 
 
+class DroppedByServer(StreamBroken):
+    """The server stopped this worker before the run's end: it missed a deadline, or its swap or
+    checkpoint failed. Each is passing, and the run is elastic: the worker rejoins as after a broken
+    stream, keeping its discriminator (before, it exited 0 as if the run were over, and stayed out)."""
+
+
 # Join refusals that retrying cannot change; anything else (UNAVAILABLE while the server restarts,
 # ALREADY_EXISTS while it has not yet noticed our previous stream died, ...) is retried.
 FINAL_REFUSALS = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
@@ -218,17 +224,19 @@ class WorkerNode:
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in FINAL_REFUSALS:
                     raise JoinRefused(f"{exc.code().name}: {exc.details()}") from None
                 why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                dropped = isinstance(exc, DroppedByServer)
                 if not self.reconnect:
                     raise ServerGone(why) from None
                 if self._contact is not None:  # we were in: from now on the server timeout bounds the wait
                     deadline = self._contact + self.server_timeout
                     self._contact = None
                     delays = backoff_delays()
-                    self.telemetry.departures.labels("reconnect").inc()
+                    self.telemetry.departures.labels("dropped" if dropped else "reconnect").inc()
                 delay = next(delays)
                 if time.monotonic() + delay >= deadline:
                     raise ServerGone(f"no server of our run came back in time (last: {why})") from None
-                log.warning("lost the server (%s); reconnecting in %.1f s", why, delay)
+                log.warning("%s (%s); reconnecting in %.1f s",
+                            "the server dropped us before the run's end" if dropped else "lost the server", why, delay)
                 await asyncio.sleep(delay)
 
     _contact: float | None = None  # monotonic time of the last message from the server, while joined
@@ -329,10 +337,11 @@ class WorkerNode:
                 r = message.rejection
                 log.error("the server rejected our input at iteration %d: %s (%s)", r.iteration, r.message, r.reason)
             elif body == "stop":
-                log.info("stopped by the server: %s", message.stop.reason)
-                if message.stop.reason == RUN_FINISHED:
-                    self._forget_run()
                 await call.done_writing()
+                if message.stop.reason != RUN_FINISHED:
+                    raise DroppedByServer(message.stop.reason)
+                log.info("stopped by the server: %s", message.stop.reason)
+                self._forget_run()
                 return message.stop.reason
             else:  # another algorithm's message, or one that has no place after the welcome
                 raise ServerGone(f"the server sent a {body!r} message, which a {self.algorithm.name} worker does "
