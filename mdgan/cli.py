@@ -68,12 +68,13 @@ def cmd_simulate(args) -> int:
 
     from mdgan.run import parse_churn
 
+    if args.resume:
+        take_launch_settings(args)
     configure_compute(args.threads)
     _resolve_workers(args)
     config = training_config(args)
-    if args.resume:
-        args.out = args.resume
     with run_dir_lock(args.out, "simulate"):
+        save_launch_settings(args)
         summary = simulate(
             config, data_config(args, config.workers), args.out, progress=not args.no_progress,
             evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
@@ -385,6 +386,7 @@ class LocalCluster:
                 os.remove(os.path.join(self.out, name))
         if not a.resume:  # the workers' states of an earlier run here would tie them to that run
             shutil.rmtree(os.path.join(self.out, "workers"), ignore_errors=True)
+        save_launch_settings(a)  # what --resume takes again (resumed: as it goes on now, a moved data root say)
         names = ["server", *(f"worker-{i}" for i in range(a.workers))]
         metrics_ports = dict(zip(names, _free_ports(len(names))))
         self.metrics_ports = metrics_ports
@@ -647,21 +649,58 @@ def _raise_terminated(signum, frame):
     raise Terminated(signum)
 
 
+LAUNCH_FILE = "launch.json"  # `mdgan local`'s or `simulate`'s settings of the run in a folder, for --resume
+_NOT_LAUNCH_SETTINGS = {"command", "func", "given", "out", "resume", "run_id"}
+_PATH_SETTINGS = ("data_root", "site_dirs")  # saved absolute: a resume may start from another folder
+
+
+def save_launch_settings(args) -> None:
+    """RUN/launch.json: every setting of this `mdgan local` or `simulate` but where it writes and whether
+    it resumes."""
+    from mdgan.checkpoint import atomic_write_json
+
+    settings = {key: value for key, value in sorted(vars(args).items()) if key not in _NOT_LAUNCH_SETTINGS}
+    for key in _PATH_SETTINGS:
+        if settings.get(key):
+            settings[key] = os.path.abspath(settings[key])
+    atomic_write_json(os.path.join(args.out, LAUNCH_FILE), settings)
+
+
+def take_launch_settings(args) -> None:
+    """--resume RUN: the run goes on as it was launched (its data, split, evaluation, checkpoints,
+    timeouts, security...), but for what this command gives (a moved --data-root, --threads, ...).
+    Before, only its workers and iterations were taken: a run of synthetic data or another data root
+    resumed with the defaults' data (or failed), and without --checkpoint-every never checkpointed again."""
+    from mdgan.checkpoint import RUN_FILE, read_json
+
+    args.out = args.resume
+    try:
+        saved = read_json(os.path.join(args.resume, RUN_FILE))
+    except FileNotFoundError:
+        raise ConfigError(f"--resume {args.resume}: no run to resume there (no {RUN_FILE})") from None
+    try:
+        launched = read_json(os.path.join(args.resume, LAUNCH_FILE))
+    except FileNotFoundError:  # launched by an older mdgan
+        launched = {}
+        print(f"mdgan {args.command}: {args.resume} has no {LAUNCH_FILE} (an older mdgan launched it): its training "
+              "settings are its own, the others (data, evaluation, checkpoints) this command's", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} is unreadable: {exc}") from None
+    given = getattr(args, "given", set())
+    for key, value in launched.items():
+        if key not in given and key not in _NOT_LAUNCH_SETTINGS and hasattr(args, key):
+            setattr(args, key, value)
+    args.workers = saved["config"]["workers"]
+    args.iterations = saved["config"]["iterations"]
+
+
 def cmd_local(args) -> int:
     from mdgan.settings import training_config
 
+    if args.resume:  # the run's own settings, from its run directory
+        take_launch_settings(args)
     _resolve_workers(args)
     training_config(args)  # fail here, with a clear message, rather than in a child process
-    if args.resume:  # the run's own settings, from its run directory
-        from mdgan.checkpoint import RUN_FILE, read_json
-
-        args.out = args.resume
-        try:
-            saved = read_json(os.path.join(args.resume, RUN_FILE))
-        except FileNotFoundError:
-            raise ConfigError(f"--resume {args.resume}: no run to resume there (no {RUN_FILE})") from None
-        args.workers = saved["config"]["workers"]
-        args.iterations = saved["config"]["iterations"]
     if bool(args.byzantine) != bool(args.attack):
         raise ConfigError("--byzantine K and --attack go together")
     if args.byzantine:
@@ -868,8 +907,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "OUT/workers/")
         durable.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
         durable.add_argument("--resume", metavar="RUN", default=None,
-                             help="continue the run in directory RUN from its last complete checkpoint (its own "
-                                  "settings; the training flags are ignored)")
+                             help="continue the run in directory RUN from its last complete checkpoint, with the "
+                                  "settings it was launched with (RUN/launch.json); an option given with --resume "
+                                  "overrides one of them (a moved --data-root, say), except the training ones")
         durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
         g = p.add_argument_group("emulated Byzantine workers (experiments)")
         g.add_argument("--byzantine", type=int, default=0,
@@ -994,6 +1034,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from mdgan import settings
+
+    tokens = sys.argv[1:] if argv is None else list(argv)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    after = tokens[tokens.index(args.command) + 1:] if args.command in tokens else tokens
+    args.given = settings.given_options(commands[args.command], after)  # what this command chose (--resume keeps it)
     # What Ctrl-C leaves: the coroutine of a training step it cut short, never awaited. Not news.
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     try:

@@ -33,6 +33,28 @@ def _shown_default(action: argparse.Action) -> str:
     return f" (default: {str(default).replace('%', '%%')})"  # (help is %-formatted)
 
 
+def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options of `parser` that `argv` gives (as `--opt value`, `--opt=value` or an
+    abbreviation argparse accepts) or that their MDGAN_* variable sets: what the user chose for this
+    command, which settings saved by an earlier command must not override."""
+    options = {string: action.dest for action in parser._actions for string in action.option_strings}
+    given = set()
+    for token in argv:
+        if token == "--":
+            break
+        if not token.startswith("-"):
+            continue
+        name = token.split("=", 1)[0]
+        if name in options:
+            given.add(options[name])
+        elif name.startswith("--") and parser.allow_abbrev:
+            matches = {dest for string, dest in options.items() if string.startswith(name)}
+            given |= matches if len(matches) == 1 else set()
+    given |= {action.dest for action in parser._actions
+              if action.option_strings and env_name(action.dest) in os.environ}
+    return given
+
+
 class EnvArgumentParser(argparse.ArgumentParser):
     """argparse, where every option's default may come from its MDGAN_* variable.
 

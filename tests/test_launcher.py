@@ -361,6 +361,57 @@ def test_mdgan_local_killed_outright_leaves_no_process_behind(tmp_path):
     assert "resume with --resume" in (tmp_path / "run" / "logs" / "server.log").read_text()
 
 
+def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tmp_path):
+    # --resume RUN took the run's workers and iterations only: a run on synthetic data (or another data
+    # root, split, ...) resumed with the defaults' data (here: no MNIST, a failure), and a run without
+    # --checkpoint-every on the resume command would never have checkpointed again.
+    flags = ["--dataset", "synthetic", "--workers", "2", "--iterations", "160", "--swap-every", "40",
+             "--split", "dirichlet", "--dirichlet-alpha", "0.3", "--seed", "7"]
+    launcher = launch(tmp_path, *flags, "--checkpoint-every", "20")
+    try:
+        wait_until_training(launcher, tmp_path, 50)
+        launcher.send_signal(signal.SIGTERM)  # the server checkpoints at the next boundary
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        kill_everything(launcher, set())
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    run = tmp_path / "run"
+    stopped_at = len((run / "history.jsonl").read_text().splitlines())
+    resumed = subprocess.run([sys.executable, "-m", "mdgan.cli", "local", "--resume", str(run), "--no-progress"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)  # from another folder
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 160 and 20 <= summary["resumed_from"] <= stopped_at
+    launched = json.loads((run / "launch.json").read_text())
+    assert launched["dataset"] == "synthetic" and launched["checkpoint_every"] == 20 and launched["split"] == "dirichlet"
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir())[-1] == 160  # checkpointing went on
+    reference = subprocess.run([sys.executable, "-m", "mdgan.cli", "simulate", "--out", str(tmp_path / "reference"),
+                                "--no-progress", "--eval-every", "-1", *flags], cwd=REPO, capture_output=True,
+                               text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    uninterrupted = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert summary["generator_sha256"] == uninterrupted["generator_sha256"]
+
+
+def test_the_options_a_command_gives_are_told_apart_from_its_defaults(monkeypatch):
+    from mdgan.settings import EnvArgumentParser, given_options
+
+    parser = EnvArgumentParser(prog="p")
+    parser.add_argument("--data-root", default="data")
+    parser.add_argument("--dataset", default="mnist")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-progress", action="store_true")
+    monkeypatch.delenv("MDGAN_THREADS", raising=False)
+    assert given_options(parser, []) == set()
+    assert given_options(parser, ["--data-root", "/x", "--no-progress"]) == {"data_root", "no_progress"}
+    assert given_options(parser, ["--dataset=synthetic"]) == {"dataset"}
+    assert given_options(parser, ["--data-", "/x"]) == {"data_root"}  # an abbreviation argparse takes
+    assert given_options(parser, ["--data", "/x"]) == set()  # ambiguous: argparse refuses it anyway
+    assert given_options(parser, ["--", "--threads"]) == set()
+    monkeypatch.setenv("MDGAN_THREADS", "2")
+    assert given_options(parser, []) == {"threads"}
+
+
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
     from mdgan import cli
 
