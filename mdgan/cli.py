@@ -183,6 +183,7 @@ def _free_ports(count: int, host: str = "127.0.0.1", floor: int = 10000) -> list
 # forks (it has created no gRPC channel, event loop or torch thread pool), which makes fork safe.
 FORK_SERVER_PRELOAD = "services.common.preload"
 LOG_TAIL_LINES = 20
+SERVER_STOP_GRACE = 20.0  # s a SIGTERM'd server has to checkpoint the iteration under way, its workers still up
 MACHINE_PORTS = 65535 - 1023  # the TCP ports above the privileged ones
 
 
@@ -404,6 +405,7 @@ class LocalCluster:
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
             "--checkpoint-every", str(a.checkpoint_every), "--keep-checkpoints", str(a.keep_checkpoints),
+            "--stop-grace", str(SERVER_STOP_GRACE),
             *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
             *security["server"],
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
@@ -574,6 +576,21 @@ class LocalCluster:
                     except ProcessLookupError:
                         pass
 
+    def _stop_server_first(self) -> None:
+        """SIGTERM the server and give it its stop grace to checkpoint the iteration under way: the workers
+        must still be there to write their states, or that checkpoint is incomplete and a resume goes back
+        to the one before."""
+        servers = [process for name, process in self.processes if name == "server" and process.exitcode is None]
+        for process in servers:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                try:
+                    os.kill(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            process.join(SERVER_STOP_GRACE + 5.0)
+
     def stop(self, grace: float = 30.0, terminate: bool = False) -> dict[str, int | None]:
         """Wait for every service to end (up to `grace` s; at once with terminate=True they are sent
         SIGTERM first); then SIGTERM, and SIGKILL 5 s later, whatever is still running."""
@@ -583,6 +600,7 @@ class LocalCluster:
             except OSError as exc:  # (a full disk): the processes must be stopped all the same
                 print(f"mdgan local: {exc}", file=sys.stderr)
         if terminate:
+            self._stop_server_first()
             self._signal_all(signal.SIGTERM)
         for escalate, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0), (None, 5.0)):
             deadline = time.monotonic() + wait

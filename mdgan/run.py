@@ -363,7 +363,7 @@ class ServerCheckpoints:
                                                  "seconds": time.perf_counter() - trainer.checkpoint_started})
             log.info("checkpoint %d complete", iteration)
         else:
-            log.warning("checkpoint %d incomplete: not every live worker saved its state", iteration)
+            log.warning("checkpoint %d incomplete: not every live worker saved its state (or none was left)", iteration)
 
     @staticmethod
     def restore(state: dict, generator_side: GeneratorSide, trainer: Trainer, recorder: "RunRecorder") -> None:

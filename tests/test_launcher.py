@@ -381,7 +381,8 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)  # from another folder
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["iterations"] == 160 and 20 <= summary["resumed_from"] <= stopped_at
+    # From the stop's own checkpoint: the server is stopped before its workers, who write their states to it.
+    assert summary["iterations"] == 160 and summary["resumed_from"] == stopped_at
     launched = json.loads((run / "launch.json").read_text())
     assert launched["dataset"] == "synthetic" and launched["checkpoint_every"] == 20 and launched["split"] == "dirichlet"
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir())[-1] == 160  # checkpointing went on

@@ -205,6 +205,29 @@ def test_the_end_is_saved_before_any_worker_hears_it_and_a_server_resumed_there_
     assert late.told == ["run finished"] and result.alive == ["worker-1"]
 
 
+class LostAtCheckpoint(Listener):
+    async def checkpoint(self, iteration: int) -> None:
+        raise WorkerLost(f"{self.worker_id}: stream closed")
+
+
+def test_a_checkpoint_a_worker_was_lost_during_is_not_complete():
+    # A SIGTERM to the whole cluster ends the workers as the server checkpoints at the boundary: the
+    # checkpoint was counted complete without them, and resumed, every discriminator lost.
+    config = TrainingConfig(workers=2, batch_size=10).validate()
+    for workers in ([LostAtCheckpoint(0), LostAtCheckpoint(1)], [Listener(0), LostAtCheckpoint(1)]):
+        saved = []
+        trainer = Trainer(config, None, workers, checkpoint_every=5, save_checkpoint=lambda t, ok: saved.append(ok))
+        assert asyncio.run(trainer.checkpoint(5)) is False and saved == [False]
+        assert [w.worker_id for w in trainer.roster.members()] == [w.worker_id for w in workers
+                                                                   if type(w) is Listener]  # the lost are dropped
+    gone = [Listener(0), Listener(1)]  # every worker lost before the boundary: a checkpoint of nobody's state
+    saved = []
+    trainer = Trainer(config, None, gone, checkpoint_every=5, save_checkpoint=lambda t, ok: saved.append(ok))
+    for worker in gone:
+        trainer.roster.depart(worker)
+    assert asyncio.run(trainer.checkpoint(5)) is False and saved == [False]
+
+
 def test_checkpoints_are_counted_only_when_complete_and_the_last_k_are_kept(tmp_path):
     store = CheckpointStore(str(tmp_path), keep=2)
     for it in (10, 20, 30, 40):
