@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import time
 
@@ -134,6 +135,34 @@ def test_server_killed_and_resumed_ends_bit_for_bit_where_the_uninterrupted_run_
     _assert_history_whole(c.history())
     run = read_json(os.path.join(c.out, "run_identity.json"))
     assert summary["run_id"] == run["run_id"]
+    assert summary["generator_sha256"] == _uninterrupted_sha(tmp_path)
+
+
+def test_a_server_stopped_with_sigterm_checkpoints_where_it_stops_and_its_successor_goes_on_from_there(
+        cluster_factory, tmp_path):
+    # The rolling update, `docker compose stop server`: its workers stay up and wait for the successor.
+    # (The server's stop cancelled every worker's call, and each logged a CancelledError traceback.)
+    c = cluster_factory()
+    c.start_server()
+    for i in range(N):
+        c.start_worker(i)
+    c.wait_for_iteration(CHECKPOINT_EVERY + 20, 240)
+    c.server.popen.send_signal(signal.SIGTERM)
+    c.server.wait(60)
+    log = c.server.log()
+    stopped_at = c.history()[-1]["iteration"]
+    assert f"stopped at iteration {stopped_at} by a signal" in log and f"checkpoint {stopped_at} complete" in log, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert all(w.popen.poll() is None for w in c.workers.values())  # waiting for the successor
+    c.start_server("--resume")
+    assert c.server.wait(300) == 0, c.server.log()
+    for worker in c.workers.values():
+        assert worker.wait(60) == 0, worker.log()
+        assert f"restored our state of iteration {stopped_at}" in worker.log()
+        assert "Traceback" not in worker.log()
+    summary = read_json(os.path.join(c.out, "summary.json"))
+    assert summary["resumed_from"] == stopped_at and summary["workers_alive"] == N
+    _assert_history_whole(c.history())
     assert summary["generator_sha256"] == _uninterrupted_sha(tmp_path)
 
 

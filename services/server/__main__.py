@@ -180,7 +180,8 @@ async def serve(args) -> dict:
     finally:
         telemetry.dump(args.metrics_dump or os.path.join(args.out, "metrics", "server.prom"))
         await rpc.set_serving(health, [SERVICE], False)
-        await server.stop(grace=5 if result is not None and not session.stop_requested else 0)
+        coordinator.end_streams()
+        await server.stop(grace=5 if result is not None and not session.stop_requested else 1)
 
 
 def observe_scores(telemetry: Telemetry, scores: dict | None) -> None:

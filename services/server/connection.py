@@ -140,6 +140,11 @@ class WorkerConnection:
             self.lost_reason = reason
             self.telemetry.departures.labels("disconnected").inc()
             log.warning("%s lost: %s", self.worker_id, reason)
+        self.end(reason)
+
+    def end(self, reason: str) -> None:
+        """End the stream from our side (no departure counted): every pending answer fails with
+        WorkerLost and the call returns."""
         for pending in self._answers.values():
             for future in pending.values():
                 if not future.done():

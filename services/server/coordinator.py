@@ -81,6 +81,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.run_id = run_id
         self.swap_round = swap_round  # swap rounds done so far (the Trainer's count)
         self.workers: dict[int, StreamHandle] = {}  # slot -> the latest handle (for the summary's shard sizes)
+        self._open: set[WorkerConnection] = set()  # the streams whose calls are under way
         self.run_state = self.handle_class.run_state(self)  # what the algorithm's handles share
 
     async def wait_for_workers(self, timeout: float) -> list[StreamHandle]:
@@ -89,6 +90,13 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
         self.roster.started = True
         return self._live()
+
+    def end_streams(self) -> None:
+        """The server is stopping: end every worker's call from our side, so that each returns by itself
+        (cancelled by the gRPC server's stop instead, each logged a CancelledError traceback). Workers
+        whose stream ends without a stop message reconnect, to this server's successor."""
+        for connection in list(self._open):
+            connection.end("the server is stopping")
 
     def _live(self) -> list[StreamHandle]:
         return self.roster.alive()
@@ -230,9 +238,11 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             return
         reader = asyncio.create_task(connection.read_loop())
         beats = asyncio.create_task(connection.heartbeats(self.heartbeat_interval))
+        self._open.add(connection)
         try:
             await connection.closed.wait()
         finally:  # also on cancellation, when the worker's connection drops
+            self._open.discard(connection)
             connection.lose("stream ended")
             self.roster.depart(worker)
             self.telemetry.workers_alive.set(len(self._live()))
