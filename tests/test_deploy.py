@@ -265,6 +265,26 @@ def test_pods_are_locked_down_and_probed():
     assert env["MDGAN_ADVERTISE_ADDRESS"] == "$(POD_NAME).mdgan-worker.$(POD_NAMESPACE).svc.cluster.local:50052"
 
 
+def test_worker_pods_stay_up_while_the_server_checkpoints_its_stop():
+    # `helm uninstall` deletes every pod at once: workers that got their SIGTERM with the server's were
+    # gone before its stop checkpoint, which then lacked their states and was not resumed.
+    def worker_container(*args: str) -> tuple[dict, dict]:
+        [statefulset] = by_kind(render(*args), "StatefulSet")
+        pod = statefulset["spec"]["template"]["spec"]
+        return pod, pod["containers"][0]
+
+    pod, container = worker_container()
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
+    assert pod["terminationGracePeriodSeconds"] > 10
+    assert "lifecycle" not in worker_container("--set", "workers.stopDelaySeconds=0")[1]
+    result = validate(helm_template("--set", "workers.stopDelaySeconds=25").stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for bad in (["--set", "workers.stopDelaySeconds=30"], ["--set", "workers.stopDelaySeconds=-1"],
+                ["--set", "workers.stopDelaySeconds=5", "--set", "workers.terminationGracePeriodSeconds=5"]):
+        result = helm_template(*bad, check=False)
+        assert result.returncode != 0 and "stopDelaySeconds" in result.stderr, (bad, result.stderr)
+
+
 def test_tls_secrets_cert_manager_and_plaintext():
     docs = render()
     config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
