@@ -337,11 +337,59 @@ def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: s
     run_id = run_id or uuid.uuid4().hex[:12]
     if finished:
         log.info("the run in %s has finished: starting a new one there", out_dir)
+        _record_finished_run(out_dir)
     shutil.rmtree(store.root, ignore_errors=True)  # an earlier run's checkpoints must never be resumed into this one
     if finished:  # a new run: a crash before its end must not look like the old run's end
         os.remove(os.path.join(out_dir, "summary.json"))
     checkpoint.atomic_write_json(path, {"run_id": run_id, "config": config.to_dict()})
     return RunStart(run_id, config)
+
+
+FINISHED_RUNS_FILE = "finished_runs.json"  # the ids of the runs a run directory held before its current one
+FINISHED_RUNS_KEPT = 1000
+
+
+def _record_finished_run(out_dir: str) -> None:
+    """Before a new run replaces a finished one in out_dir, keep the finished one's id: a worker that
+    was away at its end still holds it, and is told it is over (finished_run_ids)."""
+    try:
+        finished = checkpoint.read_json(os.path.join(out_dir, checkpoint.RUN_FILE))["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    ids = [i for i in _read_finished_runs(out_dir) if i != finished] + [finished]
+    checkpoint.atomic_write_json(os.path.join(out_dir, FINISHED_RUNS_FILE), ids[-FINISHED_RUNS_KEPT:])
+
+
+def _read_finished_runs(out_dir: str) -> list[str]:
+    try:
+        ids = checkpoint.read_json(os.path.join(out_dir, FINISHED_RUNS_FILE))
+    except (OSError, ValueError):
+        return []
+    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+
+
+def finished_run_ids(out_dir: str) -> set[str]:
+    """The runs known to have ended: those out_dir held before its current run, and those of the run
+    directories beside it that have a summary.json (a server that starts every run in a directory of
+    its own, as the Helm chart's does)."""
+    ids = set(_read_finished_runs(out_dir))
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    try:
+        siblings = [e.path for e in os.scandir(parent) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return ids
+    for folder in siblings:
+        if os.path.abspath(folder) == os.path.abspath(out_dir):  # its own run, ended or not, is its own business
+            continue
+        if not os.path.isfile(os.path.join(folder, "summary.json")):
+            continue
+        try:
+            run_id = checkpoint.read_json(os.path.join(folder, checkpoint.RUN_FILE)).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(run_id, str):
+            ids.add(run_id)
+    return ids
 
 
 class ServerCheckpoints:

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from conftest import REPO
-from procs import python_module, read_json, read_jsonl, start_worker, tls_flags
+from procs import python_module, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
-from mdgan.run import EvaluationOptions, simulate
+from mdgan.run import EvaluationOptions, finished_run_ids, open_run, simulate
 from services.common import pki
 
 pytestmark = pytest.mark.slow
@@ -251,3 +251,60 @@ def test_a_worker_of_another_run_is_refused_with_a_clear_error(cluster_factory):
     log = worker.log()
     assert code != 0
     assert "FAILED_PRECONDITION" in log and "'beta'" in log and "'alpha'" in log, log
+
+
+def test_a_worker_away_at_its_runs_end_forgets_that_run_and_joins_the_next(tmp_path):
+    # Killed before its run ended, a worker kept that run in its state: restarted (a StatefulSet's
+    # restart, compose's), the next run's server refused it as another run's worker, exit 3, and it was
+    # restarted and refused again without end until someone emptied its state volume.
+    pki_dir = str(tmp_path / "pki")
+    pki.provision_run(pki_dir, ["worker-0", "worker-1", "worker-2"])
+    flags = ["--workers", "2", "--iterations", "400", "--dataset", "synthetic", "--architecture", "mlp",
+             "--eval-every", "-1", "--checkpoint-every", "20", "--heartbeat-interval", "1"]
+    state = [str(tmp_path / "state" / f"worker-{i}") for i in range(3)]
+
+    def worker(out, port, i, *extra):
+        return start_worker(out, port, i % 2, 2, "--dataset", "synthetic", "--state-dir", state[i],
+                            "--server-timeout", "60", *tls_flags(pki_dir, f"worker-{i}"), *extra,
+                            name=f"worker-{i}-{os.path.basename(out)}")
+
+    first = str(tmp_path / "runs" / "first")
+    server, port = start_server(first, *flags, "--run-id", "beta", *tls_flags(pki_dir, "mdgan-server"), name="server")
+    away, stays = worker(first, port, 1), worker(first, port, 0)
+    wait_for_iterations(server, first, 30)
+    away.kill()
+    assert server.wait(300) == 0 and stays.wait(60) == 0, server.log()
+    assert read_json(os.path.join(state[1], "current.json")) == {"run_id": "beta", "shard_index": 1}
+
+    # the next run starts in a directory beside the first, as the chart's server does
+    second = str(tmp_path / "runs" / "second")
+    server, port = start_server(second, *flags, "--run-id", "gamma", *tls_flags(pki_dir, "mdgan-server"),
+                                name="server")
+    pinned = worker(second, port, 2, "--run-id", "beta")  # joins run beta only: its end is this worker's
+    back, stays = worker(second, port, 1), worker(second, port, 0)
+    assert server.wait(300) == 0, server.log()
+    for proc in (back, stays, pinned):
+        assert proc.wait(60) == 0, proc.log()
+    assert "run beta ended while we were away (the server says so): forgetting it" in back.log(), back.log()
+    assert "Traceback" not in back.log()
+    assert "run beta ended while we were away (the server says so): done" in pinned.log(), pinned.log()
+    assert read_json(os.path.join(state[1], "current.json"))["run_id"] == "gamma"
+    summary = read_json(os.path.join(second, "summary.json"))
+    assert summary["run_id"] == "gamma" and summary["workers_alive"] == 2 and summary["iterations"] == 400
+
+
+def test_the_runs_a_server_knows_to_have_ended(tmp_path):
+    config = TrainingConfig(workers=2).validate()
+    here, beside, unfinished = (str(tmp_path / name) for name in ("here", "beside", "unfinished"))
+    for folder, run_id in ((here, "first"), (beside, "other"), (unfinished, "running")):
+        open_run(folder, config, "auto", run_id)
+    for folder in (here, beside):
+        with open(os.path.join(folder, "summary.json"), "w") as fh:
+            json.dump({}, fh)
+    (tmp_path / "not-a-run").mkdir()
+    assert finished_run_ids(here) == {"other"}  # its own run is the one it holds, not an ended one
+    assert open_run(here, config, "auto").run_id not in ("first", "other")  # a new run in the same directory
+    assert finished_run_ids(here) == {"first", "other"}
+    with open(os.path.join(here, "finished_runs.json"), "w") as fh:
+        fh.write("{not json")
+    assert finished_run_ids(here) == {"other"}  # a damaged list is no list, and no crash

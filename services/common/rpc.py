@@ -18,6 +18,9 @@ log = logging.getLogger("mdgan.rpc")
 # bound; servers size what they accept to the model (see message_bytes_for).
 MAX_MESSAGE_BYTES = 64 << 20
 MESSAGE_HEADROOM = 256 << 10  # framing, headers and control fields around the tensors
+# Trailing metadata of a join refused because the worker's run has ended (its id): the worker forgets
+# that run and joins the server's (it was away when the run ended and was never told).
+FINISHED_RUN_KEY = "mdgan-finished-run"
 MAX_CONCURRENT_STREAMS = 16  # per HTTP/2 connection: one Train stream, health checks, a few pushes
 
 

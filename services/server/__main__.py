@@ -17,7 +17,8 @@ from mdgan.cluster import IterationRecord
 from mdgan.mdgan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.roster import Roster
-from mdgan.run import RESUME_MODES, RunRecorder, ServerCheckpoints, make_evaluator, open_run, write_outputs
+from mdgan.run import (RESUME_MODES, RunRecorder, ServerCheckpoints, finished_run_ids, make_evaluator, open_run,
+                       write_outputs)
 from mdgan import scheduling
 from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_evaluation_arguments,
                             add_scheduling_argument, add_site_arguments, add_threads_argument,
@@ -138,7 +139,7 @@ async def serve(args) -> dict:
                               model_layouts=layouts, roster=roster, run_id=run.run_id,
                               swap_round=session.swap_round, class_names=class_names(args),
                               authenticated=credentials is not None, allowed_workers=allowed,
-                              describe_run=getattr(session, "describe", None))
+                              describe_run=getattr(session, "describe", None), finished_runs=finished_run_ids(args.out))
     receive, send = message_limits(config)
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)

@@ -19,7 +19,7 @@ from mdgan.data import shard_sizes
 from mdgan.sites import RunClasses, check_class_names, model_image_shape, resizable
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from services.common import codec, pki
-from services.common.rpc import RateLimitedWarnings
+from services.common.rpc import FINISHED_RUN_KEY, RateLimitedWarnings
 from services.common.telemetry import Telemetry
 from services.common.tls import peer_certificate
 from services.common.proto import coordinator_pb2 as pb
@@ -35,10 +35,11 @@ MAX_SAMPLES = 1 << 40  # a bound on shard and dataset sizes: beyond it a number 
 
 
 class JoinRefused(Exception):
-    def __init__(self, code: grpc.StatusCode, detail: str):
+    def __init__(self, code: grpc.StatusCode, detail: str, finished_run: str = ""):
         super().__init__(detail)
         self.code = code
         self.detail = detail
+        self.finished_run = finished_run  # the worker's run, known to have ended
 
 
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -55,8 +56,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
                  algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
                  run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
-                 authenticated: bool = False, allowed_workers: list[str] | None = None, describe_run=None):
+                 authenticated: bool = False, allowed_workers: list[str] | None = None, describe_run=None,
+                 finished_runs: set[str] | frozenset[str] = frozenset()):
         self.config = config
+        self.finished_runs = frozenset(finished_runs) - {run_id}  # earlier runs of this server, ended
         # The run's algorithm adds its own options to the Welcome's TrainingSpec (P-WGAN's T, eta, ...).
         self.describe_run = describe_run
         self.authenticated = authenticated
@@ -123,6 +126,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         """(slot, shard size, identity, how it gets its discriminator) for a joining worker; raises JoinRefused."""
         cfg = self.config
         if join.run_id and self.run_id and join.run_id != self.run_id:
+            if join.run_id in self.finished_runs:
+                raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
+                    f"this worker's run {join.run_id!r} has ended (it was away at the end); this server runs run "
+                    f"{self.run_id!r}: forget the ended run and join again"), finished_run=join.run_id)
             raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
                 f"this worker belongs to run {join.run_id!r}, but this server runs run {self.run_id!r}; "
                 f"point it at its own run's server, or empty its --state-dir to join run {self.run_id!r}"))
@@ -268,5 +275,6 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                                refused.detail)
             if refused.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 self.telemetry.rejected.labels("identity").inc()
-            await context.abort(refused.code, refused.detail)
+            await context.abort(refused.code, refused.detail, trailing_metadata=(
+                ((FINISHED_RUN_KEY, refused.finished_run),) if refused.finished_run else ()))
         return join, index, size, identity, plan

@@ -45,6 +45,14 @@ class DroppedByServer(StreamBroken):
     stream, keeping its discriminator (before, it exited 0 as if the run were over, and stayed out)."""
 
 
+class RunEnded(Exception):
+    """The server says the run this worker holds has ended: it was away at the end and never told."""
+
+    def __init__(self, run_id: str):
+        super().__init__(run_id)
+        self.run_id = run_id
+
+
 # Join refusals that retrying cannot change; anything else (UNAVAILABLE while the server restarts,
 # ALREADY_EXISTS while it has not yet noticed our previous stream died, ...) is retried.
 FINAL_REFUSALS = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
@@ -127,9 +135,16 @@ class WorkerNode:
         """The run is over: its states are of no more use, and the next run may take this worker."""
         if not (self.state_dir and self.run_id):
             return
+        # (no shard yet: a restarted worker the server assigns its shard, refused before its welcome)
+        index = self.shard.index if self.shard is not None else self._saved_run().get("shard_index")
         checkpoint.atomic_write_json(os.path.join(self.state_dir, "current.json"),
-                                     {"run_id": self.run_id, "shard_index": self.shard.index, "finished": True})
+                                     {"run_id": self.run_id, "shard_index": index, "finished": True})
         shutil.rmtree(os.path.join(self.state_dir, self.run_id), ignore_errors=True)
+
+    def _start_afresh(self) -> None:
+        """Out of an ended run: join the server's as a newcomer, with a new discriminator."""
+        self._forget_run()
+        self.run_id, self.algorithm, self.worker_id = None, None, ""
 
     def remember_run(self) -> None:
         """Record in the state dir the run this worker is in, and its slot (a restart comes back to it)."""
@@ -220,6 +235,15 @@ class WorkerNode:
                 return await self._session(deadline)
             except JoinRefused:
                 raise
+            except RunEnded as ended:
+                if self.pinned_run:  # this worker joins that run only: its end is ours
+                    log.info("run %s ended while we were away (the server says so): done", ended.run_id)
+                    self._forget_run()
+                    return RUN_FINISHED
+                log.warning("run %s ended while we were away (the server says so): forgetting it and joining "
+                            "the server's run as a newcomer", ended.run_id)
+                self._start_afresh()
+                continue
             except (StreamBroken, grpc.aio.AioRpcError) as exc:
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in FINAL_REFUSALS:
                     raise JoinRefused(f"{exc.code().name}: {exc.details()}") from None
@@ -255,8 +279,11 @@ class WorkerNode:
             await self.write(call, self._join_message())
             try:
                 welcome = await self._read(call)
-            except StreamBroken:
+            except (StreamBroken, grpc.aio.AioRpcError):  # a refusal: an error status, with its trailing metadata
                 code = await call.code()
+                ended = (await call.trailing_metadata() or {}).get(rpc.FINISHED_RUN_KEY)
+                if code == grpc.StatusCode.FAILED_PRECONDITION and ended and ended == self.run_id:
+                    raise RunEnded(ended) from None
                 if code in FINAL_REFUSALS:
                     raise JoinRefused(f"the server refused us: {code.name}: {await call.details()}") from None
                 raise
