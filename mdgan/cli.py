@@ -375,7 +375,13 @@ class LocalCluster:
 
         a = self.args
         # An earlier run's logs and exit codes here would be read as this run's (a worker "failed"
-        # before it started); each service truncates its own log anyway.
+        # before it started); each service truncates its own log anyway. Resumed, the run's own logs
+        # from before are kept aside: they say why it stopped.
+        if a.resume:
+            try:
+                keep_earlier_logs(self.logs, os.path.join(self.out, EARLIER_LOGS))
+            except OSError as exc:  # (a full disk, a read-only folder): the resume matters more
+                print(f"mdgan local: could not keep the earlier logs: {exc}", file=sys.stderr)
         shutil.rmtree(self.logs, ignore_errors=True)
         os.makedirs(self.logs, exist_ok=True)
         security = self.security_flags()
@@ -618,6 +624,28 @@ class LocalCluster:
             for member, code in members.items():  # a worker killed with its process: the process's code
                 codes[member] = process.exitcode if code is None else code
         return codes
+
+
+EARLIER_LOGS = "earlier-logs"  # RUN/earlier-logs/<UTC time>/: the logs of a resumed run's earlier starts
+EARLIER_LOGS_KEPT = 5
+
+
+def keep_earlier_logs(logs: str, earlier: str, keep: int = EARLIER_LOGS_KEPT) -> None:
+    """Move what `logs` holds into earlier/<UTC time>/, keeping the newest `keep` such folders."""
+    try:
+        if not os.listdir(logs):
+            return
+    except FileNotFoundError:
+        return
+    os.makedirs(earlier, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, n = os.path.join(earlier, stamp), 1
+    while os.path.exists(target):  # two starts in one second
+        n += 1
+        target = os.path.join(earlier, f"{stamp}-{n}")
+    os.replace(logs, target)
+    for old in sorted(os.listdir(earlier))[:-keep]:
+        shutil.rmtree(os.path.join(earlier, old), ignore_errors=True)
 
 
 def _stop_multiprocessing_helpers() -> None:

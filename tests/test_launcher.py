@@ -386,12 +386,32 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     launched = json.loads((run / "launch.json").read_text())
     assert launched["dataset"] == "synthetic" and launched["checkpoint_every"] == 20 and launched["split"] == "dirichlet"
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir())[-1] == 160  # checkpointing went on
+    [earlier] = (run / "earlier-logs").iterdir()  # the logs of the start before, which say why it stopped
+    assert f"stopped at iteration {stopped_at} by a signal" in (earlier / "server.log").read_text()
+    assert "restores its state of iteration" in (run / "logs" / "server.log").read_text()
     reference = subprocess.run([sys.executable, "-m", "mdgan.cli", "simulate", "--out", str(tmp_path / "reference"),
                                 "--no-progress", "--eval-every", "-1", *flags], cwd=REPO, capture_output=True,
                                text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr
     uninterrupted = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert summary["generator_sha256"] == uninterrupted["generator_sha256"]
+
+
+def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path, monkeypatch):
+    from mdgan import cli
+
+    logs, earlier = tmp_path / "logs", tmp_path / "earlier-logs"
+    cli.keep_earlier_logs(str(logs), str(earlier))  # none yet: nothing to keep
+    assert not earlier.exists()
+    for start in range(7):
+        logs.mkdir()
+        (logs / "server.log").write_text(f"start {start}\n")
+        monkeypatch.setattr(cli.time, "gmtime", lambda start=start: time.struct_time((2026, 1, 1, 0, 0, start, 0, 1, 0)))
+        cli.keep_earlier_logs(str(logs), str(earlier))
+        assert not logs.exists()
+    kept = sorted(earlier.iterdir())
+    assert [p.name for p in kept] == [f"20260101T00000{s}Z" for s in range(2, 7)]
+    assert [(p / "server.log").read_text() for p in kept] == [f"start {s}\n" for s in range(2, 7)]
 
 
 def test_the_options_a_command_gives_are_told_apart_from_its_defaults(monkeypatch):
