@@ -571,16 +571,20 @@ class LocalCluster:
                 if handle is not None:
                     handle.close()
 
+    @staticmethod
+    def _signal(process: multiprocessing.Process, sig: int) -> None:
+        try:
+            os.killpg(process.pid, sig)  # the service and anything it started
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(process.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def _signal_all(self, sig: int) -> None:
         for _, process in self.processes:
             if process.exitcode is None:
-                try:
-                    os.killpg(process.pid, sig)  # the service and anything it started
-                except (ProcessLookupError, PermissionError):
-                    try:
-                        os.kill(process.pid, sig)
-                    except ProcessLookupError:
-                        pass
+                self._signal(process, sig)
 
     def _stop_server_first(self) -> None:
         """SIGTERM the server and give it its stop grace to checkpoint the iteration under way: the workers
@@ -588,14 +592,12 @@ class LocalCluster:
         to the one before."""
         servers = [process for name, process in self.processes if name == "server" and process.exitcode is None]
         for process in servers:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                try:
-                    os.kill(process.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            process.join(SERVER_STOP_GRACE + 5.0)
+            self._signal(process, signal.SIGTERM)
+            process.join(3.0)
+            if process.exitcode is None:  # an iteration or a checkpoint under way: say why the stop waits
+                print(f"mdgan local: waiting up to {SERVER_STOP_GRACE + 2:.0f} s more for the server to checkpoint "
+                      "where it stopped", file=sys.stderr)
+                process.join(SERVER_STOP_GRACE + 2.0)
 
     def stop(self, grace: float = 30.0, terminate: bool = False) -> dict[str, int | None]:
         """Wait for every service to end (up to `grace` s; at once with terminate=True they are sent

@@ -336,6 +336,28 @@ def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(t
     assert not [p for p in pids if alive(p)]
 
 
+def test_a_signal_to_mdgan_local_whose_server_is_frozen_says_why_it_waits_and_leaves_nothing(tmp_path):
+    # The server is stopped first and given its stop grace: frozen (SIGSTOP), it cannot use it, and the
+    # stop must still end, saying what it waits for, with every process gone.
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
+    pids: set[int] = set()
+    try:
+        wait_until_training(launcher, tmp_path)
+        pids = descendants(launcher.pid)
+        os.kill(service_pid(launcher, tmp_path, "server"), signal.SIGSTOP)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+        deadline = time.monotonic() + 10
+        while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        kill_everything(launcher, pids)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "waiting up to 22 s more for the server to checkpoint where it stopped" in err, err
+    assert "Traceback" not in err and "leaked" not in err, err
+    assert not [p for p in pids if alive(p)]
+
+
 def test_mdgan_local_killed_outright_leaves_no_process_behind(tmp_path):
     # Every service holds a copy of the fork server's "alive" pipe (multiprocessing gives its children
     # one), so the fork server did not see the launcher die, and the services, which die with the
