@@ -714,6 +714,21 @@ def save_launch_settings(args) -> None:
     atomic_write_json(os.path.join(args.out, LAUNCH_FILE), settings)
 
 
+def _check_launch_setting(args, key: str, value) -> None:
+    """A saved setting must be of its option's kind (an edited launch.json): a number where a number
+    is, and so on; what it may be beyond that, the checks of a fresh launch say."""
+    default = getattr(args, key)
+    if default is None or value is None:
+        return
+
+    def kind(v) -> str:  # (an int default may stand for a float option: numbers are one kind)
+        return "bool" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else type(v).__name__
+
+    if kind(value) != kind(default):
+        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE}: {key} is {value!r}, not a "
+                          f"{kind(default)} like its option's (edit it, or give --{key.replace('_', '-')})")
+
+
 def take_launch_settings(args) -> None:
     """--resume RUN: the run goes on as it was launched (its data, split, evaluation, checkpoints,
     timeouts, security...), but for what this command gives (a moved --data-root, --threads, ...).
@@ -734,9 +749,12 @@ def take_launch_settings(args) -> None:
               "settings are its own, the others (data, evaluation, checkpoints) this command's", file=sys.stderr)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} is unreadable: {exc}") from None
+    if not isinstance(launched, dict):
+        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} holds no settings (a JSON object is expected)")
     given = getattr(args, "given", set())
     for key, value in launched.items():
         if key not in given and key not in _NOT_LAUNCH_SETTINGS and hasattr(args, key):
+            _check_launch_setting(args, key, value)
             setattr(args, key, value)
     args.workers = saved["config"]["workers"]
     args.iterations = saved["config"]["iterations"]

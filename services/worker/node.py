@@ -285,7 +285,7 @@ class WorkerNode:
                 if code == grpc.StatusCode.FAILED_PRECONDITION and ended and ended == self.run_id:
                     raise RunEnded(ended) from None
                 if code in FINAL_REFUSALS:
-                    raise JoinRefused(f"the server refused us: {code.name}: {await call.details()}") from None
+                    raise JoinRefused(f"{code.name}: {await call.details()}") from None  # (exit_code says who)
                 raise
             if welcome.WhichOneof("body") != "welcome":
                 raise ServerGone(f"expected a welcome, got {welcome.WhichOneof('body')}")
