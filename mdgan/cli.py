@@ -756,8 +756,11 @@ def take_launch_settings(args) -> None:
         if key not in given and key not in _NOT_LAUNCH_SETTINGS and hasattr(args, key):
             _check_launch_setting(args, key, value)
             setattr(args, key, value)
-    args.workers = saved["config"]["workers"]
-    args.iterations = saved["config"]["iterations"]
+    for key in ("workers", "iterations"):  # the run's own: its checkpoints are of that many
+        if key in given and getattr(args, key) != saved["config"][key]:
+            raise ConfigError(f"--resume {args.resume}: the run has {key} {saved['config'][key]}; --{key} "
+                              f"{getattr(args, key)} cannot change it (start a new run with --out elsewhere)")
+        setattr(args, key, saved["config"][key])
 
 
 def cmd_local(args) -> int:

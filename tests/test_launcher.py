@@ -419,7 +419,7 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     assert summary["generator_sha256"] == uninterrupted["generator_sha256"]
 
 
-def test_an_edited_launch_json_that_cannot_be_taken_is_one_clear_error(tmp_path):
+def test_a_launch_json_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_error(tmp_path):
     from mdgan.config import TrainingConfig
     from mdgan.run import open_run
 
@@ -429,10 +429,13 @@ def test_an_edited_launch_json_that_cannot_be_taken_is_one_clear_error(tmp_path)
                        ('{"threads": "two"}', "launch.json: threads is 'two', not a number"),
                        ('{"dataset": 5}', "launch.json: dataset is 5, not a str"),
                        ('{"insecure": "no"}', "launch.json: insecure is 'no', not a bool"),
-                       ('{"threads": ', "launch.json is unreadable")):
+                       ('{"threads": ', "launch.json is unreadable"),
+                       ('{}', "")):
         (run / "launch.json").write_text(text)
-        resumed = subprocess.run([sys.executable, "-m", "mdgan.cli", "local", "--resume", str(run), "--no-progress"],
-                                 cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        resumed = subprocess.run([sys.executable, "-m", "mdgan.cli", "local", "--resume", str(run), "--no-progress",
+                                  *([] if says else ["--workers", "3"])], cwd=tmp_path, capture_output=True, text=True,
+                                 timeout=120)
+        says = says or "the run has workers 2; --workers 3 cannot change it"  # a run's size is its own
         assert resumed.returncode == 2 and says in resumed.stderr, (text, resumed.stderr)
         assert "Traceback" not in resumed.stderr and not (run / "logs").exists(), resumed.stderr  # nothing started
 
