@@ -632,15 +632,16 @@ EARLIER_LOGS = "earlier-logs"  # RUN/earlier-logs/<UTC time>/: the logs of a res
 EARLIER_LOGS_KEPT = 5
 
 
-def keep_earlier_logs(logs: str, earlier: str, keep: int = EARLIER_LOGS_KEPT) -> None:
-    """Move what `logs` holds into earlier/<UTC time>/, keeping the newest `keep` such folders."""
+def keep_earlier_logs(logs: str, earlier: str, keep: int = EARLIER_LOGS_KEPT,
+                      now: time.struct_time | None = None) -> None:
+    """Move what `logs` holds into earlier/<UTC time (now)>/, keeping the newest `keep` such folders."""
     try:
         if not os.listdir(logs):
             return
     except FileNotFoundError:
         return
     os.makedirs(earlier, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", now or time.gmtime())
     target, n = os.path.join(earlier, stamp), 1
     while os.path.exists(target):  # two starts in one second
         n += 1

@@ -567,16 +567,13 @@ class Trainer:
         members = self.roster.members()
         asked = asyncio.gather(*(with_deadline(w.checkpoint(t), self.checkpoint_timeout) for w in members),
                                return_exceptions=True)
-        # None at all (all lost before the boundary, as a SIGTERM to the whole cluster can do): a resume
-        # from it would give every worker a fresh discriminator; the checkpoint before has theirs.
+        # A worker lost during it, or none left at all (as when a SIGTERM reaches the whole cluster at
+        # once): not complete. Resumed, it gave every worker a fresh discriminator ("a copy" of nobody's);
+        # the checkpoint before has them all.
         wrote_all = bool(members)
         for worker, reply in zip(members, await asked):
             if isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                # Not complete: its discriminator is in no state of this checkpoint. (It was counted
-                # complete without it; when every worker went at once, as a SIGTERM to the whole cluster
-                # does, a checkpoint of no discriminator at all was resumed, every worker taking a
-                # "copy" of nobody's, instead of the checkpoint before, which has them all.)
-                wrote_all = False
+                wrote_all = False  # its discriminator is in no state of this checkpoint
                 await self._drop(worker, str(reply) or "missed its checkpoint deadline")
             elif isinstance(reply, BaseException) or reply is not None:
                 wrote_all = False

@@ -314,48 +314,50 @@ def test_a_worker_paused_past_its_deadline_rejoins_when_it_wakes(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM
 
 
-def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(tmp_path):
-    # The launcher waited the 30 s grace for workers that were only trying to reconnect, said "the
-    # server exited with -9", exited with status 247 (-9 given to sys.exit), and the resource tracker
-    # warned of a semaphore leaked by the server (tqdm's lock).
+def upset_the_server(tmp_path, server_signal: int, launcher_signal: int | None = None) -> tuple[int, str, float, list]:
+    """Send the server of a running `mdgan local` server_signal, then the launcher launcher_signal (if any);
+    (the launcher's exit status, its stderr, seconds from the server's signal to the launcher's end, the
+    processes of the cluster still alive 10 s after it)."""
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
     pids: set[int] = set()
     try:
         wait_until_training(launcher, tmp_path)
         pids = descendants(launcher.pid)
-        os.kill(service_pid(launcher, tmp_path, "server"), signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(service_pid(launcher, tmp_path, "server"), server_signal)
+        upset = time.monotonic()
+        if launcher_signal is not None:
+            launcher.send_signal(launcher_signal)
         _, err = launcher.communicate(timeout=120)
-        took = time.monotonic() - killed
+        took = time.monotonic() - upset
+        deadline = time.monotonic() + 10
+        while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in pids if alive(p)]
     finally:
         kill_everything(launcher, pids)
-    assert launcher.returncode == 1, err
+    return launcher.returncode, err, took, left
+
+
+def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(tmp_path):
+    # The launcher waited the 30 s grace for workers that were only trying to reconnect, said "the
+    # server exited with -9", exited with status 247 (-9 given to sys.exit), and the resource tracker
+    # warned of a semaphore leaked by the server (tqdm's lock).
+    code, err, took, left = upset_the_server(tmp_path, signal.SIGKILL)
+    assert code == 1, err
     assert err.startswith("mdgan local: the server was killed by SIGKILL; the end of its log:"), err
     assert "leaked" not in err and "Traceback" not in err, err
     assert took < 20, took  # not the 30 s grace given to workers of a server that ended well
-    assert not [p for p in pids if alive(p)]
+    assert not left
 
 
 def test_a_signal_to_mdgan_local_whose_server_is_frozen_says_why_it_waits_and_leaves_nothing(tmp_path):
     # The server is stopped first and given its stop grace: frozen (SIGSTOP), it cannot use it, and the
     # stop must still end, saying what it waits for, with every process gone.
-    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
-    pids: set[int] = set()
-    try:
-        wait_until_training(launcher, tmp_path)
-        pids = descendants(launcher.pid)
-        os.kill(service_pid(launcher, tmp_path, "server"), signal.SIGSTOP)
-        launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=120)
-        deadline = time.monotonic() + 10
-        while [p for p in pids if alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        kill_everything(launcher, pids)
-    assert launcher.returncode == 128 + signal.SIGTERM, err
+    code, err, _, left = upset_the_server(tmp_path, signal.SIGSTOP, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
     assert "waiting up to 22 s more for the server to checkpoint where it stopped" in err, err
     assert "Traceback" not in err and "leaked" not in err, err
-    assert not [p for p in pids if alive(p)]
+    assert not left
 
 
 def test_mdgan_local_killed_outright_leaves_no_process_behind(tmp_path):
@@ -440,7 +442,7 @@ def test_a_launch_json_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_err
         assert "Traceback" not in resumed.stderr and not (run / "logs").exists(), resumed.stderr  # nothing started
 
 
-def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path, monkeypatch):
+def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path):
     from mdgan import cli
 
     logs, earlier = tmp_path / "logs", tmp_path / "earlier-logs"
@@ -449,8 +451,7 @@ def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path, mo
     for start in range(7):
         logs.mkdir()
         (logs / "server.log").write_text(f"start {start}\n")
-        monkeypatch.setattr(cli.time, "gmtime", lambda start=start: time.struct_time((2026, 1, 1, 0, 0, start, 0, 1, 0)))
-        cli.keep_earlier_logs(str(logs), str(earlier))
+        cli.keep_earlier_logs(str(logs), str(earlier), now=time.struct_time((2026, 1, 1, 0, 0, start, 0, 1, 0)))
         assert not logs.exists()
     kept = sorted(earlier.iterdir())
     assert [p.name for p in kept] == [f"20260101T00000{s}Z" for s in range(2, 7)]
