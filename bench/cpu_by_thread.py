@@ -2,6 +2,7 @@
 
     python bench/cpu_by_thread.py --mode local --workers 4 --kappa 1 --seconds 12
     python bench/cpu_by_thread.py --mode simulate --workers 4 --kappa 1 --seconds 12
+    python bench/cpu_by_thread.py --mode local --swap-every 5      # what swaps cost: against --swap-every 0
 
 py-spy's shares are of wall-clock samples of threads that are not blocked: a thread that is
 runnable but waits for a core (most of the time on a loaded machine) counts as busy wherever it was
@@ -57,6 +58,9 @@ def main() -> int:
     parser.add_argument("--kappa", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=12)
+    parser.add_argument("--swap-every", type=int, default=100,
+                        help="iterations between swaps (0: none in the window); the CPU of a swap round is "
+                             "the difference per iteration times this")
     parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     args = parser.parse_args()
@@ -65,7 +69,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.out or os.path.join(tmp, "run")
         process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", args.mode,
-                                    *run_flags(args.workers, args.kappa, 100000, args.data_root, args.batch_size),
+                                    *run_flags(args.workers, args.kappa, 100000, args.data_root, args.batch_size,
+                                              args.swap_every or 100000),
                                     "--no-progress", "--out", run_dir], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    start_new_session=True)
         try:

@@ -122,6 +122,41 @@ def test_state_streams_in_chunks_of_at_most_one_mib_and_reassembles_exactly():
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
+@pytest.mark.parametrize("chunk_bytes", [codec.CHUNK_BYTES, 4096, 1000, 7])
+def test_a_state_written_straight_to_the_wire_parses_to_the_chunks_state_chunks_builds(chunk_bytes):
+    # wire_state_chunks writes data chunks by hand (key, length, bytes) from the tensors' memory,
+    # chunks that cross from one tensor into the next included; protobuf must read them back as
+    # the messages state_chunks builds, and the sizes told to telemetry must be the real ones.
+    state = _state() if chunk_bytes >= 4096 else {"a": torch.arange(5.0), "empty": torch.zeros(0),
+                                                   "b": torch.arange(6, dtype=torch.int64).view(2, 3),
+                                                   "scalar": torch.tensor(2.5)}
+    wire = codec.wire_state_chunks(state, 3, "worker-1", "site-a", chunk_bytes=chunk_bytes)
+    parsed = [peer_pb2.DiscriminatorChunk.FromString(w) for w, _ in wire]
+    built = list(codec.state_chunks(state, 3, "worker-1", "site-a", chunk_bytes=chunk_bytes))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert parsed == built and len(parsed) == 1 + math.ceil(total / chunk_bytes)
+    assert [payload for _, payload in wire] == [len(c.data) for c in built]
+    assert [len(w) for w, _ in wire] == [c.ByteSize() for c in built]
+    assert all(codec.data_chunk_bytes(len(c.data)) == c.ByteSize() for c in built[1:])
+    assembler = codec.StateAssembler(_layout(state))
+    for chunk in parsed:
+        assembler.accept(chunk)
+    back = assembler.finish()
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_a_copy_is_marked_in_the_written_header():
+    wire = codec.wire_state_chunks(_state(), 2, "worker-0", copy=True)
+    header = peer_pb2.DiscriminatorChunk.FromString(wire[0][0]).header
+    assert header.copy and header.round == 2 and header.sender_worker == "worker-0"
+    assert not peer_pb2.DiscriminatorChunk.FromString(codec.wire_state_chunks(_state(), 2, "w")[0][0]).header.copy
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 2_097_152])
+def test_a_data_chunks_size_is_known_without_serializing_it(size):
+    assert codec.data_chunk_bytes(size) == peer_pb2.DiscriminatorChunk(data=b"x" * size).ByteSize()
+
+
 def test_state_with_wrong_layout_is_refused_before_buffering():
     state = _state()
     wrong = dict(state)

@@ -302,7 +302,7 @@ def test_peer_service_checks_every_pushed_discriminator():
     async def push(chunks) -> tuple[grpc.StatusCode, object]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             try:
-                return grpc.StatusCode.OK, await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, 10)
+                return grpc.StatusCode.OK, await push_discriminator(channel, chunks, 10)
             except grpc.aio.AioRpcError as exc:
                 return exc.code(), exc.details()
 
@@ -362,7 +362,7 @@ def test_a_late_joiner_whose_donor_left_is_told_and_takes_the_next_copy_attempt(
         chunks[0].header.copy = True
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             try:
-                await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, 10)
+                await push_discriminator(channel, chunks, 10)
                 return grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 return exc.code()

@@ -187,11 +187,72 @@ def decode_labels(msg: tensor_pb2.Tensor, count: int, num_classes: int, field: s
 
 
 def _state_blob(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.TensorSpec], memoryview]:
-    specs, blobs = [], []
+    """The specs of a state's tensors and their bytes, concatenated in one copy (a swap moves
+    megabytes: each pass over them is measurable, docs/PERFORMANCE.md, twelfth pass)."""
+    specs, flat = [], []
     for name, t in state.items():
         specs.append(tensor_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=_TO_WIRE[t.dtype]))
-        blobs.append(_raw_bytes(t))
-    return specs, memoryview(b"".join(blobs))
+        if t.numel():
+            flat.append(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    payload = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    return specs, memoryview(payload.numpy())
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+# A data chunk's field key, from an empty one (a oneof member is written even when empty: the key,
+# then a zero length).
+_DATA_CHUNK_KEY = peer_pb2.DiscriminatorChunk(data=b"").SerializeToString()[:-1]
+
+
+def wire_state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: str, sender_identity: str = "",
+                      copy: bool = False, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[bytes, int]]:
+    """What state_chunks yields, serialized: (the chunk's wire bytes, its payload bytes) for the
+    header, then for each chunk of data.
+
+    A swap moves megabytes, and every pass over them shows (docs/PERFORMANCE.md, twelfth pass):
+    a data chunk is written straight from the tensors' memory (its key, its length, its bytes) in
+    one copy, where building the message, serializing it (gRPC) and measuring it (ByteSize, which
+    upb does by serializing) made three more. Parsing each with DiscriminatorChunk.FromString gives
+    state_chunks' messages (tests/test_codec.py)."""
+    specs, views, total = [], [], 0
+    for name, t in state.items():
+        specs.append(tensor_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=_TO_WIRE[t.dtype]))
+        if t.numel():
+            view = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            views.append(view)
+            total += len(view)
+    header = peer_pb2.DiscriminatorChunk(header=peer_pb2.DiscriminatorHeader(
+        round=swap_round, sender_worker=sender, tensors=specs, total_bytes=total,
+        sender_identity=sender_identity, copy=copy))
+    out = [(header.SerializeToString(), 0)]
+    pieces, filled = [], 0  # the current chunk's slices of the tensors' bytes
+    for view in views:
+        offset = 0
+        while offset < len(view):
+            take = min(chunk_bytes - filled, len(view) - offset)
+            pieces.append(view[offset:offset + take])
+            offset += take
+            filled += take
+            if filled == chunk_bytes:
+                out.append((b"".join((_DATA_CHUNK_KEY, _varint(filled), *pieces)), filled))
+                pieces, filled = [], 0
+    if filled:
+        out.append((b"".join((_DATA_CHUNK_KEY, _varint(filled), *pieces)), filled))
+    return out
+
+
+def data_chunk_bytes(data_bytes: int) -> int:
+    """The serialized size of a DiscriminatorChunk carrying `data_bytes` bytes of data, without
+    serializing it (ByteSize() would: upb measures by serializing)."""
+    return len(_DATA_CHUNK_KEY) + len(_varint(data_bytes)) + data_bytes
 
 
 def state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: str, sender_identity: str = "",

@@ -107,14 +107,17 @@ class Telemetry:
                 self.checkpoints.labels(outcome)
 
     # -- wire accounting ---------------------------------------------------------------------
-    def count(self, direction: str, kind: str, side: str, message, payload: int = 0) -> None:
+    def count(self, direction: str, kind: str, side: str, message, payload: int = 0,
+              message_bytes: int | None = None) -> None:
+        """One message: its serialized size is `message_bytes` when the caller knows it (a chunk of a
+        megabyte, whose ByteSize() would serialize it again), else message.ByteSize()."""
         key = (direction, kind, side)
         series = self._wire_series.get(key)
         if series is None:  # labels() validates and locks on every call: look each series up once
             series = self._wire_series[key] = (self.messages.labels(*key), self.message_bytes.labels(*key),
                                                self.payload_bytes.labels(*key))
         series[0].inc()
-        series[1].inc(message.ByteSize())
+        series[1].inc(message.ByteSize() if message_bytes is None else message_bytes)
         if payload:
             series[2].inc(payload)
 

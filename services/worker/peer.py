@@ -117,11 +117,19 @@ class CopyMailbox(SwapMailbox):
         return None
 
 
-async def push_discriminator(stub: peer_pb2_grpc.PeerStub, chunks: list[peer_pb2.DiscriminatorChunk],
+def _chunk_wire(chunk: peer_pb2.DiscriminatorChunk | bytes) -> bytes:
+    """A chunk as it travels: a message is serialized, bytes are already (codec.wire_state_chunks)."""
+    return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
+
+
+async def push_discriminator(channel: grpc.aio.Channel, chunks: list[peer_pb2.DiscriminatorChunk | bytes],
                              timeout: float) -> peer_pb2.PushAck:
-    """Stream a state to a peer. A peer that refuses it mid-stream ends the call with its own
-    status (INVALID_ARGUMENT, ...), raised here as AioRpcError, not as a broken write."""
-    call = stub.PushDiscriminator(timeout=timeout)
+    """Stream a state to a peer over `channel`: chunks as messages or as their serialized bytes. A
+    peer that refuses it mid-stream ends the call with its own status (INVALID_ARGUMENT, ...),
+    raised here as AioRpcError, not as a broken write."""
+    push = channel.stream_unary(f"/{PEER_SERVICE}/PushDiscriminator", request_serializer=_chunk_wire,
+                                response_deserializer=peer_pb2.PushAck.FromString)
+    call = push(timeout=timeout)
     try:
         for chunk in chunks:
             await call.write(chunk)
@@ -185,9 +193,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         discarded = 0
         sender, authorized = "", False
         async for chunk in request_iterator:
-            telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, len(chunk.data))
+            # Read a data chunk's bytes once: each access of chunk.data copies up to a megabyte, and
+            # so would ByteSize() (upb serializes to measure).
+            data = chunk.data if chunk.WhichOneof("body") == "data" else None
+            if data is None:
+                telemetry.count("worker_to_worker", "discriminator", "receiver", chunk)
+            else:
+                telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, len(data),
+                                codec.data_chunk_bytes(len(data)))
             if refusal is not None:
-                discarded += len(chunk.data)
+                discarded += len(data or b"")
                 if discarded > drain_limit:
                     break
                 continue
@@ -205,7 +220,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         refusal = await mailbox.authorize(chunk.header.round, sender, node.swap_timeout)
                         authorized = refusal is None
                     continue
-                assembler.accept(chunk)
+                if data is not None:
+                    assembler.accept_data(data)
+                else:
+                    assembler.accept(chunk)
             except codec.InvalidTensor as exc:
                 telemetry.rejected.labels(exc.reason).inc()
                 refusal = grpc.StatusCode.INVALID_ARGUMENT, str(exc)

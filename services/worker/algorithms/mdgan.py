@@ -18,7 +18,6 @@ from mdgan.data import Shard
 from mdgan.mdgan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
-from services.common.proto import peer_pb2_grpc
 from services.worker.algorithms.base import CONTROL, ServerGone, StreamBroken, WorkerAlgorithm
 from services.worker.peer import CopyMailbox, PeerInbox, SwapMailbox, push_discriminator
 
@@ -258,9 +257,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             # The receiver is verified as the identity the server named, wherever its address points.
             channel = self._peer_channels[key] = tls_.channel(address, node.tls, rpc.options(),
                                                               order.send_to_identity or None)
-        chunks = list(codec.state_chunks(state, order.round, node.worker_id, node.identity))
-        chunks[0].header.copy = copy
-        await push_discriminator(peer_pb2_grpc.PeerStub(channel), chunks, node.swap_timeout)
-        for chunk in chunks:
-            node.telemetry.count("worker_to_worker", "discriminator", "sender", chunk, len(chunk.data))
-        return sum(len(c.data) for c in chunks), sum(c.ByteSize() for c in chunks)
+        chunks = codec.wire_state_chunks(state, order.round, node.worker_id, node.identity, copy=copy)
+        await push_discriminator(channel, [wire for wire, _ in chunks], node.swap_timeout)
+        for wire, payload in chunks:
+            node.telemetry.count("worker_to_worker", "discriminator", "sender", None, payload, len(wire))
+        return sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks)
