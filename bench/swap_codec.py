@@ -17,7 +17,8 @@ before the twelfth pass and the way it does now, alternated in the same run:
   again), then `finish`;
 - receiver, now: `chunk.data` read once, `data_chunk_bytes` for the count, `accept_data`, `finish`.
 
-Prints ms per discriminator and the ratio now / before. `bench/cpu_by_thread.py --swap-every 5`
+Prints ms per discriminator and the ratio now / before. The process keeps freed memory as the
+services do (mdgan/allocator.py). `bench/cpu_by_thread.py --swap-every 5`
 against `--swap-every 0` gives what a whole swap round costs a running `mdgan local`.
 """
 
@@ -33,8 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from mdgan.models import build_discriminator  # noqa: E402
+from mdgan import allocator  # noqa: E402
 from mdgan.config import ModelSpec  # noqa: E402
+from mdgan.models import build_discriminator  # noqa: E402
 from services.common import codec  # noqa: E402
 from services.common.proto import peer_pb2  # noqa: E402
 
@@ -84,6 +86,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # The services' allocator settings: without them each receive's 2.7 MB buffer may be a fresh
+    # mmap, page faults and all, or not, as glibc's sliding threshold happens to stand.
+    allocator.keep_freed_memory()
     state = {k: v.clone() for k, v in build_discriminator(ModelSpec(), 0).state_dict().items()}
     layout = codec.layout_of(state)
     wire_before, counted_before = send_before(state)

@@ -109,16 +109,20 @@ def _layout(state):
     return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
 
 
+def _reassemble(chunks, state):
+    assembler = codec.StateAssembler(_layout(state))
+    for chunk in chunks:
+        assembler.accept(chunk)
+    return assembler.finish()
+
+
 def test_state_streams_in_chunks_of_at_most_one_mib_and_reassembles_exactly():
     state = _state()
     chunks = list(codec.state_chunks(state, 3, "worker-1"))
     assert chunks[0].WhichOneof("body") == "header" and chunks[0].header.total_bytes == 670_219 * 4
     assert all(len(c.data) <= codec.CHUNK_BYTES for c in chunks[1:])
     assert len(chunks) - 1 == math.ceil(670_219 * 4 / codec.CHUNK_BYTES)
-    assembler = codec.StateAssembler(_layout(state))
-    for c in chunks:
-        assembler.accept(c)
-    back = assembler.finish()
+    back = _reassemble(chunks, state)
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
@@ -138,10 +142,7 @@ def test_a_state_written_straight_to_the_wire_parses_to_the_chunks_state_chunks_
     assert [payload for _, payload in wire] == [len(c.data) for c in built]
     assert [len(w) for w, _ in wire] == [c.ByteSize() for c in built]
     assert all(codec.data_chunk_bytes(len(c.data)) == c.ByteSize() for c in built[1:])
-    assembler = codec.StateAssembler(_layout(state))
-    for chunk in parsed:
-        assembler.accept(chunk)
-    back = assembler.finish()
+    back = _reassemble(parsed, state)
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 

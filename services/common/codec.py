@@ -186,16 +186,21 @@ def decode_labels(msg: tensor_pb2.Tensor, count: int, num_classes: int, field: s
 # discriminator states: a header of tensor specs, then the concatenated raw bytes in chunks
 
 
-def _state_blob(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.TensorSpec], memoryview]:
-    """The specs of a state's tensors and their bytes, concatenated in one copy (a swap moves
-    megabytes: each pass over them is measurable, docs/PERFORMANCE.md, twelfth pass)."""
-    specs, flat = [], []
+def _state_views(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.TensorSpec], list[memoryview]]:
+    """The specs of a state's tensors, and each non-empty one's bytes as a view (no copy)."""
+    specs, views = [], []
     for name, t in state.items():
         specs.append(tensor_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=_TO_WIRE[t.dtype]))
         if t.numel():
-            flat.append(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
-    payload = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-    return specs, memoryview(payload.numpy())
+            views.append(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return specs, views
+
+
+def _state_blob(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.TensorSpec], memoryview]:
+    """The specs of a state's tensors and their bytes, concatenated in one copy (a swap moves
+    megabytes: each pass over them is measurable, docs/PERFORMANCE.md, twelfth pass)."""
+    specs, views = _state_views(state)
+    return specs, memoryview(b"".join(views))
 
 
 def _varint(n: int) -> bytes:
@@ -222,13 +227,8 @@ def wire_state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: s
     one copy, where building the message, serializing it (gRPC) and measuring it (ByteSize, which
     upb does by serializing) made three more. Parsing each with DiscriminatorChunk.FromString gives
     state_chunks' messages (tests/test_codec.py)."""
-    specs, views, total = [], [], 0
-    for name, t in state.items():
-        specs.append(tensor_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=_TO_WIRE[t.dtype]))
-        if t.numel():
-            view = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-            views.append(view)
-            total += len(view)
+    specs, views = _state_views(state)
+    total = sum(len(view) for view in views)
     header = peer_pb2.DiscriminatorChunk(header=peer_pb2.DiscriminatorHeader(
         round=swap_round, sender_worker=sender, tensors=specs, total_bytes=total,
         sender_identity=sender_identity, copy=copy))

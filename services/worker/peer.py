@@ -196,13 +196,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             # Read a data chunk's bytes once: each access of chunk.data copies up to a megabyte, and
             # so would ByteSize() (upb serializes to measure).
             data = chunk.data if chunk.WhichOneof("body") == "data" else None
-            if data is None:
-                telemetry.count("worker_to_worker", "discriminator", "receiver", chunk)
-            else:
-                telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, len(data),
-                                codec.data_chunk_bytes(len(data)))
+            size = 0 if data is None else len(data)
+            telemetry.count("worker_to_worker", "discriminator", "receiver", chunk, size,
+                            None if data is None else codec.data_chunk_bytes(size))
             if refusal is not None:
-                discarded += len(data or b"")
+                discarded += size
                 if discarded > drain_limit:
                     break
                 continue
