@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(flags: list[str], out: str) -> dict:
-    subprocess.run([sys.executable, "-m", "mdgan.cli", "local", *flags, "--out", out, "--no-progress"], cwd=REPO,
+    subprocess.run([sys.executable, "-m", "mdgan_app.cli", "local", *flags, "--out", out, "--no-progress"], cwd=REPO,
                    check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "summary.json")) as fh:
         return json.load(fh)
@@ -51,7 +51,7 @@ def worker_state_bytes(workers: int, batch_size: int) -> int:
 
     from mdgan.config import DataConfig, TrainingConfig
     from mdgan.data import load_shard
-    from mdgan.mdgan import DiscriminatorSide, GeneratedBatches
+    from mdgan.gan import DiscriminatorSide, GeneratedBatches
 
     config = TrainingConfig(workers=workers, batch_size=batch_size).validate()
     side = DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=workers), 0))

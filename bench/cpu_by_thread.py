@@ -68,7 +68,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.out or os.path.join(tmp, "run")
-        process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", args.mode,
+        process = subprocess.Popen([sys.executable, "-m", "mdgan_app.cli", args.mode,
                                     *run_flags(args.workers, args.kappa, 100000, args.data_root, args.batch_size,
                                               args.swap_every or 100000),
                                     "--no-progress", "--out", run_dir], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -63,7 +63,7 @@ def mem_available() -> int:
 def measure(flags: list[str], out: str, sample_every: float = 0.5) -> dict:
     idle = mem_available()
     started = time.monotonic()
-    launcher = subprocess.Popen([sys.executable, "-m", "mdgan.cli", "local", *flags, "--out", out, "--no-progress"],
+    launcher = subprocess.Popen([sys.executable, "-m", "mdgan_app.cli", "local", *flags, "--out", out, "--no-progress"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     history = os.path.join(out, "history.jsonl")
     first_iteration = None

@@ -30,8 +30,8 @@ sys.path.insert(0, REPO)
 
 def _settings(flags: list[str]):
     """(TrainingConfig, DataConfig, out dir) from `mdgan simulate` flags."""
-    from mdgan.cli import _resolve_workers, build_parser
-    from mdgan.settings import data_config, training_config
+    from mdgan_app.cli import _resolve_workers, build_parser
+    from services.common.settings import data_config, training_config
 
     args = build_parser().parse_args(["simulate", *flags])
     _resolve_workers(args)
@@ -63,7 +63,7 @@ def _server(config, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from mdgan.mdgan import GeneratorSide
+    from mdgan.gan import GeneratorSide
     from mdgan.run import generator_sha256
 
     side = GeneratorSide(config)
@@ -98,7 +98,7 @@ def _worker(config, data, index: int) -> None:
     import torch.distributed as dist
 
     from mdgan.data import load_shard
-    from mdgan.mdgan import DiscriminatorSide, WorkerBatch, derangement
+    from mdgan.gan import DiscriminatorSide, WorkerBatch, derangement
 
     side = DiscriminatorSide(config, load_shard(data, index, config.model.sample_shape))
     n, b, shape = config.workers, config.batch_size, config.model.sample_shape
@@ -142,7 +142,7 @@ def rank_main(rank: int, world: int, port: int, flags: list[str]) -> None:
     config, data, out, threads = _settings(flags)
     torch.set_num_threads(max(1, threads))
     if os.environ.get("GLOO_CPU_SCHEDULING") == "batch":  # as `mdgan local --cpu-scheduling batch` runs its services
-        from mdgan import scheduling
+        from services.common import scheduling
 
         scheduling.apply("batch")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

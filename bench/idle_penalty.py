@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from mdgan.config import TrainingConfig  # noqa: E402
-from mdgan.mdgan import make_adam  # noqa: E402
+from mdgan.gan import make_adam  # noqa: E402
 from mdgan.models import build_discriminator  # noqa: E402
 
 

@@ -74,7 +74,7 @@ def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
     if mode.startswith("local@"):  # `mdgan local` of another checkout (--baseline)
         mode, repo = "local", mode.split("@", 1)[1]
         env = {**os.environ, "PYTHONPATH": repo}
-    program = [os.path.join(REPO, "bench", "gloo_baseline.py")] if mode == "gloo" else ["-m", "mdgan.cli", mode]
+    program = [os.path.join(REPO, "bench", "gloo_baseline.py")] if mode == "gloo" else ["-m", "mdgan_app.cli", mode]
     outs = [out] if copies == 1 else [f"{out}-{i}" for i in range(copies)]
     processes = [subprocess.Popen([sys.executable, *program, *flags, "--out", o, "--no-progress"], cwd=repo, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for o in outs]

@@ -86,7 +86,7 @@ def main() -> int:
     run_dir = os.path.join(args.out, f"run-{args.mode}-{args.workers}")
     shutil.rmtree(run_dir, ignore_errors=True)
     iterations = 100000  # stopped once profiled
-    process = subprocess.Popen([sys.executable, "-m", "mdgan.cli", args.mode,
+    process = subprocess.Popen([sys.executable, "-m", "mdgan_app.cli", args.mode,
                                 *run_flags(args.workers, args.kappa, iterations, args.data_root, args.batch_size),
                                 "--no-progress", "--out", run_dir],
                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

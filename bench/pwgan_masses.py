@@ -19,7 +19,7 @@ import torch
 from mdgan.algorithms.pwgan import PWGANOptions, PWGANTrainer, build_in_process_critics
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
-from mdgan.mdgan import GeneratorSide
+from mdgan.gan import GeneratorSide
 
 
 def main() -> int:

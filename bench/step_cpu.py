@@ -35,7 +35,7 @@ def run(mode: str, args, tmp: str) -> dict:
     out = os.path.join(tmp, f"probe-{mode}")
     os.makedirs(out)
     env = {**os.environ, "MDGAN_STEP_PROBE": out, "PYTHONPATH": os.pathsep.join([PROBE, REPO])}
-    subprocess.run([sys.executable, "-m", "mdgan.cli", mode,
+    subprocess.run([sys.executable, "-m", "mdgan_app.cli", mode,
                     *run_flags(args.workers, args.kappa, args.iterations, args.data_root), "--no-progress",
                     "--out", os.path.join(tmp, f"run-{mode}")], cwd=REPO, env=env, check=True,
                    stdout=subprocess.DEVNULL)

@@ -73,7 +73,7 @@ def score_checkpoint(out: str, args) -> dict:
     import torch
 
     from mdgan.config import TrainingConfig
-    from mdgan.mdgan import GeneratorSide
+    from mdgan.gan import GeneratorSide
     from mdgan.run import make_evaluator
 
     folders = sorted(glob.glob(os.path.join(out, "checkpoints", "*", "server.pt")))

@@ -18,7 +18,7 @@ before the twelfth pass and the way it does now, alternated in the same run:
 - receiver, now: `chunk.data` read once, `data_chunk_bytes` for the count, `accept_data`, `finish`.
 
 Prints ms per discriminator and the ratio now / before. The process keeps freed memory as the
-services do (mdgan/allocator.py). `bench/cpu_by_thread.py --swap-every 5`
+services do (services/common/allocator.py). `bench/cpu_by_thread.py --swap-every 5`
 against `--swap-every 0` gives what a whole swap round costs a running `mdgan local`.
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from mdgan import allocator  # noqa: E402
+from services.common import allocator  # noqa: E402
 from mdgan.config import ModelSpec  # noqa: E402
 from mdgan.models import build_discriminator  # noqa: E402
 from services.common import codec  # noqa: E402

@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(flags: list[str], out: str) -> dict:
-    subprocess.run([sys.executable, "-m", "mdgan.cli", "local", *flags, "--out", out, "--no-progress"], cwd=REPO,
+    subprocess.run([sys.executable, "-m", "mdgan_app.cli", "local", *flags, "--out", out, "--no-progress"], cwd=REPO,
                    check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "summary.json")) as fh:
         return json.load(fh)

@@ -86,3 +86,22 @@ def combine(samples: torch.Tensor, feedback: list[tuple[int, torch.Tensor]], rul
         incoming[index] = robust_estimate(torch.stack(members), rule, trim_fraction, clip_norm) * len(members)
     incoming /= len(feedback)
     return incoming
+
+
+def fedavg(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    """The weighted average of state dicts (floating tensors; others are taken from the first).
+
+    Written as s_0 + sum_i (w_i / W) (s_i - s_0): the same average, but exactly the identity when
+    every state is the same (no rounding from scaling and summing equal terms).
+    """
+    total = sum(weights)
+    averaged = {}
+    for name, first in states[0].items():
+        if first.is_floating_point():
+            acc = first.clone()
+            for state, w in zip(states[1:], weights[1:]):  # fixed order: repeatable
+                acc += (state[name] - first) * (w / total)
+            averaged[name] = acc
+        else:
+            averaged[name] = first.clone()
+    return averaged

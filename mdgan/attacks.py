@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from mdgan.config import ConfigError
-from mdgan.mdgan import derive_seed
+from mdgan.gan import derive_seed
 
 ATTACKS = ("sign-flip", "scale", "sign-flip-scale", "noise", "free-ride")
 SCALE_FACTOR = 10.0

@@ -15,7 +15,8 @@ DATASETS = ("mnist", "cifar10", "synthetic", "imagefolder")  # imagefolder: see 
 SPLITS = ("iid", "dirichlet")  # how a dataset is cut into shards (DataConfig.split)
 WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # see mdgan/compression.py
 AGGREGATIONS = ("mean", "median", "trimmed-mean", "norm-clip")  # see mdgan/aggregation.py
-SYNC_MODES = ("all", "quorum", "async")  # see mdgan/synchrony.py
+SYNC_MODES = ("all", "quorum", "async")  # see mdgan/algorithms/mdgan/synchrony.py
+ARCHITECTURE_NAMES = ("mlp", "cnn-mnist", "cnn-cifar10")  # built by mdgan/models.py (ARCHITECTURES)
 
 
 class ConfigError(ValueError):
@@ -34,10 +35,8 @@ class ModelSpec:
     sample_shape: tuple[int, ...] = (784,)
 
     def validate(self) -> None:
-        from mdgan.models import ARCHITECTURES  # local import: models imports this module
-
-        if self.architecture not in ARCHITECTURES:
-            raise ConfigError(f"unknown architecture {self.architecture!r}; choose from {sorted(ARCHITECTURES)}")
+        if self.architecture not in ARCHITECTURE_NAMES:
+            raise ConfigError(f"unknown architecture {self.architecture!r}; choose from {sorted(ARCHITECTURE_NAMES)}")
         if self.gan not in GAN_KINDS:
             raise ConfigError(f"unknown gan kind {self.gan!r}; choose from {GAN_KINDS}")
         if self.loss not in LOSSES:
@@ -102,7 +101,7 @@ class TrainingConfig:
     # norm-clip: every sample's feedback is scaled down to at most this L2 norm; 0: to the median of
     # the norms the workers sent for that sample (adapts to the feedback's scale, which changes in training)
     clip_norm: float = 0.0
-    # How long an iteration waits for feedback (mdgan/synchrony.py): all (the paper), quorum (update G
+    # How long an iteration waits for feedback (mdgan/algorithms/mdgan/synchrony.py): all (the paper), quorum (update G
     # once `quorum` workers answered; 0: N - 1), async (apply each answer as it comes, weighted by
     # 1/(1 + staleness), dropped beyond max_staleness iterations).
     sync: str = "all"

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mdgan.config import ConfigError, DataConfig
+from mdgan.images import load_imagefolder
 
 SYNTHETIC_SIZE = 2000
 SYNTHETIC_SEED = 1234  # fixed: every worker must build the same synthetic dataset
@@ -272,8 +273,6 @@ def load_stored_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]
     if config.dataset == "cifar10":
         return load_cifar10_uint8(config.data_root)
     if config.dataset == "imagefolder":  # one folder of images, cut into shards like the others (emulation)
-        from mdgan.sites import load_imagefolder
-
         site = load_imagefolder(config.data_root)
         return site.conform((math.prod(site.image_shape),)), site.labels
     return make_synthetic()

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mdgan.config import ConfigError, ModelSpec
+from mdgan.config import ARCHITECTURE_NAMES, ConfigError, ModelSpec
 
 
 class MLPGenerator(nn.Module):
@@ -220,6 +220,8 @@ ARCHITECTURES: dict[str, tuple[Callable[[ModelSpec], nn.Module], Callable[[Model
     "cnn-mnist": (CNNMNISTGenerator, CNNMNISTDiscriminator),
     "cnn-cifar10": (CNNCIFAR10Generator, CNNCIFAR10Discriminator),
 }
+# config.py validates the names before anything is built; both lists must name the same architectures
+assert tuple(ARCHITECTURES) == ARCHITECTURE_NAMES, "mdgan/config.py's ARCHITECTURE_NAMES and ARCHITECTURES differ"
 
 # The flat sample shape an architecture is built for; None: any (the MLP adapts to d).
 ARCHITECTURE_SAMPLE_SHAPES: dict[str, tuple[int, ...] | None] = {

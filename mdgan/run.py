@@ -1,11 +1,12 @@
-"""What a run leaves behind: history.jsonl, summary.json, sample grids, a checkpoint.
+"""What a run leaves behind: history.jsonl, summary.json, sample grids, a checkpoint; a run directory's
+identity and the runs it held before; the evaluation schedule.
 
-Used by the in-process simulation and by the gRPC server alike, so both write the same files.
+Used by the in-process simulation (mdgan/simulate.py) and by the gRPC server alike, so both write the
+same files.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
 import json
@@ -24,14 +25,10 @@ from tqdm import tqdm
 
 from mdgan import checkpoint
 from mdgan.checkpoint import CheckpointError, CheckpointStore
-from mdgan.cluster import IterationRecord, RunResult, Trainer, build_in_process_workers
-from mdgan.baselines import run_flgan, run_standalone
-from mdgan.config import ConfigError, DataConfig, TrainingConfig
-from mdgan.data import load_all_shards
-from mdgan.mdgan import DiscriminatorSide, GeneratorSide, derive_seed
-from mdgan.sites import RunClasses, site_shards
+from mdgan.algorithms.base import IterationRecord, RunResult
+from mdgan.config import ConfigError, TrainingConfig
+from mdgan.gan import GeneratorSide, derive_seed
 from mdgan.models import image_shape
-from mdgan.roster import Roster
 
 
 log = logging.getLogger(__name__)
@@ -392,45 +389,6 @@ def finished_run_ids(out_dir: str) -> set[str]:
     return ids
 
 
-class ServerCheckpoints:
-    """The server's part of each checkpoint: G, Adam, RNGs, the loop's counters and membership,
-    the evaluator's schedule (history position = the iteration), in OUT/checkpoints."""
-
-    def __init__(self, out_dir: str, run_id: str, keep: int = 3):
-        self.store = CheckpointStore(os.path.join(out_dir, "checkpoints"), keep)
-        self.run_id = run_id
-
-    def save(self, iteration: int, wrote_all: bool, generator_side: GeneratorSide, trainer: Trainer,
-             recorder: "RunRecorder") -> None:
-        state = {"run_id": self.run_id, "iteration": iteration, "generator_side": generator_side.state_dict(),
-                 "trainer": trainer.state_dict(), "recorder": recorder.state_dict()}
-        self.store.save(iteration, "server", state)
-        if wrote_all:  # seconds: what this checkpoint cost the run, workers' writes included
-            self.store.mark_complete(iteration, {"run_id": self.run_id,
-                                                 "workers": [w.worker_id for w in trainer.roster.members()],
-                                                 "seconds": time.perf_counter() - trainer.checkpoint_started})
-            log.info("checkpoint %d complete", iteration)
-        else:
-            log.warning("checkpoint %d incomplete: not every live worker saved its state (or none was left)", iteration)
-
-    @staticmethod
-    def restore(state: dict, generator_side: GeneratorSide, trainer: Trainer, recorder: "RunRecorder") -> None:
-        generator_side.load_state_dict(state["generator_side"])
-        trainer.load_state_dict(state["trainer"])
-        recorder.load_state_dict(state["recorder"])
-
-
-def parse_churn(text: str | None) -> list[tuple[int, str, int]]:
-    """--churn "leave:300:2,join:450:2": (iteration boundary, leave|join, slot), in order."""
-    events = []
-    for item in filter(None, (text or "").replace(" ", "").split(",")):
-        parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in ("leave", "join") or not parts[1].isdigit() or not parts[2].isdigit():
-            raise ConfigError(f"--churn: {item!r} is not leave:ITERATION:SLOT or join:ITERATION:SLOT")
-        events.append((int(parts[1]), parts[0], int(parts[2])))
-    return sorted(events)
-
-
 @dataclass(frozen=True)
 class EvaluationOptions:
     """Scores every `every` iterations (0: only at the end; -1: never) on `samples` generated images,
@@ -440,144 +398,3 @@ class EvaluationOptions:
     every: int = 1000
     samples: int = 500
     reference: int = 2000
-
-
-ALGORITHMS = ("mdgan", "flgan", "standalone", "pwgan", "dpgan")  # pwgan, dpgan: mdgan/algorithms/
-
-
-def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
-             evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
-             crash_every: int | None = None, churn: list[tuple[int, str, int]] | None = None,
-             checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
-             run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
-             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
-             pwgan=None, dpgan=None) -> dict:
-    """The whole run in this process: MD-GAN with every worker an object (the same loop as over
-    gRPC), or one of the baselines on the same models, seeds and data.
-
-    Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
-    SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
-    (mdgan.sites; classes: the run's class names, as the server's --classes).
-    crash_every: MD-GAN, P-WGAN and the data-parallel GAN, the paper's crash experiment: every this
-    many iterations one more worker fails (the last by rank), and its data leaves with it.
-    churn: MD-GAN only, [(iteration, "leave" | "join", slot)]: at that iteration boundary the worker
-    of that slot leaves, or comes back (with its saved state if it has one, else a copy of a live
-    peer's discriminator), through the same roster as over gRPC.
-    checkpoint_every / resume: as for the server; each worker keeps its state in OUT/workers/worker-K.
-    byzantine, attack: MD-GAN only, the last `byzantine` workers by rank send wrong feedback
-    (mdgan/attacks.py), to measure the robust aggregation rules.
-    pwgan, dpgan: PWGANOptions, DPGANOptions of those algorithms (None: their defaults).
-    """
-    if algorithm not in ALGORITHMS:
-        raise ConfigError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
-    if bool(byzantine) != bool(attack):
-        raise ConfigError("--byzantine K and --attack go together")
-    if byzantine and algorithm != "mdgan":
-        raise ConfigError("emulated attackers (--byzantine) apply to MD-GAN runs")
-    if byzantine:
-        from mdgan.attacks import ATTACKS, attackers
-
-        attackers(config.workers, byzantine)  # refuses K outside [0, N)
-        if attack not in ATTACKS:
-            raise ConfigError(f"unknown attack {attack!r}; choose from {ATTACKS}")
-    if algorithm == "standalone":  # one G, one D, the whole dataset
-        if site_dirs:
-            raise ConfigError("a standalone GAN trains on one dataset: give it --data-root, not --site-dirs")
-        config = replace(config, workers=1, kappa=1)
-    if algorithm != "mdgan" and (churn or checkpoint_every or resume != "no"):
-        raise ConfigError("--churn, --checkpoint-every and --resume work with --algorithm mdgan only")
-    config.validate()
-    run = open_run(out_dir, config, resume, run_id) if algorithm == "mdgan" else RunStart(run_id or "", config)
-    config = run.config
-    if site_dirs:
-        run_classes = RunClasses(classes, config.model.num_classes, config.model.conditional)
-        shards = site_shards(site_dirs, data.dataset, config.workers, config.model.sample_shape, run_classes,
-                             bad_images)
-    else:
-        shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
-    generator_side = GeneratorSide(config)
-    evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
-                               evaluation.reference)
-    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from)
-    result = None
-    try:
-        if algorithm == "mdgan":
-            result = asyncio.run(_simulate_mdgan(config, shards, generator_side, recorder, out_dir, run, crash_every,
-                                                 churn or [], checkpoint_every, keep_checkpoints, byzantine, attack))
-        elif algorithm == "standalone":
-            result = run_standalone(config, generator_side, shards[0], on_iteration=recorder)
-        elif algorithm in ("pwgan", "dpgan"):
-            from mdgan.algorithms import dpgan as dp, pwgan as pw
-
-            result = (pw.run_pwgan(config, pwgan or pw.PWGANOptions(), generator_side, shards, recorder, crash_every)
-                      if algorithm == "pwgan" else
-                      dp.run_dpgan(config, dpgan or dp.DPGANOptions(), generator_side, shards, recorder, crash_every))
-        else:
-            result = run_flgan(config, generator_side, shards, on_iteration=recorder, on_round=recorder.swap)
-    finally:
-        wall = recorder.close(result.iterations if result else None)
-    extra = {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
-             "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
-             "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}
-    if algorithm in ("pwgan", "dpgan"):  # the options its traffic formula (`mdgan traffic`) and its record need
-        from mdgan.algorithms import dpgan as dp, pwgan as pw
-
-        extra["pwgan" if algorithm == "pwgan" else "dpgan"] = (
-            asdict(pwgan or pw.PWGANOptions()) if algorithm == "pwgan"
-            else {"threshold": (dpgan or dp.DPGANOptions()).resolve(config.workers)})
-    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores)
-
-
-async def _simulate_mdgan(config, shards, generator_side, recorder, out_dir, run: RunStart, crash_every, churn,
-                          checkpoint_every, keep, byzantine: int = 0, attack: str | None = None) -> RunResult:
-    state_root = os.path.join(out_dir, "workers", run.run_id)
-    workers = build_in_process_workers(config, shards, state_root, keep, byzantine, attack)
-    by_slot = {w.shard_index: w for w in workers}
-    roster = Roster(config.workers, pause_timeout=0)
-    saver = ServerCheckpoints(out_dir, run.run_id, keep)
-    trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
-                      save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder))
-    if run.state is not None:
-        ServerCheckpoints.restore(run.state, generator_side, trainer, recorder)
-
-    def arrive(worker) -> None:
-        plan = roster.rejoin_plan(worker.state.holding("worker"), trained=0)
-        if plan.restore:
-            worker.side.load_state_dict(worker.state.load(plan.restore, "worker"))
-        worker.needs_copy = plan.copy
-        roster.arrive(worker.shard_index, worker.worker_id, worker)
-
-    alive_at_start = roster.expected if roster.expected is not None else set(by_slot)
-    for slot in sorted(alive_at_start):
-        arrive(by_slot[slot])
-
-    def on_iteration(record: IterationRecord) -> None:
-        recorder(record)
-        alive = [w for w in roster.alive() if not w.crashed]
-        if crash_every and record.iteration % crash_every == 0 and alive:
-            alive[-1].crash()
-
-    def on_boundary(t: int) -> None:
-        for _ in range(len(churn)):
-            if churn[0][0] > t:
-                break
-            at, action, slot = churn.pop(0)
-            if at < t:
-                continue  # before the checkpoint this run resumed from
-            if slot not in by_slot:
-                raise ConfigError(f"--churn: no slot {slot} in a run of {config.workers} workers")
-            current = by_slot[slot]
-            if action == "leave" and roster.depart(current):
-                current.crash()
-                log.info("churn: worker-%d leaves at iteration %d", slot, t)
-            elif action == "join" and roster.slot_of(current) is None:
-                fresh = type(current)(DiscriminatorSide(config, current.side.sampler.shard), current.board,
-                                      current.swap_timeout, state=current.state, attack=current.attack)
-                by_slot[slot] = fresh
-                arrive(fresh)
-                log.info("churn: worker-%d joins at iteration %d (%s)", slot, t,
-                         "copy" if fresh.needs_copy else "own state")
-
-    trainer.on_iteration = on_iteration
-    trainer.on_boundary = on_boundary
-    return await trainer.run()

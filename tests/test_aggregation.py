@@ -8,11 +8,11 @@ import torch
 
 from mdgan import aggregation
 from mdgan.attacks import ATTACKS, NOISE_FACTOR, SCALE_FACTOR, FeedbackAttack, attackers
-from mdgan.cluster import build_in_process_workers
+from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.config import DataConfig
-from mdgan.mdgan import GeneratorSide
+from mdgan.gan import GeneratorSide
 
 B, D = 4, 6
 

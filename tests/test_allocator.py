@@ -1,4 +1,4 @@
-"""The allocator thresholds every training process sets (mdgan/allocator.py): a step's
+"""The allocator thresholds every training process sets (services/common/allocator.py): a step's
 few-MB tensors come from the heap, and freed ones stay there for the next step."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 # (mallinfo2's hblks) while it is held, and the heap's free top (keepcost) after it is freed.
 PROBE = """
 import ctypes, json, sys
-from mdgan import allocator
+from services.common import allocator
 libc = ctypes.CDLL(None)
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -55,7 +55,7 @@ def test_a_freed_step_sized_block_stays_in_the_heap():
 def test_without_mallopt_the_defaults_stay_and_nothing_raises(monkeypatch):
     import ctypes
 
-    from mdgan import allocator
+    from services.common import allocator
 
     class Musl:  # a C library with no mallopt (musl, macOS)
         pass
@@ -73,7 +73,7 @@ def test_without_mallopt_the_defaults_stay_and_nothing_raises(monkeypatch):
 def test_a_refused_threshold_is_reported(monkeypatch, caplog):
     import ctypes
 
-    from mdgan import allocator
+    from services.common import allocator
 
     class Refusing:
         def __init__(self):

@@ -8,7 +8,7 @@ import torch
 
 from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import Shard, make_synthetic
-from mdgan.mdgan import DiscriminatorSide, GeneratorSide, generator_loss
+from mdgan.gan import DiscriminatorSide, GeneratorSide, generator_loss
 from mdgan.models import (ARCHITECTURE_SAMPLE_SHAPES, ARCHITECTURES, MinibatchDiscrimination, build_discriminator,
                           build_generator, count_parameters, image_shape, parameter_report)
 
@@ -62,7 +62,7 @@ def test_counts_layer_by_layer():
 
 
 def test_models_command_lists_the_cnns(capsys):
-    from mdgan.cli import main
+    from mdgan_app.cli import main
 
     assert main(["models"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -154,7 +154,7 @@ def test_minibatch_discrimination_looks_at_the_rest_of_the_batch():
 # with the rest of the system
 
 def _parser(with_data: bool = True) -> argparse.ArgumentParser:
-    from mdgan.settings import add_data_arguments, add_training_arguments
+    from services.common.settings import add_data_arguments, add_training_arguments
 
     parser = argparse.ArgumentParser()
     add_training_arguments(parser)
@@ -164,7 +164,7 @@ def _parser(with_data: bool = True) -> argparse.ArgumentParser:
 
 
 def test_training_config_takes_the_sample_shape_from_dataset_and_architecture():
-    from mdgan.settings import training_config
+    from services.common.settings import training_config
 
     def shape(argv, with_data=True):
         return training_config(_parser(with_data).parse_args(argv)).model.sample_shape
@@ -183,7 +183,7 @@ def test_training_config_takes_the_sample_shape_from_dataset_and_architecture():
 
 
 def test_cnn_mnist_trains_end_to_end_in_process(tmp_path):
-    from mdgan.run import simulate
+    from mdgan.simulate import simulate
 
     config = TrainingConfig(workers=2, iterations=2, batch_size=4, swap_every=1,
                             model=ModelSpec(architecture="cnn-mnist", sample_shape=(784,)))

@@ -3,11 +3,14 @@ import asyncio
 import pytest
 import torch
 
-from mdgan.baselines import FederatedTrainer, InProcessFederatedWorker, fedavg, run_flgan, run_standalone
-from mdgan.cluster import Trainer, build_in_process_workers
+from mdgan.algorithms.flgan import FederatedTrainer, InProcessFederatedWorker, run_flgan
+from mdgan.aggregation import fedavg
+from mdgan.algorithms.standalone import run_standalone
+from mdgan.algorithms.mdgan.trainer import Trainer
+from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
-from mdgan.mdgan import GeneratorSide
+from mdgan.gan import GeneratorSide
 from mdgan.models import build_discriminator
 
 

@@ -63,7 +63,7 @@ def test_nan_and_inf_are_refused_in_every_float_dtype(dtype, bad):
 
 @pytest.mark.parametrize("wire", ["float32", "int8"])
 def test_batch_encoder_builds_one_message_per_distinct_pair(wire):
-    from mdgan.mdgan import GeneratedBatches
+    from mdgan.gan import GeneratedBatches
     from services.common.proto import coordinator_pb2
 
     def generated() -> GeneratedBatches:
@@ -213,7 +213,7 @@ def test_generated_code_is_not_stale():
 
 
 def test_library_never_imports_grpc_or_prometheus():
-    code = ("import sys, mdgan.cluster, mdgan.run, mdgan.cli, mdgan.settings, mdgan.models, mdgan.data; "
+    code = ("import sys, mdgan.algorithms, mdgan.simulate, mdgan.run, mdgan.models, mdgan.data, mdgan.sites; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'prometheus_client', 'services')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

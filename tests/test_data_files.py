@@ -180,7 +180,7 @@ def test_a_truncated_or_corrupt_cifar10_batch_is_one_clear_error_naming_it(tmp_p
 
 
 def test_the_cli_says_a_damaged_file_under_its_subcommand_without_a_usage_banner(tmp_path, capsys):
-    from mdgan import cli
+    from mdgan_app import cli
 
     write_mnist(tmp_path, idx(0x803, (60000, 28, 28), bytes(984)), idx(0x801, (60000,), bytes(60000)))
     code = cli.main(["simulate", "--workers", "2", "--iterations", "1", "--data-root", str(tmp_path),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
-from mdgan.run import simulate
+from mdgan.simulate import simulate
 
 CUDA = torch.cuda.is_available()
 

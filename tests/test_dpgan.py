@@ -9,9 +9,9 @@ from mdgan.algorithms.dpgan import (DataParallelTrainer, DPGANOptions, GradientO
                                     compute_gradients, traffic_per_iteration, weights)
 from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import ShardSampler, load_all_shards
-from mdgan.mdgan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
+from mdgan.gan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
 from mdgan.models import build_discriminator, build_generator
-from mdgan.run import simulate
+from mdgan.simulate import simulate
 
 
 def _config(**kw) -> TrainingConfig:
@@ -122,7 +122,7 @@ def test_the_server_takes_the_replicas_averaged_buffers():
 def test_with_a_threshold_the_run_goes_on_when_workers_crash(tmp_path):
     config = _config(iterations=5)
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="dpgan",
-                       crash_every=2, dpgan=DPGANOptions(threshold=1))
+                       crash_every=2, options=DPGANOptions(threshold=1))
     assert summary["iterations"] == 5 and summary["stopped_early"] is None and summary["workers_alive"] == 1
     answered = [json.loads(line)["answered"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert answered == [3, 3, 2, 2, 1]

@@ -22,7 +22,7 @@ from mdgan.data import load_shard
 from services.common import codec, pki
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, dpgan_pb2
-from services.common.traffic import read_exposition
+from mdgan_app.traffic import read_exposition
 from services.worker.algorithms.base import ServerGone
 from services.worker.algorithms.dpgan import DPGANWorker
 from services.worker.node import WorkerNode
@@ -33,7 +33,7 @@ INVALID_ARGUMENT = 3
 
 
 def mdgan(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "mdgan.cli", *args], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr

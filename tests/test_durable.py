@@ -16,7 +16,8 @@ from conftest import REPO
 from procs import python_module, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
-from mdgan.run import EvaluationOptions, finished_run_ids, open_run, simulate
+from mdgan.run import EvaluationOptions, finished_run_ids, open_run
+from mdgan.simulate import simulate
 from services.common import pki
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ THETA = 670_219  # |theta| of the paper's MLP discriminator
 
 
 def mdgan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "mdgan.cli", *args], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     return result

@@ -227,9 +227,9 @@ class _GatedScorer:
 
 
 def test_no_periodic_evaluation_is_lost_from_history_even_when_still_running_at_the_end(tmp_path):
-    from mdgan.cluster import IterationRecord
+    from mdgan.algorithms.base import IterationRecord
     from mdgan.config import TrainingConfig
-    from mdgan.mdgan import GeneratorSide
+    from mdgan.gan import GeneratorSide
     from mdgan.run import PeriodicEvaluator, RunRecorder
 
     total = 10

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mdgan.config import ConfigError
-from mdgan.experiment import expand, load_config, run_experiment
+from mdgan_app.experiment import expand, load_config, run_experiment
 
 from conftest import REPO
 from procs import session_processes
@@ -98,7 +98,7 @@ def test_a_small_experiment_runs_resumes_and_plots(tmp_path, mnist_root):
     # samples from a finished run
     run_dir = out / "runs" / "mdgan-N3"
     for target in ("s.npy", "s.png"):
-        subprocess.run([sys.executable, "-m", "mdgan.cli", "sample", str(run_dir), "--n", "30", "--out",
+        subprocess.run([sys.executable, "-m", "mdgan_app.cli", "sample", str(run_dir), "--n", "30", "--out",
                         str(tmp_path / target)], cwd=REPO, check=True, capture_output=True)
     samples, labels = np.load(tmp_path / "s.npy"), np.load(tmp_path / "s.labels.npy")
     assert samples.shape == (30, 784) and samples.dtype == np.float32 and np.abs(samples).max() <= 1
@@ -168,7 +168,7 @@ def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
         "runs": [{"algorithm": "mdgan", "kappa": 1}, {"algorithm": "mdgan", "kappa": 2}],
     })
     # (as from a terminal: SIGINT at its default, which a test run in the background has set to ignored)
-    command = subprocess.Popen([sys.executable, "-m", "mdgan.cli", "experiment", path, "--jobs", "2", "--no-progress"],
+    command = subprocess.Popen([sys.executable, "-m", "mdgan_app.cli", "experiment", path, "--jobs", "2", "--no-progress"],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

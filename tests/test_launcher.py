@@ -46,7 +46,7 @@ def alive(pid: int) -> bool:
 
 
 def launch(tmp_path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mdgan.cli", "local", "--out", str(tmp_path / "run"),
+    return subprocess.Popen([sys.executable, "-m", "mdgan_app.cli", "local", "--out", str(tmp_path / "run"),
                              "--no-progress", "--eval-every", "-1", *flags], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -132,7 +132,7 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
             assert ("CPU affinity: pinned to CPU" in text) == pinned, name
         # A second run in the same folder is refused while this one is under way (it would remove this
         # run's logs and overwrite its history).
-        from mdgan import cli
+        from mdgan_app import cli, launcher
 
         assert cli.main(["local", "--dataset", "synthetic", "--workers", "2", "--out", str(tmp_path / "run")]) == 2
         assert f"a run is under way there (mdgan local, pid {launcher.pid})" in capsys.readouterr().err
@@ -201,7 +201,7 @@ def test_before_the_start_only_a_failed_service_fails_the_cluster(tmp_path):
     several is judged by its own exit code, from the process's status file."""
     from types import SimpleNamespace
 
-    from mdgan.cli import LocalCluster, ServiceFailed
+    from mdgan_app.launcher import LocalCluster, ServiceFailed
     from mdgan.checkpoint import atomic_write_json
 
     def cluster(*codes, groups=None):
@@ -231,7 +231,7 @@ def test_a_worker_that_ends_after_the_start_is_told_once_and_the_run_goes_on(tmp
     how it ended, when, and its log (an error's last line with it); each only once."""
     from types import SimpleNamespace
 
-    from mdgan.cli import LocalCluster
+    from mdgan_app.launcher import LocalCluster
     from mdgan.checkpoint import atomic_write_json
 
     made = LocalCluster(SimpleNamespace(out=str(tmp_path)))
@@ -401,7 +401,7 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     assert launcher.returncode == 128 + signal.SIGTERM, err
     run = tmp_path / "run"
     stopped_at = len((run / "history.jsonl").read_text().splitlines())
-    resumed = subprocess.run([sys.executable, "-m", "mdgan.cli", "local", "--resume", str(run), "--no-progress"],
+    resumed = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "local", "--resume", str(run), "--no-progress"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)  # from another folder
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((run / "summary.json").read_text())
@@ -413,7 +413,7 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     [earlier] = (run / "earlier-logs").iterdir()  # the logs of the start before, which say why it stopped
     assert f"stopped at iteration {stopped_at} by a signal" in (earlier / "server.log").read_text()
     assert "restores its state of iteration" in (run / "logs" / "server.log").read_text()
-    reference = subprocess.run([sys.executable, "-m", "mdgan.cli", "simulate", "--out", str(tmp_path / "reference"),
+    reference = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "simulate", "--out", str(tmp_path / "reference"),
                                 "--no-progress", "--eval-every", "-1", *flags], cwd=REPO, capture_output=True,
                                text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr
@@ -434,7 +434,7 @@ def test_a_launch_json_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_err
                        ('{"threads": ', "launch.json is unreadable"),
                        ('{}', "")):
         (run / "launch.json").write_text(text)
-        resumed = subprocess.run([sys.executable, "-m", "mdgan.cli", "local", "--resume", str(run), "--no-progress",
+        resumed = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "local", "--resume", str(run), "--no-progress",
                                   *([] if says else ["--workers", "3"])], cwd=tmp_path, capture_output=True, text=True,
                                  timeout=120)
         says = says or "the run has workers 2; --workers 3 cannot change it"  # a run's size is its own
@@ -443,15 +443,15 @@ def test_a_launch_json_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_err
 
 
 def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path):
-    from mdgan import cli
+    from mdgan_app import cli, launcher
 
     logs, earlier = tmp_path / "logs", tmp_path / "earlier-logs"
-    cli.keep_earlier_logs(str(logs), str(earlier))  # none yet: nothing to keep
+    launcher.keep_earlier_logs(str(logs), str(earlier))  # none yet: nothing to keep
     assert not earlier.exists()
     for start in range(7):
         logs.mkdir()
         (logs / "server.log").write_text(f"start {start}\n")
-        cli.keep_earlier_logs(str(logs), str(earlier), now=time.struct_time((2026, 1, 1, 0, 0, start, 0, 1, 0)))
+        launcher.keep_earlier_logs(str(logs), str(earlier), now=time.struct_time((2026, 1, 1, 0, 0, start, 0, 1, 0)))
         assert not logs.exists()
     kept = sorted(earlier.iterdir())
     assert [p.name for p in kept] == [f"20260101T00000{s}Z" for s in range(2, 7)]
@@ -459,7 +459,7 @@ def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path):
 
 
 def test_the_options_a_command_gives_are_told_apart_from_its_defaults(monkeypatch):
-    from mdgan.settings import EnvArgumentParser, given_options
+    from services.common.settings import EnvArgumentParser, given_options
 
     parser = EnvArgumentParser(prog="p")
     parser.add_argument("--data-root", default="data")
@@ -478,11 +478,11 @@ def test_the_options_a_command_gives_are_told_apart_from_its_defaults(monkeypatc
 
 
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
-    from mdgan import cli
+    from mdgan_app import cli, launcher
 
-    monkeypatch.setattr(cli, "usable_cores", lambda: 2)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
     assert [cli.workers_per_process(n, 0) for n in (1, 2, 3, 4, 10, 50)] == [1, 1, 2, 2, 5, 25]
-    monkeypatch.setattr(cli, "usable_cores", lambda: 16)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 16)
     assert [cli.workers_per_process(n, 0) for n in (4, 10, 50)] == [1, 1, 4]
     assert cli.workers_per_process(10, 3) == 3  # as asked
     with pytest.raises(cli.ConfigError, match="workers-per-process"):
@@ -491,7 +491,7 @@ def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
 
 def test_more_workers_than_one_machine_has_ports_for_is_a_clear_error(monkeypatch, capsys, tmp_path):
     # It used to look for 70001 free ports forever, printing nothing.
-    from mdgan import cli
+    from mdgan_app import cli, launcher
 
     code = cli.main(["local", "--workers", "40000", "--kappa", "1", "--dataset", "synthetic",
                      "--out", str(tmp_path / "run")])
@@ -516,20 +516,20 @@ def test_more_workers_than_one_machine_has_ports_for_is_a_clear_error(monkeypatc
         def getsockname(self):
             return ("127.0.0.1", 40000)
 
-    monkeypatch.setattr(cli, "_ephemeral_range", lambda: (1, 65535))
-    monkeypatch.setattr(cli.socket, "socket", ShortOfPorts)
+    monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (1, 65535))
+    monkeypatch.setattr(launcher.socket, "socket", ShortOfPorts)
     with pytest.raises(cli.ConfigError, match=r"only 1 of the 3 ports the services need are free on 127.0.0.1"):
-        cli._free_ports(3)
+        launcher._free_ports(3)
 
 
 def test_metrics_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range():
     # The kernel gives ephemeral ports to every outgoing connection and `--listen HOST:0` of the
     # cluster's own services; a metrics port picked from that range was taken by one of them in a
     # 50-worker run ("Address already in use" at a worker's /metrics).
-    from mdgan import cli
+    from mdgan_app import cli, launcher
 
-    low, high = cli._ephemeral_range()
-    ports = cli._free_ports(60)
+    low, high = launcher._ephemeral_range()
+    ports = launcher._free_ports(60)
     assert len(set(ports)) == 60
     assert not [p for p in ports if low <= p <= high]
     for port in ports:
@@ -538,7 +538,7 @@ def test_metrics_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range
 
 
 def test_a_taken_port_is_skipped(monkeypatch):
-    from mdgan import cli
+    from mdgan_app import cli, launcher
 
     def free(port: int) -> bool:
         with socket.socket() as s:
@@ -558,8 +558,8 @@ def test_a_taken_port_is_skipped(monkeypatch):
         taken.listen()
         port = taken.getsockname()[1]
         # Only `port` and `port + 1` lie outside the (pretended) ephemeral range.
-        monkeypatch.setattr(cli, "_ephemeral_range", lambda: (port + 2, 65535))
-        ports = cli._free_ports(2, floor=port)
+        monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (port + 2, 65535))
+        ports = launcher._free_ports(2, floor=port)
     assert port not in ports and port + 1 in ports and len(set(ports)) == 2
 
 
@@ -569,14 +569,14 @@ def test_stopping_the_cluster_ends_multiprocessings_helper_processes():
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
-    from mdgan import cli
+    from mdgan_app import cli, launcher
 
     child = multiprocessing.get_context("forkserver").Process(target=int)
     child.start()
     child.join(30)
     helpers = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
     assert all(pid is not None and alive(pid) for pid in helpers)
-    cli._stop_multiprocessing_helpers()
+    launcher._stop_multiprocessing_helpers()
     assert not [pid for pid in helpers if alive(pid)]
     assert forkserver._forkserver._forkserver_pid is None and resource_tracker._resource_tracker._pid is None
 
@@ -598,7 +598,7 @@ def test_batch_scheduling_falls_back_and_never_raises():
     # allowed at all: unchanged, said, not raised.
     code = """
 import os
-from mdgan import scheduling
+from services.common import scheduling
 scheduling._SCHED_SETATTR.clear()
 print(scheduling.batch(), os.sched_getscheduler(0) == os.SCHED_BATCH)
 def refuse(*args):
@@ -611,7 +611,7 @@ print(scheduling.batch())
 
 
 def test_worker_processes_get_a_cpu_each_only_when_there_are_enough():
-    from mdgan import scheduling
+    from services.common import scheduling
 
     assert scheduling.worker_cpus(2, "auto", 1, {0, 1}) == [{0}, {1}]
     assert scheduling.worker_cpus(2, "auto", 1, {7, 2, 5}) == [{2}, {5}]  # the launcher's own CPUs, in order
@@ -630,7 +630,7 @@ def test_worker_processes_get_a_cpu_each_only_when_there_are_enough():
 
 
 def test_cpu_lists_and_threads_that_fit_them():
-    from mdgan import scheduling
+    from services.common import scheduling
 
     assert scheduling.parse_cpu_list("3") == {3}
     assert scheduling.parse_cpu_list("0-2,5, 7-8") == {0, 1, 2, 5, 7, 8}
@@ -649,7 +649,7 @@ def test_cpu_lists_and_threads_that_fit_them():
 def test_pinning_keeps_every_thread_on_the_cpu_those_started_before_and_after():
     code = """
 import os, threading
-from mdgan import scheduling
+from services.common import scheduling
 everything = sorted(os.sched_getaffinity(0))
 cpu = everything[-1]
 stop = threading.Event()
@@ -677,7 +677,7 @@ def test_a_cpu_the_service_may_not_use_is_a_clear_error():
     cpus = sorted(os.sched_getaffinity(0))
     code = f"""
 import os
-from mdgan import scheduling
+from services.common import scheduling
 os.sched_setaffinity(0, {{{cpus[0]}}})
 try:
     scheduling.pin({{{cpus[1]}}})
@@ -708,7 +708,7 @@ except scheduling.ConfigError as exc:
 
 
 def test_a_run_folder_that_cannot_be_made_is_a_clear_error_in_every_entry_point(tmp_path, capsys):
-    from mdgan import cli
+    from mdgan_app import cli, launcher
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -753,7 +753,7 @@ def test_a_port_the_service_cannot_bind_is_a_clear_error(tmp_path):
 
 
 def test_ctrl_c_stops_mdgan_simulate_with_one_line(tmp_path):
-    simulate = subprocess.Popen([sys.executable, "-m", "mdgan.cli", "simulate", "--dataset", "synthetic",
+    simulate = subprocess.Popen([sys.executable, "-m", "mdgan_app.cli", "simulate", "--dataset", "synthetic",
                                  "--workers", "2", "--iterations", "1000000", "--eval-every", "-1", "--no-progress",
                                  "--out", str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True,

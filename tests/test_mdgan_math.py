@@ -6,10 +6,11 @@ import copy
 import pytest
 import torch
 
-from mdgan.cluster import Trainer, build_in_process_workers
+from mdgan.algorithms.mdgan.trainer import Trainer
+from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
-from mdgan.mdgan import DiscriminatorSide, GeneratorSide, assignment, derangement, generator_loss
+from mdgan.gan import DiscriminatorSide, GeneratorSide, assignment, derangement, generator_loss
 
 
 def _sides(config):
@@ -162,7 +163,8 @@ def test_a_crashed_worker_leaves_and_the_generator_averages_over_those_that_answ
 
 
 def test_a_worker_lost_during_a_swap_does_not_leave_its_receiver_waiting():
-    from mdgan.cluster import InProcessWorker, WorkerLost
+    from mdgan.algorithms.mdgan.inprocess import InProcessWorker
+    from mdgan.algorithms.base import WorkerLost
 
     class DiesInSwap(InProcessWorker):
         async def swap(self, order):

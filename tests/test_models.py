@@ -52,7 +52,7 @@ def test_unknown_architecture_is_a_clear_error():
 
 
 def test_models_command_prints_counts_as_json():
-    out = subprocess.run([sys.executable, "-m", "mdgan.cli", "models"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "models"], capture_output=True, text=True, check=True)
     report = json.loads(out.stdout)
     assert report["mlp"]["acgan"]["generator"]["stack"] == 716_560
     assert report["mlp"]["acgan"]["discriminator"]["stack"] == 670_219

@@ -13,8 +13,8 @@ from mdgan.algorithms.pwgan import (COUNT_DTYPE, CriticSide, InProcessCritic, Po
                                     potential_step, traffic_per_iteration, transport_cost, voronoi_counts)
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
-from mdgan.mdgan import GeneratorSide
-from mdgan.run import simulate
+from mdgan.gan import GeneratorSide
+from mdgan.simulate import simulate
 
 
 def brute_force_cells(real_values: list[float], generated_values: list[float], phi: list[float]) -> list[int]:
@@ -140,11 +140,11 @@ def test_simulate_is_deterministic_and_its_traffic_is_the_formula(tmp_path, gan)
     config = _config(model=ModelSpec(gan=gan))
     options = PWGANOptions(potential_rounds=3)
     runs = [simulate(config, DataConfig("synthetic"), str(tmp_path / f"run{i}"), progress=False, algorithm="pwgan",
-                     pwgan=options) for i in range(2)]
+                     options=options) for i in range(2)]
     assert runs[0]["generator_sha256"] == runs[1]["generator_sha256"]
     assert runs[0]["generator_sha256"] != simulate(
         dataclasses.replace(config, iterations=0), DataConfig("synthetic"), str(tmp_path / "untrained"),
-        progress=False, algorithm="pwgan", pwgan=options)["generator_sha256"]
+        progress=False, algorithm="pwgan", options=options)["generator_sha256"]
     formula = traffic_per_iteration(config, options, workers=3)
     assert formula["server_to_worker"] == 3 * (4 * 6 * 784 + 4 * 3 * 6)
     for direction in ("server_to_worker", "worker_to_server", "worker_to_worker"):
@@ -156,7 +156,7 @@ def test_simulate_is_deterministic_and_its_traffic_is_the_formula(tmp_path, gan)
 def test_goes_on_with_the_remaining_workers_when_workers_crash(tmp_path):
     config = _config(iterations=5)
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="pwgan",
-                       crash_every=2, pwgan=PWGANOptions(potential_rounds=2))
+                       crash_every=2, options=PWGANOptions(potential_rounds=2))
     assert summary["iterations"] == 5 and summary["stopped_early"] is None
     assert summary["workers_alive"] == 1  # one lost after iteration 2, one after iteration 4
     lines = (tmp_path / "history.jsonl").read_text().splitlines()
@@ -186,7 +186,7 @@ def test_a_bad_reply_is_rejected_and_the_iteration_goes_on_without_it():
 
 
 def test_the_cli_runs_both_and_refuses_a_dpgan_threshold_above_the_workers(tmp_path, monkeypatch, capsys):
-    from mdgan.cli import main
+    from mdgan_app.cli import main
 
     common = ["--dataset", "synthetic", "--workers", "2", "--iterations", "2", "--batch-size", "4",
               "--eval-every", "-1", "--no-progress"]
@@ -230,7 +230,7 @@ def test_a_worker_lost_between_rounds_leaves_and_the_iteration_ends_with_the_oth
 
 
 def test_experiments_name_runs_by_their_pwgan_and_dpgan_settings():
-    from mdgan.experiment import expand
+    from mdgan_app.experiment import expand
 
     runs = expand({"grid": {"algorithm": ["pwgan"], "potential_rounds": [1, 5]},
                    "runs": [{"algorithm": "dpgan", "dp_threshold": 2}]})
@@ -238,7 +238,7 @@ def test_experiments_name_runs_by_their_pwgan_and_dpgan_settings():
 
 
 def test_the_algorithms_never_import_grpc_or_prometheus():
-    code = ("import sys, mdgan.algorithms.pwgan, mdgan.algorithms.dpgan, mdgan.algorithms.options; "
+    code = ("import sys, mdgan.algorithms.pwgan, mdgan.algorithms.dpgan, mdgan.algorithms; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'prometheus_client', 'services')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

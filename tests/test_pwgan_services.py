@@ -19,7 +19,7 @@ from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, 
 from services.common import codec, pki
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, pwgan_pb2
-from services.common.traffic import read_exposition, traffic_report
+from mdgan_app.traffic import read_exposition, traffic_report
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ INVALID_ARGUMENT = 3
 
 
 def mdgan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "mdgan.cli", *args], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -79,7 +79,7 @@ def test_local_equals_simulate_bit_for_bit_and_the_counters_equal_the_formula(tm
         assert payload(w, "worker_to_server", "sender", "counts") == 8 * 2 * 4 * 10
         assert payload(w, "worker_to_server", "sender", "feedback") == 8 * (4 * 10 * D + 4 * 10)
     assert all(payload(p, "worker_to_worker", side) == 0 for p in processes for side in ("sender", "receiver"))
-    # `mdgan traffic` reads the same counters (its formula per algorithm is services/common/traffic.py's)
+    # `mdgan traffic` reads the same counters (its formula per algorithm is mdgan_app/traffic.py's)
     report = traffic_report(str(tmp_path / "local"))
     assert all(r["payload_bytes"] == expected[r["direction"]] for r in report["rows"])
 
@@ -268,11 +268,11 @@ def test_a_join_after_the_start_is_refused():
     (["--potential-rounds", "0"], "--potential-rounds must be at least 1"),
 ])
 def test_options_that_do_not_apply_are_refused(tmp_path, capsys, flags, message):
-    from mdgan.cli import main
+    from mdgan_app.cli import main
 
     for command in ("local", "simulate"):
         if command == "simulate" and "--checkpoint-every" in flags:
-            continue  # simulate's own refusal says the same for --churn too (mdgan/run.py)
+            continue  # simulate's own refusal says the same for --churn too (mdgan/algorithms/__init__.py, refuse)
         code = main([command, "--algorithm", "pwgan", "--workers", "2", "--dataset", "synthetic",  # before any
                      "--iterations", "2", "--out", str(tmp_path / command), "--no-progress", *flags])  # process starts
         assert code == 2 and message in capsys.readouterr().err

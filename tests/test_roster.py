@@ -13,10 +13,13 @@ import torch
 from mdgan import checkpoint
 from mdgan import run as run_module
 from mdgan.checkpoint import CheckpointError, CheckpointStore
-from mdgan.cluster import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle, WorkerLost
+from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.algorithms.base import WorkerLost
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
-from mdgan.run import EvaluationOptions, parse_churn, simulate
+from mdgan.run import EvaluationOptions
+from mdgan.algorithms.mdgan.inprocess import parse_churn
+from mdgan.simulate import simulate
 
 
 class Handle:
@@ -352,9 +355,10 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
 
 
 def test_a_stop_request_checkpoints_at_the_next_boundary_and_below_min_workers_training_pauses(tmp_path):
-    from mdgan.cluster import Trainer, build_in_process_workers
+    from mdgan.algorithms.mdgan.trainer import Trainer
+    from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
     from mdgan.data import load_all_shards
-    from mdgan.mdgan import GeneratorSide
+    from mdgan.gan import GeneratorSide
 
     config = TrainingConfig(workers=3, iterations=30, batch_size=10, swap_every=4).validate()
     shards = load_all_shards(DataConfig("synthetic", num_shards=3))

@@ -117,7 +117,7 @@ def test_mdgan_local_refuses_clients_without_a_certificate_of_its_ca(tmp_path, r
     _, rogue_dir = run_pki
     out = tmp_path / "local"
     # long enough to outlast the attacks whatever the machine's load; interrupted once they are done
-    local = subprocess.Popen([sys.executable, "-m", "mdgan.cli", "local", "--workers", "2", "--iterations", "100000",
+    local = subprocess.Popen([sys.executable, "-m", "mdgan_app.cli", "local", "--workers", "2", "--iterations", "100000",
                               "--dataset", "synthetic", "--gan", "gan", "--no-progress", "--out", str(out)],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -218,7 +218,7 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
         assert re.search(r'mdgan_rejected_inputs_total\{reason="sender"\} 3\.0', fh.read())
     swaps = read_jsonl(os.path.join(out, "swaps.jsonl"))
     assert len(swaps) == 20 and all(w["received"] for s in swaps for w in s["workers"].values())
-    sim = subprocess.run([sys.executable, "-m", "mdgan.cli", "simulate", *flags, "--dataset", "synthetic",
+    sim = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "simulate", *flags, "--dataset", "synthetic",
                           "--no-progress", "--out", str(tmp_path / "sim")], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert sim.returncode == 0, sim.stderr
@@ -435,7 +435,7 @@ def test_thousands_of_malformed_messages_get_no_unknown_and_no_traceback(tmp_pat
 def test_mdgan_certs_makes_a_ca_and_named_certificates(tmp_path, capsys):
     from cryptography import x509
 
-    from mdgan.cli import main
+    from mdgan_app.cli import main
 
     def certs(*args):
         try:

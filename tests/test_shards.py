@@ -110,7 +110,7 @@ def test_data_config_is_validated(kwargs, match):
 
 
 def test_split_flags_and_environment(monkeypatch):
-    from mdgan.settings import EnvArgumentParser, add_data_arguments, data_config
+    from services.common.settings import EnvArgumentParser, add_data_arguments, data_config
 
     parser = EnvArgumentParser()
     add_data_arguments(parser)
@@ -129,7 +129,7 @@ def test_split_flags_and_environment(monkeypatch):
 def test_help_shows_each_options_default_and_its_variable(monkeypatch):
     import argparse
 
-    from mdgan.settings import EnvArgumentParser
+    from services.common.settings import EnvArgumentParser
 
     monkeypatch.setenv("MDGAN_STEP_TIMEOUT", "7")
     parser = EnvArgumentParser(formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400, max_help_position=100))
@@ -154,7 +154,7 @@ def test_help_shows_each_options_default_and_its_variable(monkeypatch):
 def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkeypatch, capsys):
     # argparse checks the choices of a value given on the command line only: a variable is checked
     # here, before `mdgan local` starts any process with it.
-    from mdgan import cli
+    from mdgan_app import cli
 
     monkeypatch.setenv("MDGAN_CPU_SCHEDULING", "bogus")
     with pytest.raises(SystemExit) as exit_:
@@ -182,7 +182,7 @@ def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkey
 def test_durations_and_thread_counts_out_of_range_are_usage_errors(argv, message, capsys):
     # A deadline of 0 s used to start a run that timed out at once or not at all; --threads -2 ran
     # with torch's default, oversubscribed: said at once instead.
-    from mdgan import cli
+    from mdgan_app import cli
 
     with pytest.raises(SystemExit) as exit_:
         cli.build_parser().parse_args(argv)
@@ -335,7 +335,7 @@ def test_cifar10_shards(tmp_path):
 
 
 def test_cifar10_flags_reach_the_loader(tmp_path):
-    from mdgan.settings import add_data_arguments, data_config
+    from services.common.settings import add_data_arguments, data_config
 
     write_fake_cifar10(tmp_path)
     parser = argparse.ArgumentParser()

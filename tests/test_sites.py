@@ -21,8 +21,10 @@ from conftest import REPO
 from procs import Proc, python_module, read_json, start_server
 from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_mnist
-from mdgan.run import EvaluationOptions, simulate
-from mdgan.sites import RunClasses, find_images, load_imagefolder, load_site, map_labels
+from mdgan.run import EvaluationOptions
+from mdgan.simulate import simulate
+from mdgan.sites import RunClasses, load_site, map_labels
+from mdgan.images import find_images, load_imagefolder
 from services.common import rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
@@ -32,7 +34,7 @@ NO_EVAL = EvaluationOptions(every=-1)
 
 
 def mdgan(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "mdgan.cli", *args], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
                             timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -344,7 +346,7 @@ def test_unlabelled_sites_train_a_plain_gan_and_the_swap_period_follows_the_smal
 
 
 def test_site_flags_are_checked_before_anything_starts(tmp_path, capsys):
-    from mdgan.cli import main
+    from mdgan_app.cli import main
 
     for site in range(2):
         os.makedirs(tmp_path / "sites" / f"site-{site}" / "0")

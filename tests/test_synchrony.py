@@ -1,4 +1,4 @@
-"""Partial synchronisation (mdgan/synchrony.py) with handles whose answers the test holds back."""
+"""Partial synchronisation (mdgan/algorithms/mdgan/synchrony.py) with handles whose answers the test holds back."""
 
 import asyncio
 import copy
@@ -6,10 +6,11 @@ from types import SimpleNamespace
 
 import torch
 
-from mdgan.cluster import SwapReport, Trainer, WorkerHandle, WorkerLost
+from mdgan.algorithms.mdgan.trainer import SwapReport, Trainer, WorkerHandle
+from mdgan.algorithms.base import WorkerLost
 from mdgan.config import ModelSpec, TrainingConfig
-from mdgan.mdgan import GeneratorSide, StepResult
-from mdgan.synchrony import Issued, PartialSync, staleness_weight
+from mdgan.gan import GeneratorSide, StepResult
+from mdgan.algorithms.mdgan.synchrony import Issued, PartialSync, staleness_weight
 
 
 class HeldWorker(WorkerHandle):

@@ -12,12 +12,12 @@ import os
 import pytest
 
 from mdgan.algorithms import dpgan, pwgan
-from mdgan.cli import main
+from mdgan_app.cli import main
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.models import build_discriminator, build_generator
-from mdgan.run import simulate
+from mdgan.simulate import simulate
 from services.common.telemetry import Telemetry
-from services.common.traffic import traffic_report
+from mdgan_app.traffic import traffic_report
 
 ENDS = {"server_to_worker": ("server", "workers"), "worker_to_server": ("workers", "server")}
 
@@ -71,9 +71,9 @@ def _traffic(capsys, *argv: str) -> tuple[int, str]:
 @pytest.mark.parametrize("algorithm", ["pwgan", "dpgan"])
 def test_a_run_is_held_to_its_own_algorithms_formula(tmp_path, capsys, algorithm):
     config = _config()
-    options = {"pwgan": pwgan.PWGANOptions(potential_rounds=2)} if algorithm == "pwgan" else {}
+    options = {"options": pwgan.PWGANOptions(potential_rounds=2)} if algorithm == "pwgan" else {}
     run_dir, summary = _run(tmp_path, algorithm, **options)
-    per_iteration = (pwgan.traffic_per_iteration(config, options["pwgan"], 3) if algorithm == "pwgan"
+    per_iteration = (pwgan.traffic_per_iteration(config, options["options"], 3) if algorithm == "pwgan"
                      else dpgan.traffic_per_iteration(config, 3))
     write_expositions(run_dir, 3, summary["payload_bytes"])
 
@@ -95,7 +95,7 @@ def test_a_run_is_held_to_its_own_algorithms_formula(tmp_path, capsys, algorithm
 
 
 def test_pwgan_formula_reads_the_runs_own_potential_rounds(tmp_path):
-    run_dir, summary = _run(tmp_path, "pwgan", pwgan=pwgan.PWGANOptions(potential_rounds=4))
+    run_dir, summary = _run(tmp_path, "pwgan", options=pwgan.PWGANOptions(potential_rounds=4))
     write_expositions(run_dir, 3, summary["payload_bytes"])
     with open(os.path.join(run_dir, "summary.json")) as fh:
         assert json.load(fh)["pwgan"]["potential_rounds"] == 4
@@ -114,8 +114,8 @@ def test_pwgan_formula_reads_the_runs_own_potential_rounds(tmp_path):
 @pytest.mark.parametrize("algorithm", ["pwgan", "dpgan"])
 def test_iterations_with_a_lost_worker_are_bounded_by_the_workers_that_answered_and_those_asked(
         tmp_path, algorithm):
-    options = {"pwgan": pwgan.PWGANOptions(potential_rounds=3)} if algorithm == "pwgan" else {
-        "dpgan": dpgan.DPGANOptions(threshold=1)}
+    options = {"options": pwgan.PWGANOptions(potential_rounds=3) if algorithm == "pwgan"
+               else dpgan.DPGANOptions(threshold=1)}
     run_dir, summary = _run(tmp_path, algorithm, crash_every=2, **options)
     with open(os.path.join(run_dir, "history.jsonl")) as fh:
         history = [json.loads(line) for line in fh]

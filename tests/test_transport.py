@@ -11,7 +11,7 @@ import torch
 
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.data import load_shard
-from mdgan.mdgan import DiscriminatorSide
+from mdgan.gan import DiscriminatorSide
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc

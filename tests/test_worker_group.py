@@ -30,7 +30,7 @@ def test_each_worker_logs_to_its_own_file_and_ends_with_its_own_code(tmp_path, m
     monkeypatch.setattr(group, "serve", fake_serve)
     configured = []  # (not the real one: it would change the scheduling of the test process itself)
     monkeypatch.setattr(group, "configure_process",
-                        lambda args: (configured.append(args.name), logging.getLogger("mdgan.scheduling").info(
+                        lambda args: (configured.append(args.name), logging.getLogger("services.common.scheduling").info(
                             "CPU scheduling: as %s", args.name)))
     names = ["w-ok", "w-bad", "w-refused"]
     members = [group.Member(name, ["--name", name, "--insecure"], str(tmp_path / f"{name}.log")) for name in names]

@@ -11,7 +11,7 @@ if os.environ.get("MDGAN_STEP_PROBE"):
     import json
     import time
 
-    from mdgan.mdgan import DiscriminatorSide
+    from mdgan.gan import DiscriminatorSide
 
     OUT = os.environ["MDGAN_STEP_PROBE"]
     SKIP = 200  # warm-up steps not counted (bench/step_cpu.py prints it)

@@ -1,10 +1,71 @@
-"""Other ways to train one GAN over many workers, on MD-GAN's models, data, seeds and outputs.
+"""The algorithms, one room each, and the one registry that says which exist.
 
+- ``mdgan/``: MD-GAN (the paper): one generator on the server, a discriminator per worker, swaps.
+- ``flgan``: FL-GAN, federated averaging of whole GANs (the paper's baseline).
+- ``standalone``: one G and one D on the whole dataset (the paper's other baseline; no workers).
 - ``pwgan``: the parallel Wasserstein GAN (parallel-wgan.txt, Algorithms 1 and 2).
-- ``dpgan``: the synchronous data-parallel (parameter-server) GAN (Figure 1a of the same paper,
-  coordinator-architecture.txt).
+- ``dpgan``: the synchronous data-parallel (parameter-server) GAN (Figure 1a of the same paper).
 
-Each module holds both sides of its algorithm (a master side and a worker side), the training loop
-over an abstract worker handle, an in-process handle, and its per-iteration traffic formula.
-Nothing here knows how the two sides talk (docs/ALGORITHMS.md says what a transport needs).
+Each room holds both sides of its algorithm, its training loop over abstract worker handles (base.py
+has what they share), its in-process run, its per-iteration traffic formula and its options. Nothing
+here knows how the sides talk: the services (services/server/algorithms/, services/worker/algorithms/)
+adapt each loop to gRPC. Every consumer (simulate, the command line's choices and refusals,
+experiments, the traffic report, the services) reads ALGORITHMS; no other list of names exists.
+Adding an algorithm: docs/ALGORITHMS.md, "How to add an algorithm".
 """
+
+from __future__ import annotations
+
+from typing import Callable
+
+from mdgan.algorithms import dpgan, flgan, pwgan, standalone
+from mdgan.algorithms import mdgan as mdgan_room
+from mdgan.algorithms.base import Algorithm
+from mdgan.config import ConfigError
+
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    mdgan_room.ALGORITHM,
+    flgan.ALGORITHM,
+    standalone.ALGORITHM,
+    pwgan.ALGORITHM,
+    dpgan.ALGORITHM,
+)}
+
+NAMES = tuple(ALGORITHMS)
+SERVED = tuple(name for name, a in ALGORITHMS.items() if a.served)  # what mdgan local and mdgan-server run
+
+
+def _names(which: Callable[[Algorithm], bool]) -> str:
+    return ", ".join(a.name for a in ALGORITHMS.values() if which(a))
+
+
+def durable_names() -> str:
+    return "--algorithm " + _names(lambda a: a.durable)
+
+
+def get(name: str, served: bool = False) -> Algorithm:
+    """The algorithm called `name` (served: one the services run); one clear line for any other name."""
+    choices = SERVED if served else NAMES
+    if name not in choices:
+        raise ConfigError(f"unknown algorithm {name!r}; choose from {', '.join(choices)}")
+    return ALGORITHMS[name]
+
+
+def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = False, churn: bool = False, byzantine: int = 0,
+           crash_every: int | None = None, site_dirs: str | None = None, in_process: bool = True) -> None:
+    """One clear line (ConfigError) for the first thing asked of `algorithm` that it cannot do: the one place
+    that says which algorithm refuses what (simulate, mdgan local, experiments and mdgan-server ask it)."""
+    if not (in_process or algorithm.served):
+        raise ConfigError(f"{algorithm.title} has no workers: run it with `mdgan simulate --algorithm {algorithm.name}`")
+    if not algorithm.durable and (checkpoint_every or resume or churn):
+        raise ConfigError(f"--churn, --checkpoint-every and --resume work with {durable_names()} only, "
+                          f"not --algorithm {algorithm.name}")
+    if not algorithm.attackers and byzantine:
+        raise ConfigError(f"emulated attackers (--byzantine) apply to {_names(lambda a: a.attackers)} runs, "
+                          f"not --algorithm {algorithm.name}")
+    if not algorithm.crashes and crash_every:
+        raise ConfigError(f"crash schedules apply to {_names(lambda a: a.crashes)} runs, not --algorithm "
+                          f"{algorithm.name}")
+    if algorithm.whole_dataset and site_dirs:
+        raise ConfigError(f"{algorithm.title} trains on one dataset: give it --data-root, not --site-dirs")

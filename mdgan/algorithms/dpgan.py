@@ -50,13 +50,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mdgan.aggregation import fedavg
+from mdgan.algorithms.base import (Algorithm, InProcessRun, InputRejected, IterationRecord, RunResult, crashing, mean,
+                                   option)
 from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
-from mdgan.baselines import fedavg
-from mdgan.cluster import InputRejected, IterationRecord, RunResult
+from mdgan.algorithms.traffic import rounds_run_traffic
 from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
-from mdgan.mdgan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
+from mdgan.gan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
 from mdgan.models import build_discriminator, build_generator
 
 log = logging.getLogger(__name__)
@@ -66,13 +68,31 @@ Named = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class DPGANOptions:
-    threshold: int | None = None  # Q: gradients a step needs; None: every worker of the run
+    """The data-parallel GAN's own options (each field's metadata names its flag, as in pwgan.py)."""
+
+    # Q: gradients a step needs; None: every worker of the run
+    threshold: int | None = option(None, "--dp-threshold", "gradients a step needs (default: every worker; fewer "
+                                                           "tolerates losses)", short="Q", type=int)
 
     def resolve(self, workers: int) -> int:
         q = workers if self.threshold is None else self.threshold
         if not 1 <= q <= workers:
             raise ConfigError(f"--dp-threshold must be in [1, workers={workers}], got {q}")
         return q
+
+    def check(self, config: TrainingConfig) -> "DPGANOptions":
+        """These options, and the run's, checked for the data-parallel GAN (before anything runs)."""
+        for flag, value, default in (("--wire-dtype", config.wire_dtype, "float32"), ("--sync", config.sync, "all"),
+                                     ("--aggregation", config.aggregation, "mean")):
+            if value != default:
+                raise ConfigError(f"{flag} {value} is MD-GAN's; the data-parallel GAN sends float32 weights and "
+                                  f"gradients and averages every gradient ({flag} {default})")
+        self.resolve(config.workers)
+        return self
+
+    def summary(self, config: TrainingConfig) -> dict:
+        """What summary.json records of them: Q as the run used it."""
+        return {"threshold": self.resolve(config.workers)}
 
 
 def rounds_per_iteration(config: TrainingConfig) -> int:
@@ -357,7 +377,6 @@ class DataParallelTrainer(FixedSetTrainer):
                 stats = good
             update += time.perf_counter() - answered_at
         self.rejections += rejected
-        mean = (lambda xs: sum(xs) / len(xs) if xs else float("nan"))
         return IterationRecord(
             iteration=t, active_workers=active_at_start, answered=len(stats), rejected=rejected, lost=lost,
             gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
@@ -392,19 +411,26 @@ def build_in_process_replicas(config: TrainingConfig, shards: list[Shard]) -> li
     return [InProcessReplica(ReplicaSide(config, shard)) for shard in shards]
 
 
-def run_dpgan(config: TrainingConfig, options: DPGANOptions, generator: GeneratorSide, shards: list[Shard],
-              on_iteration: Callable[[IterationRecord], None] | None = None,
-              crash_every: int | None = None) -> RunResult:
-    """The data-parallel GAN in one process; `generator` is the server's G. crash_every: every this
-    many iterations the last live worker fails."""
-    workers = build_in_process_replicas(config, shards)
-
-    def after(record: IterationRecord) -> None:
-        if on_iteration is not None:
-            on_iteration(record)
-        alive = [w for w in workers if not w.crashed]
-        if crash_every and record.iteration % crash_every == 0 and alive:
-            alive[-1].crash()
-
-    trainer = DataParallelTrainer(config, options, ParameterServer(config, generator), workers, on_iteration=after)
+def run_in_process(run: InProcessRun) -> RunResult:
+    """The data-parallel GAN in one process (`mdgan simulate`); run.generator is the server's G. A worker
+    fails every run.crash_every iterations."""
+    workers = build_in_process_replicas(run.config, run.shards)
+    after = crashing(run.recorder, run.crash_every, lambda: [w for w in workers if not w.crashed])
+    trainer = DataParallelTrainer(run.config, (run.options or DPGANOptions()).check(run.config),
+                                  ParameterServer(run.config, run.generator), workers, on_iteration=after)
     return asyncio.run(trainer.run())
+
+
+def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
+    formula = traffic_per_iteration(config, 1)
+    return {k: formula[k] for k in ("server_to_worker", "worker_to_server", "worker_to_worker")}
+
+
+def _per_iteration_of_run(summary: dict, workers: int) -> dict[str, int]:
+    return traffic_per_iteration(TrainingConfig.from_dict(summary["config"]), workers)
+
+
+ALGORITHM = Algorithm(
+    name="dpgan", title="the data-parallel (parameter-server) GAN", run_in_process=run_in_process,
+    per_worker_per_iteration=per_worker_per_iteration, run_traffic=rounds_run_traffic(_per_iteration_of_run),
+    options=DPGANOptions)

@@ -1,15 +1,13 @@
 """What the P-WGAN and data-parallel training loops share: the workers present at the start, in rank
 order, each dropped for good when it is lost or misses its deadline; I iterations, or fewer when too
-few workers are left. (MD-GAN's loop, mdgan/cluster.py, admits workers at any boundary instead.)"""
+few workers are left. (MD-GAN's loop, mdgan/algorithms/mdgan/trainer.py, admits workers at any boundary instead.)"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Callable
 
-from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
-                           tell_to_stop, with_deadline)
+from mdgan.algorithms.base import RUN_FINISHED, IterationRecord, RunResult, Traffic, ask_all, tell_to_stop, why_lost
 from mdgan.config import TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -39,25 +37,12 @@ class FixedSetTrainer:
         """Send round r's order to every participant at once; ([(worker, reply)] that passed `check`,
         in rank order; replies rejected; workers lost, which are dropped for good). A rejected worker
         sits out the rest of the iteration (the caller goes on with the workers that answered)."""
-        replies = await asyncio.gather(*(with_deadline(w.round(order), self.step_timeout) for w in participants),
-                                       return_exceptions=True)
-        good, rejected, lost = [], 0, 0
-        for worker, reply in zip(participants, replies):
-            if not isinstance(reply, BaseException):
-                try:
-                    check(reply)
-                except InputRejected as exc:
-                    reply = exc
-            if not isinstance(reply, BaseException):
-                good.append((worker, reply))
-            elif isinstance(reply, InputRejected):
-                rejected += 1
-                log.warning("iteration %d round %d: %s rejected (%s)", t, r, worker.worker_id, reply)
-            elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                lost += 1
-                await self._drop(worker, str(reply) or "missed its deadline")
-            else:
-                raise reply
+        replies = await ask_all(participants, lambda w: w.round(order), self.step_timeout, check)
+        for worker, why in replies.rejected:
+            log.warning("iteration %d round %d: %s rejected (%s)", t, r, worker.worker_id, why)
+        for worker, error in replies.lost:
+            await self._drop(worker, why_lost(error))
+        good, rejected, lost = replies.good, len(replies.rejected), len(replies.lost)
         return good, rejected, lost
 
     def too_few_left(self, t: int) -> str | None:

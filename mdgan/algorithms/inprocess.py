@@ -3,7 +3,7 @@ answers one order per round, and can crash (the paper's crash experiment)."""
 
 from __future__ import annotations
 
-from mdgan.cluster import WorkerLost
+from mdgan.algorithms.base import WorkerLost
 
 
 class InProcessRounds:

@@ -85,12 +85,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mdgan.algorithms.base import (Algorithm, InProcessRun, InputRejected, IterationRecord, RunResult, crashing, mean,
+                                   option)
 from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
-from mdgan.cluster import InputRejected, IterationRecord, RunResult
+from mdgan.algorithms.traffic import option_of_run, rounds_run_traffic
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import Shard, ShardSampler
-from mdgan.mdgan import GeneratorSide, derive_seed, make_adam
+from mdgan.gan import GeneratorSide, derive_seed, make_adam
 from mdgan.models import build_discriminator
 
 log = logging.getLogger(__name__)
@@ -100,9 +102,18 @@ COUNT_DTYPE = torch.int32  # N_j^k on the wire: at most n_r, 4 bytes
 
 @dataclass(frozen=True)
 class PWGANOptions:
-    potential_rounds: int = 5  # T: the paper's experiments use 5
-    potential_lr: float = 1.0  # eta of eq. 9's ascent (on masses, so independent of n_r)
-    gradient_penalty: float = 10.0  # lambda of WGAN-GP, on points between coupled pairs
+    """P-WGAN's own options; each field's metadata names its flag (services/common/settings.py makes the
+    flags, and the MDGAN_* variables, from these fields: defined once)."""
+
+    # T: the paper's experiments use 5
+    potential_rounds: int = option(5, "--potential-rounds", "T, rounds of the Kantorovich potentials per iteration",
+                                     short="T")
+    # eta of eq. 9's ascent (on masses, so independent of n_r)
+    potential_lr: float = option(1.0, "--potential-lr", "eta, step of the potentials' ascent (on masses)",
+                                 short="eta")
+    # lambda of WGAN-GP, on points between coupled pairs
+    gradient_penalty: float = option(10.0, "--gradient-penalty", "lambda of the critics' gradient penalty",
+                                     short="gp")
 
     def validate(self) -> "PWGANOptions":
         if self.potential_rounds < 1:
@@ -112,6 +123,15 @@ class PWGANOptions:
         if not (math.isfinite(self.gradient_penalty) and self.gradient_penalty >= 0):
             raise ConfigError(f"--gradient-penalty must be >= 0, got {self.gradient_penalty}")
         return self
+
+    def check(self, config: TrainingConfig) -> "PWGANOptions":
+        """These options, and the run's, checked for P-WGAN: one clear line for the first that is not."""
+        check_config(config)
+        return self.validate()
+
+    def summary(self, config: TrainingConfig) -> dict:
+        """What summary.json records of them (`mdgan traffic` needs T)."""
+        return dataclasses.asdict(self)
 
 
 def check_config(config: TrainingConfig) -> None:
@@ -413,7 +433,6 @@ class PWGANTrainer(FixedSetTrainer):
         if results:  # F_k in rank order: (1/K) sum_k F_k through G
             self.generator.update(batches, [(0, res.feedback) for res in results])
         updated = time.perf_counter()
-        mean = (lambda xs: sum(xs) / len(xs) if xs else float("nan"))
         return IterationRecord(
             iteration=t, active_workers=active_at_start, answered=len(results), rejected=rejected, lost=lost,
             gen_loss=mean([res.transport_cost for res in results]), disc_loss=mean([res.disc_loss for res in results]),
@@ -436,18 +455,25 @@ def build_in_process_critics(config: TrainingConfig, options: PWGANOptions, shar
     return [InProcessCritic(CriticSide(config, shard, options)) for shard in shards]
 
 
-def run_pwgan(config: TrainingConfig, options: PWGANOptions, generator: GeneratorSide, shards: list[Shard],
-              on_iteration: Callable[[IterationRecord], None] | None = None,
-              crash_every: int | None = None) -> RunResult:
-    """P-WGAN in one process. crash_every: every this many iterations the last live worker fails."""
-    check_config(config)
-    workers = build_in_process_critics(config, options.validate(), shards)
+def run_in_process(run: InProcessRun) -> RunResult:
+    """P-WGAN in one process (`mdgan simulate`); a worker fails every run.crash_every iterations."""
+    options = (run.options or PWGANOptions()).check(run.config)
+    workers = build_in_process_critics(run.config, options, run.shards)
+    after = crashing(run.recorder, run.crash_every, lambda: [w for w in workers if not w.crashed])
+    return asyncio.run(PWGANTrainer(run.config, options, run.generator, workers, on_iteration=after).run())
 
-    def after(record: IterationRecord) -> None:
-        if on_iteration is not None:
-            on_iteration(record)
-        alive = [w for w in workers if not w.crashed]
-        if crash_every and record.iteration % crash_every == 0 and alive:
-            alive[-1].crash()
 
-    return asyncio.run(PWGANTrainer(config, options, generator, workers, on_iteration=after).run())
+def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options: PWGANOptions | None) -> dict[str, float]:
+    formula = traffic_per_iteration(config, options or PWGANOptions(), 1)
+    return {k: formula[k] for k in ("server_to_worker", "worker_to_server", "worker_to_worker")}
+
+
+def _per_iteration_of_run(summary: dict, workers: int) -> dict[str, int]:
+    options = PWGANOptions(potential_rounds=int(option_of_run(summary, "pwgan", "potential_rounds")))
+    return traffic_per_iteration(TrainingConfig.from_dict(summary["config"]), options, workers)
+
+
+ALGORITHM = Algorithm(
+    name="pwgan", title="the parallel Wasserstein GAN (P-WGAN)", run_in_process=run_in_process,
+    per_worker_per_iteration=per_worker_per_iteration, run_traffic=rounds_run_traffic(_per_iteration_of_run),
+    options=PWGANOptions)

@@ -154,7 +154,7 @@ class BatchEncoder:
         return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
     def message(self, iteration: int, batch, wire_dtype: str):
-        """A ServerMessage carrying `batch` (mdgan.mdgan.WorkerBatch); floats in the run's wire form
+        """A ServerMessage carrying `batch` (mdgan.gan.WorkerBatch); floats in the run's wire form
         (mdgan/compression.py), labels as they are. Shared: the caller must not modify it."""
         from services.common.proto import coordinator_pb2
 

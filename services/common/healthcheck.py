@@ -16,7 +16,7 @@ import logging
 import sys
 
 from mdgan.config import ConfigError
-from mdgan.settings import EnvArgumentParser, dial_address, positive_seconds
+from services.common.settings import EnvArgumentParser, dial_address, positive_seconds
 from services.common import tls
 from services.common.rpc import check_health
 

@@ -10,21 +10,22 @@ import signal
 import sys
 
 
-from mdgan.algorithms.options import add_algorithm_arguments
+from mdgan import algorithms
 from mdgan.checkpoint import CheckpointError
 from mdgan.config import DATASETS, ConfigError
-from mdgan.cluster import IterationRecord
-from mdgan.mdgan import GeneratorSide, derive_seed
+from mdgan.algorithms.base import IterationRecord
+from mdgan.gan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.roster import Roster
-from mdgan.run import (RESUME_MODES, RunRecorder, ServerCheckpoints, finished_run_ids, make_evaluator, open_run,
-                       write_outputs)
-from mdgan import scheduling
-from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_evaluation_arguments,
-                            add_scheduling_argument, add_site_arguments, add_threads_argument,
-                            add_training_arguments, class_names, configure_compute, listen_address, log_level,
-                            non_negative_int, non_negative_seconds, port_number, positive_seconds,
-                            training_config)
+from mdgan.run import RESUME_MODES, RunRecorder, finished_run_ids, make_evaluator, open_run, write_outputs
+from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
+from services.common import scheduling
+from services.common.settings import (EnvArgumentParser, add_affinity_argument, add_algorithm_argument,
+                                      add_algorithm_options, add_durable_arguments, add_evaluation_arguments,
+                                      add_scheduling_argument, add_site_arguments, add_threads_argument,
+                                      add_training_arguments, class_names, configure_compute, listen_address,
+                                      log_level, non_negative_seconds, port_number, positive_seconds,
+                                      training_config)
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
@@ -53,9 +54,7 @@ def build_parser() -> EnvArgumentParser:
                         help="write the final metrics exposition to this file (default: OUT/metrics/server.prom)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     parser.add_argument("--log-level", type=log_level, default="INFO", help="logging level")
-    parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="mdgan",
-                        help="MD-GAN, or over the same services the FL-GAN baseline (FedAvg of whole GANs), "
-                             "the parallel Wasserstein GAN (pwgan) or the data-parallel parameter-server GAN (dpgan)")
+    add_algorithm_argument(parser, tuple(ALGORITHMS))
     parser.add_argument("--round-timeout", type=positive_seconds, default=3600.0,
                         help="FL-GAN: deadline for a worker's local round (s)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
@@ -72,10 +71,7 @@ def build_parser() -> EnvArgumentParser:
                          help="continue the run in --out from its last complete checkpoint: 'yes' (bare --resume) "
                               "fails if there is none, 'auto' starts a new run then (for restart policies), 'no' "
                               "always starts a new run")
-    durable.add_argument("--checkpoint-every", type=non_negative_int, default=0,
-                         help="checkpoint every this many iterations, and on SIGTERM (server and workers at the same "
-                              "iteration boundary; 0: never)")
-    durable.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints kept in OUT/checkpoints")
+    add_durable_arguments(durable, keep_help="complete checkpoints kept in OUT/checkpoints")
     durable.add_argument("--min-workers", type=int, default=None,
                          help="start once this many workers joined, go on while this many are alive, pause below "
                               "(default: start with all, go on while one is alive)")
@@ -89,7 +85,7 @@ def build_parser() -> EnvArgumentParser:
     add_training_arguments(parser)
     add_site_arguments(parser, launcher=False)
     add_evaluation_arguments(parser)
-    add_algorithm_arguments(parser)
+    add_algorithm_options(parser)
     return parser
 
 
@@ -109,6 +105,8 @@ async def serve(args) -> dict:
     config = run.config
     log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
     algorithm = ALGORITHMS[args.algorithm]
+    algorithms.refuse(algorithms.get(args.algorithm, served=True), checkpoint_every=args.checkpoint_every,
+                      resume=run.state is not None, in_process=False)
     algorithm.check(args, run)
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")

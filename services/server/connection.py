@@ -16,20 +16,15 @@ from typing import Awaitable, Callable, ClassVar
 
 import grpc
 
-from mdgan.cluster import RUN_FINISHED, WorkerLost
+from mdgan.algorithms.base import RUN_FINISHED, WorkerLost
 from services.common.proto import coordinator_pb2 as pb
 from services.common.rpc import MalformedMessage
 from services.common.telemetry import Telemetry
+from services.common.wire import CONTROL
 
 log = logging.getLogger("mdgan.server")
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]  # 3, the google.rpc.Code value
-CONTROL = ("control", 0)  # the telemetry kind and payload of a message that carries no tensors
-
-
-def tensor_payload(tensor) -> int:
-    """What a tensor costs on the wire: its values, and its int8 scales when compressed."""
-    return len(tensor.data) + len(tensor.scales)
 
 
 class StreamHandle:
@@ -101,6 +96,19 @@ class WorkerConnection:
         return self._answers.setdefault(name, {})
 
     # -- sending -----------------------------------------------------------------------------
+    async def request(self, answers: dict, key, messages):
+        """Send `messages` (one ServerMessage or several, in order) and wait for the answer that a
+        receiver puts in answers[key] (a registry from answers(name)); the entry is removed however
+        the request ends. Raises WorkerLost when the stream is lost meanwhile (lose() fails it)."""
+        future = asyncio.get_running_loop().create_future()
+        answers[key] = future
+        try:
+            for message in (messages,) if isinstance(messages, pb.ServerMessage) else messages:
+                await self.send(message)
+            return await future
+        finally:
+            answers.pop(key, None)
+
     async def send(self, message: pb.ServerMessage) -> None:
         if self.closed.is_set():
             raise WorkerLost(f"{self.worker_id}: stream closed ({self.lost_reason or 'stopped'})")

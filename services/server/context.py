@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mdgan.config import TrainingConfig
-from mdgan.mdgan import GeneratorSide
+from mdgan.gan import GeneratorSide
 from mdgan.roster import Roster
-from mdgan.run import RunRecorder, ServerCheckpoints
+from mdgan.run import RunRecorder
+from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger("mdgan.server")

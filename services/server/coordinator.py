@@ -13,10 +13,11 @@ import logging
 
 import grpc
 
-from mdgan.cluster import WorkerLost
+from mdgan.algorithms.base import WorkerLost
 from mdgan.config import TrainingConfig
 from mdgan.data import shard_sizes
-from mdgan.sites import RunClasses, check_class_names, model_image_shape, resizable
+from mdgan.sites import RunClasses
+from mdgan.images import check_class_names, model_image_shape, resizable
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from services.common import codec, pki
 from services.common.rpc import FINISHED_RUN_KEY, RateLimitedWarnings

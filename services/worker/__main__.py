@@ -23,8 +23,8 @@ from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
-from mdgan import scheduling
-from mdgan.settings import (EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
+from services.common import scheduling
+from services.common.settings import (EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
                             add_threads_argument, configure_compute, data_config, dial_address, listen_address,
                             log_level, port_number, positive_seconds)
 from services.common import codec, pki, rpc, tls

@@ -22,8 +22,9 @@ from mdgan import checkpoint
 from mdgan.checkpoint import CheckpointError, CheckpointStore
 from mdgan.config import ConfigError, DataConfig
 from mdgan.data import Shard, take_shard
-from mdgan.sites import NUMERIC_CLASSES, SiteData, map_labels
-from mdgan.cluster import RUN_FINISHED
+from mdgan.images import NUMERIC_CLASSES, SiteData
+from mdgan.sites import map_labels
+from mdgan.algorithms.base import RUN_FINISHED
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc

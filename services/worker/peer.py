@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from mdgan import compression
-from mdgan.mdgan import DiscriminatorSide
+from mdgan.gan import DiscriminatorSide
 from services.common import codec, rpc
 from services.common.proto import peer_pb2, peer_pb2_grpc
 from services.common.tls import peer_identity

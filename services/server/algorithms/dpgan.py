@@ -8,24 +8,21 @@ shapes, dtypes, byte count, finiteness) before a byte of it is kept."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import torch
 
-from mdgan.algorithms.dpgan import (DataParallelTrainer, DPGANOptions, GradientOrder, GradientReply, ParameterServer,
+from mdgan.algorithms.dpgan import (DataParallelTrainer, GradientOrder, GradientReply, ParameterServer,
                                     ReplicaHandle)
-from mdgan.cluster import InputRejected
-from mdgan.config import ConfigError
+from mdgan.algorithms.base import InputRejected
 from mdgan.models import build_discriminator, build_generator
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import dpgan_pb2
-from services.server.connection import CONTROL, StreamHandle, WorkerConnection
+from services.common import wire
+from services.server.connection import StreamHandle, WorkerConnection
 from services.server.algorithms.fixed_set import FixedSetServer
-from services.server.context import ServerContext
 
-MODELS = ("generator", "discriminator")
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -91,25 +88,15 @@ class GrpcReplica(StreamHandle, ReplicaHandle):
     def receivers(self):
         return {"replica_part": self._on_part, "replica_gradients": self._on_gradients}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        if body == "replica_part":  # kind: the model; payload: raw tensor bytes
-            part = message.replica_part
-            return (part.model if part.model in MODELS else "control"), len(part.data)
-        return CONTROL
+    traffic = staticmethod(wire.dpgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     async def round(self, order: GradientOrder) -> GradientReply:
         key = (order.iteration, order.round)
-        future = asyncio.get_running_loop().create_future()
-        self._rounds[key] = future
         self._pending, self._discarding = key, None
         self._returning = {k: codec.StateAssembler(layout) for k, layout in self.run.expected_reply(order).items()}
         try:
-            for message in self.run.messages(order):
-                await self.connection.send(message)
-            return await future
+            return await self.connection.request(self._rounds, key, self.run.messages(order))
         finally:
-            self._rounds.pop(key, None)
             self._pending, self._returning = None, {}
 
     async def _fail_round(self, key: tuple[int, int], reason: str, detail: str) -> None:
@@ -163,32 +150,12 @@ class GrpcReplica(StreamHandle, ReplicaHandle):
 class DataParallelServer(FixedSetServer):
     """A data-parallel run on the server: DataParallelTrainer over a fixed set of GrpcReplicas."""
 
+    name = "dpgan"
     handle = GrpcReplica
-
-    @staticmethod
-    def check(args, run) -> None:
-        FixedSetServer.check_common(args, run)
-        for flag, value, default in (("--wire-dtype", args.wire_dtype, "float32"), ("--sync", args.sync, "all"),
-                                     ("--aggregation", args.aggregation, "mean")):
-            if value != default:
-                raise ConfigError(f"{flag} {value} is MD-GAN's; the data-parallel GAN sends float32 weights and "
-                                  f"gradients and averages every gradient ({flag} {default})")
-        if args.min_workers is not None:
-            raise ConfigError("--min-workers is MD-GAN's; the data-parallel GAN starts with every worker and goes on "
-                              "while --dp-threshold of them are alive")
-        DPGANOptions(args.dp_threshold).resolve(run.config.workers)
-
-    def __init__(self, ctx: ServerContext):
-        super().__init__(ctx)
-        self.options = DPGANOptions(ctx.args.dp_threshold)
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec records Q (the run's record; only the server uses it)."""
         spec.dp_threshold = self.options.resolve(self.ctx.config.workers)
-
-    def summary_fields(self) -> dict:
-        """summary.json's record of the options, as `mdgan simulate` writes it."""
-        return {"dpgan": {"threshold": self.options.resolve(self.ctx.config.workers)}}
 
     def build_trainer(self, workers: list[GrpcReplica]) -> DataParallelTrainer:
         ctx = self.ctx

@@ -3,19 +3,18 @@ and the run around mdgan.baselines.FederatedTrainer. Speaks model parts and loca
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import torch
 
-from mdgan.baselines import FederatedTrainer, FederatedWorker, LocalRoundResult
-from mdgan.cluster import InputRejected
+from mdgan.algorithms.flgan import FederatedTrainer, FederatedWorker, LocalRoundResult
+from mdgan.algorithms.base import InputRejected
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
-from services.server.connection import CONTROL, StreamHandle, WorkerConnection
+from services.common import wire
+from services.server.connection import StreamHandle, WorkerConnection
 from services.server.algorithms.fixed_set import FixedSetServer
 
-MODELS = ("generator", "discriminator")
 
 
 @dataclass
@@ -46,27 +45,19 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
     def receivers(self):
         return {"model_part": self._on_model_part, "local_round_done": self._on_local_round_done}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        if body == "model_part":
-            return message.model_part.model, len(message.model_part.data)  # generator or discriminator
-        return CONTROL
+    traffic = staticmethod(wire.flgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     async def local_round(self, round_: int, first_iteration: int, iterations: int,
                           generator: dict[str, torch.Tensor], discriminator: dict[str, torch.Tensor]) -> LocalRoundResult:
-        future = asyncio.get_running_loop().create_future()
-        self._rounds[round_] = future
         self._returning = {(round_, model): codec.StateAssembler(layout) for model, layout in self.model_layouts.items()}
-        send = self.connection.send
+        parts = [pb.ServerMessage(model_part=part) for model, state in (("generator", generator),
+                                                                         ("discriminator", discriminator))
+                 for part in codec.model_parts(state, round_, model)]
+        order = pb.ServerMessage(local_round=pb.LocalRound(round=round_, first_iteration=first_iteration,
+                                                           iterations=iterations))
         try:
-            for model, state in (("generator", generator), ("discriminator", discriminator)):
-                for part in codec.model_parts(state, round_, model):
-                    await send(pb.ServerMessage(model_part=part))
-            await send(pb.ServerMessage(local_round=pb.LocalRound(
-                round=round_, first_iteration=first_iteration, iterations=iterations)))
-            return await future
+            return await self.connection.request(self._rounds, round_, [*parts, order])
         finally:
-            self._rounds.pop(round_, None)
             self._returning = {}
 
     async def _fail_round(self, round_: int, reason: str, detail: str) -> None:
@@ -97,7 +88,7 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
             await self.connection.reject(done.round, "round", f"no local round {done.round} pending")
             return
         try:
-            states = {model: self._returning[(done.round, model)].finish() for model in MODELS}
+            states = {model: self._returning[(done.round, model)].finish() for model in wire.MODELS}
         except (codec.InvalidTensor, KeyError) as exc:
             await self._fail_round(done.round, getattr(exc, "reason", "protocol"), f"models of round {done.round}: {exc}")
             return
@@ -110,11 +101,8 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
 class FederatedServer(FixedSetServer):
     """An FL-GAN run on the server: FederatedTrainer over a fixed set of GrpcFederatedWorkers."""
 
+    name = "flgan"
     handle = GrpcFederatedWorker
-
-    @staticmethod
-    def check(args, run) -> None:
-        FixedSetServer.check_common(args, run)
 
     def build_trainer(self, workers: list[GrpcFederatedWorker]) -> FederatedTrainer:
         ctx = self.ctx

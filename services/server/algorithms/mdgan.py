@@ -7,13 +7,15 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from mdgan.cluster import COPY, SWAP, InputRejected, IterationRecord, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.algorithms.base import InputRejected, IterationRecord
 from mdgan.config import TrainingConfig
-from mdgan.mdgan import StepResult, WorkerBatch
-from mdgan.run import ServerCheckpoints
+from mdgan.gan import StepResult, WorkerBatch
+from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
-from services.server.connection import CONTROL, StreamHandle, WorkerConnection, tensor_payload
+from services.common import wire
+from services.server.connection import StreamHandle, WorkerConnection
 from services.server.context import ServerContext, until
 
 log = logging.getLogger("mdgan.server")
@@ -61,50 +63,24 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         return {"feedback": self._on_feedback, "swap_report": self._on_swap_report,
                 "checkpoint_done": self._on_checkpoint_done}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        """Table III's tensors: X_g and X_d down, F_n up (labels are not in it)."""
-        if body == "batches":
-            b = message.batches
-            return "batches", tensor_payload(b.generated) + tensor_payload(b.discriminated)
-        if body == "feedback":
-            return "feedback", tensor_payload(message.feedback.gradient)
-        return CONTROL
+    traffic = staticmethod(wire.mdgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     # -- the training loop's calls -----------------------------------------------------------
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
         message = self.encoder.message(iteration, batch, self.config.wire_dtype)  # shared by the workers of a batch
-        future = asyncio.get_running_loop().create_future()
-        self._steps[iteration] = future
-        try:
-            await self.connection.send(message)
-            return await future
-        finally:
-            self._steps.pop(iteration, None)
+        return await self.connection.request(self._steps, iteration, message)
 
     async def swap(self, order: SwapOrder) -> SwapReport:
-        future = asyncio.get_running_loop().create_future()
-        self._swaps[order.swap_round] = future
         book, identities = self.run.address_book, self.run.identity_book
-        try:
-            await self.connection.send(pb.ServerMessage(swap_order=pb.SwapOrder(
-                round=order.swap_round, send_to_worker=order.send_to,
-                send_to_address=book.get(order.send_to, ""), receive_from_worker=order.receive_from,
-                receive_from_identity=identities.get(order.receive_from, ""),
-                send_to_identity=identities.get(order.send_to, ""), kind=order.kind)))
-            return await future
-        finally:
-            self._swaps.pop(order.swap_round, None)
+        return await self.connection.request(self._swaps, order.swap_round, pb.ServerMessage(swap_order=pb.SwapOrder(
+            round=order.swap_round, send_to_worker=order.send_to,
+            send_to_address=book.get(order.send_to, ""), receive_from_worker=order.receive_from,
+            receive_from_identity=identities.get(order.receive_from, ""),
+            send_to_identity=identities.get(order.send_to, ""), kind=order.kind)))
 
     async def checkpoint(self, iteration: int) -> str | None:
-        future = asyncio.get_running_loop().create_future()
-        self._checkpoints[iteration] = future
-        try:
-            await self.connection.send(pb.ServerMessage(checkpoint=pb.CheckpointOrder(iteration=iteration,
-                                                                                      run_id=self.run.run_id)))
-            return await future
-        finally:
-            self._checkpoints.pop(iteration, None)
+        return await self.connection.request(self._checkpoints, iteration, pb.ServerMessage(
+            checkpoint=pb.CheckpointOrder(iteration=iteration, run_id=self.run.run_id)))
 
     async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
         await self.connection.send(pb.ServerMessage(swap_cancel=pb.SwapCancel(

@@ -4,24 +4,21 @@ counts (up), protos/mdgan/v1/pwgan.proto."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from mdgan.algorithms import pwgan
-from mdgan.algorithms.options import pwgan_options
 from mdgan.algorithms.pwgan import COUNT_DTYPE, CriticHandle, CriticResult, PotentialOrder, PWGANTrainer, RoundReply
-from mdgan.cluster import InputRejected
-from mdgan.config import ConfigError, TrainingConfig
+from mdgan.algorithms.base import InputRejected
+from mdgan.config import TrainingConfig
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import pwgan_pb2
-from services.server.connection import CONTROL, StreamHandle, WorkerConnection, tensor_payload
+from services.common import wire
+from services.server.connection import StreamHandle, WorkerConnection
 from services.server.algorithms.fixed_set import FixedSetServer
-from services.server.context import ServerContext
 
 
 @dataclass
@@ -64,29 +61,14 @@ class GrpcCritic(StreamHandle, CriticHandle):
     def receivers(self):
         return {"potential_counts": self._on_counts}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        """The formula's tensors: X_g and phi down, N^k and F_k up (ACGAN labels are not in it).
-        Kinds: the round that carries X_g counts as "batches", the last reply (with F_k) as "feedback"."""
-        if body == "potential_round":
-            r = message.potential_round
-            payload = tensor_payload(r.potentials) + tensor_payload(r.generated)
-            return ("batches" if r.HasField("generated") else "potentials"), payload
-        if body == "potential_counts":
-            c = message.potential_counts
-            payload = tensor_payload(c.counts) + tensor_payload(c.feedback)
-            return ("feedback" if c.HasField("feedback") else "counts"), payload
-        return CONTROL
+    traffic = staticmethod(wire.pwgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     async def round(self, order: PotentialOrder) -> RoundReply:
         key = (order.iteration, order.round)
-        future = asyncio.get_running_loop().create_future()
-        self._rounds[key], self._asked[key] = future, order
+        self._asked[key] = order
         try:
-            await self.connection.send(self.run.message(order))
-            return await future
+            return await self.connection.request(self._rounds, key, self.run.message(order))
         finally:
-            self._rounds.pop(key, None)
             self._asked.pop(key, None)
 
     async def _on_counts(self, reply: pwgan_pb2.PotentialCounts) -> None:
@@ -133,28 +115,13 @@ class PWGANServer(FixedSetServer):
     """A P-WGAN run on the server: PWGANTrainer over the GrpcCritics of every slot (it drops the
     workers it loses and goes on with the others)."""
 
+    name = "pwgan"
     handle = GrpcCritic
-
-    @staticmethod
-    def check(args, run) -> None:
-        FixedSetServer.check_common(args, run)
-        if args.min_workers is not None:
-            raise ConfigError("--min-workers works with --algorithm mdgan only (P-WGAN starts with every worker)")
-        pwgan.check_config(run.config)
-        pwgan_options(args)
-
-    def __init__(self, ctx: ServerContext):
-        super().__init__(ctx)
-        self.options = pwgan_options(ctx.args)
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec carries T, eta and lambda to the workers."""
         for name, value in codec.pwgan_spec_fields(self.options).items():
             setattr(spec, name, value)
-
-    def summary_fields(self) -> dict:
-        """summary.json records T, eta and lambda, as `mdgan simulate` does (`mdgan traffic` needs T)."""
-        return {"pwgan": dataclasses.asdict(self.options)}
 
     def build_trainer(self, workers: list[GrpcCritic]) -> PWGANTrainer:
         ctx = self.ctx

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Awaitable, Callable, ClassVar
+from typing import Awaitable, Callable, ClassVar
 
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
-
-if TYPE_CHECKING:
-    from services.worker.node import WorkerNode
+from services.common.wire import CONTROL
+from services.worker.context import WorkerContext
 
 
 class ServerGone(Exception):
@@ -20,19 +19,18 @@ class StreamBroken(ServerGone):
     """The stream ended without a stop (the server restarted, the network blipped): reconnect."""
 
 
-CONTROL = ("control", 0)  # the telemetry kind and payload of a message that carries no tensors
 
 
 class WorkerAlgorithm:
     """One algorithm's part of a worker: built at the first welcome of a run (the spec's
     `algorithm` picks the class, services/worker/algorithms/__init__.py), it takes the server's
-    messages of that algorithm only and answers them through `node.write(call, message)`. The
-    node keeps the connection (join, welcome, heartbeats, reconnects, stop, rejections)."""
+    messages of that algorithm only and answers them through `node.write(call, message)`; `node`
+    is a WorkerContext (services/worker/context.py), all it may use of the connection. The node keeps the connection (join, welcome, heartbeats, reconnects, stop, rejections)."""
 
     name: ClassVar[str] = ""
     trained_iteration = 0  # the last iteration this worker trained (sent in the join of a rejoin)
 
-    def __init__(self, node: WorkerNode, config: TrainingConfig, shard: Shard):
+    def __init__(self, node: WorkerContext, config: TrainingConfig, shard: Shard):
         self.node = node
         self.config = config
         self.shard = shard

@@ -13,9 +13,9 @@ from mdgan.data import Shard
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import dpgan_pb2
-from services.worker.algorithms.base import CONTROL, ServerGone, WorkerAlgorithm
+from services.common import wire
+from services.worker.algorithms.base import ServerGone, WorkerAlgorithm
 
-MODELS = ("generator", "discriminator")
 
 
 class DPGANWorker(WorkerAlgorithm):
@@ -32,15 +32,10 @@ class DPGANWorker(WorkerAlgorithm):
     def receivers(self):
         return {"replica_part": self._on_part, "replica_round": self._on_round}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        if body == "replica_part":
-            part = message.replica_part
-            return (part.model if part.model in MODELS else "control"), len(part.data)
-        return CONTROL
+    traffic = staticmethod(wire.dpgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     async def _on_part(self, call, part: dpgan_pb2.ReplicaPart) -> None:
-        if part.model not in MODELS or part.content != "weights":
+        if part.model not in wire.MODELS or part.content != "weights":
             raise ServerGone(f"the server sent {part.content[:32]!r} of {part.model[:32]!r}; a replica takes the "
                              "models' weights only")
         key = (part.iteration, part.round)

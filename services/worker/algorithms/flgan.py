@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from mdgan.baselines import LocalGAN, make_flgan_worker_gan, train_local_round
+from mdgan.algorithms.standalone import LocalGAN
+from mdgan.algorithms.flgan import make_flgan_worker_gan, train_local_round
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
-from services.worker.algorithms.base import CONTROL, ServerGone, WorkerAlgorithm
+from services.common import wire
+from services.worker.algorithms.base import ServerGone, WorkerAlgorithm
 
-MODELS = ("generator", "discriminator")
 
 
 class FLGANWorker(WorkerAlgorithm):
@@ -27,12 +28,7 @@ class FLGANWorker(WorkerAlgorithm):
     def receivers(self):
         return {"model_part": self._on_model_part, "local_round": self._on_local_round}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        if body == "model_part":
-            part = message.model_part
-            return (part.model if part.model in MODELS else "control"), len(part.data)
-        return CONTROL
+    traffic = staticmethod(wire.flgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     async def _on_model_part(self, call, part: pb.ModelPart) -> None:
         key = (part.round, part.model)
@@ -48,7 +44,7 @@ class FLGANWorker(WorkerAlgorithm):
 
     async def _on_local_round(self, call, order: pb.LocalRound) -> None:
         try:
-            states = {m: self._incoming.pop((order.round, m)).finish() for m in MODELS}
+            states = {m: self._incoming.pop((order.round, m)).finish() for m in wire.MODELS}
         except (KeyError, codec.InvalidTensor) as exc:
             raise ServerGone(f"round {order.round} came without valid models: {exc!r}") from exc
         self._incoming.clear()

@@ -15,10 +15,11 @@ from mdgan import compression
 from mdgan.attacks import FeedbackAttack
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
-from mdgan.mdgan import DiscriminatorSide, WorkerBatch
+from mdgan.gan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
-from services.worker.algorithms.base import CONTROL, ServerGone, StreamBroken, WorkerAlgorithm
+from services.common import wire as wire_traffic
+from services.worker.algorithms.base import ServerGone, StreamBroken, WorkerAlgorithm
 from services.worker.peer import CopyMailbox, PeerInbox, SwapMailbox, push_discriminator
 
 log = logging.getLogger("mdgan.worker")
@@ -68,16 +69,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         return {"batches": self._on_batches, "checkpoint": self._on_checkpoint,
                 "swap_order": self._on_swap_order, "swap_cancel": self._on_swap_cancel}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        """Table III's tensors: X_g and X_d down, F_n up (labels are not in it)."""
-        if body == "batches":
-            b = message.batches
-            return "batches", sum(len(t.data) + len(t.scales) for t in (b.generated, b.discriminated))
-        if body == "feedback":
-            g = message.feedback.gradient
-            return "feedback", len(g.data) + len(g.scales)
-        return CONTROL
+    traffic = staticmethod(wire_traffic.mdgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     async def end_session(self) -> None:
         for task in self._swaps:

@@ -15,7 +15,8 @@ from mdgan.data import Shard
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import pwgan_pb2
-from services.worker.algorithms.base import CONTROL, ServerGone, WorkerAlgorithm
+from services.common import wire
+from services.worker.algorithms.base import ServerGone, WorkerAlgorithm
 
 log = logging.getLogger("mdgan.worker")
 
@@ -40,18 +41,7 @@ class PWGANWorker(WorkerAlgorithm):
     def receivers(self):
         return {"potential_round": self._on_round}
 
-    @staticmethod
-    def traffic(body: str | None, message) -> tuple[str, int]:
-        """As the server counts them (services/server/algorithms/pwgan.py): X_g and phi down, N^k and
-        F_k up; the round with X_g is "batches", the reply with F_k "feedback"."""
-        if body == "potential_round":
-            r = message.potential_round
-            payload = sum(len(t.data) for t in (r.potentials, r.generated))
-            return ("batches" if r.HasField("generated") else "potentials"), payload
-        if body == "potential_counts":
-            c = message.potential_counts
-            return ("feedback" if c.HasField("feedback") else "counts"), len(c.counts.data) + len(c.feedback.data)
-        return CONTROL
+    traffic = staticmethod(wire.pwgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     def _decode(self, message: pwgan_pb2.PotentialRound) -> PotentialOrder:
         """The server's order, checked like anyone's input; raises InvalidTensor."""

@@ -33,7 +33,10 @@ from dataclasses import asdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
-DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
+from mdgan.algorithms import ALGORITHMS
+from mdgan.algorithms.base import DIRECTIONS
+from mdgan.algorithms.traffic import discriminator_state_bytes
+
 ARROWS = {"server_to_worker": "C->W", "worker_to_server": "W->C", "worker_to_worker": "W->W"}
 # which process kind sends and which receives, per direction
 ENDS = {"server_to_worker": ("server", "workers"), "worker_to_server": ("workers", "server"),
@@ -53,114 +56,8 @@ def read_exposition(path: str) -> dict[tuple[str, str, str, str], float]:
     return values
 
 
-def _model_spec(config: dict):
-    from mdgan.config import ModelSpec
-
-    return ModelSpec(**dict(config["model"], sample_shape=tuple(config["model"]["sample_shape"])))
-
-
-def generator_state_bytes(config: dict) -> int:
-    from mdgan.models import build_generator
-
-    return sum(t.numel() * t.element_size() for t in build_generator(_model_spec(config), seed=0).state_dict().values())
-
-
-def discriminator_state_bytes(config: dict, wire_dtype: str = "float32") -> int:
-    """Bytes of one swapped discriminator state: |theta| floats (and Adam moments when they travel),
-    in the wire dtype."""
-    from mdgan.compression import packed_nbytes
-    from mdgan.models import build_discriminator
-
-    disc = build_discriminator(_model_spec(config), seed=0)
-    shapes = [tuple(t.shape) for t in disc.state_dict().values()]
-    if config.get("swap_optimizer_state"):
-        shapes += [tuple(p.shape) for p in disc.parameters() for _ in ("exp_avg", "exp_avg_sq")]
-        steps = 4 * len(list(disc.parameters()))  # Adam's step counters travel exactly, at float32
-    else:
-        steps = 0
-    return sum(packed_nbytes(shape, wire_dtype) for shape in shapes) + steps
-
-
 def _sum(values: dict, metric: str, direction: str, side: str) -> int:
     return int(sum(v for (m, d, s, _), v in values.items() if m == metric and d == direction and s == side))
-
-
-# ---------------------------------------------------------------------------------------------
-# One formula per algorithm, evaluated on a run: (formula, formula_min, formula at float32), bytes by
-# direction over the whole run. formula_min == formula wherever the counts are exact.
-
-
-def _mdgan_run_formula(summary: dict, history: list[dict], swaps: list[dict]):
-    from mdgan.compression import packed_nbytes
-
-    config = summary["config"]
-    wire = config.get("wire_dtype", "float32")
-    b, d = config["batch_size"], math.prod(config["model"]["sample_shape"])
-    counts = {"server_to_worker": 2 * sum(r["active_workers"] for r in history),  # tensors of b*d floats
-              # late answers (--sync quorum|async) travelled too, and were dropped on arrival
-              "worker_to_server": sum(r["answered"] + r["rejected"] + r.get("late", 0) for r in history),
-              "worker_to_worker": sum(1 for s in swaps for w in s["workers"].values() if w["sent"])}
-    per_tensor = {"server_to_worker": packed_nbytes((b, d), wire), "worker_to_server": packed_nbytes((b, d), wire),
-                  "worker_to_worker": discriminator_state_bytes(config, wire)}
-    per_tensor_fp32 = {"server_to_worker": b * d * 4, "worker_to_server": b * d * 4,
-                       "worker_to_worker": discriminator_state_bytes(config)}
-    formula = {k: counts[k] * per_tensor[k] for k in DIRECTIONS}
-    return formula, formula, {k: counts[k] * per_tensor_fp32[k] for k in DIRECTIONS}
-
-
-def _flgan_run_formula(summary: dict, history: list[dict], swaps: list[dict]):
-    # theta + w down and up per worker per round; nothing between workers.
-    config = summary["config"]
-    model = discriminator_state_bytes(config, config.get("wire_dtype", "float32")) + generator_state_bytes(config)
-    per_round = sum(s["workers"] for s in swaps)
-    formula = {"server_to_worker": per_round * model, "worker_to_server": per_round * model, "worker_to_worker": 0}
-    return formula, formula, formula
-
-
-def _option(summary: dict, algorithm: str, key: str):
-    """An algorithm option of the run: summary[algorithm][key] (simulate), else the config's (a spec's)."""
-    for source in (summary.get(algorithm) or {}, summary["config"]):
-        if key in source:
-            return source[key]
-    raise ValueError(f"the run's summary.json names no {algorithm} {key!r}: its traffic formula needs it")
-
-
-def _rounds_run_formula(per_iteration):
-    """pwgan, dpgan: the formula of `workers` workers answering, summed over the history's iterations."""
-
-    def evaluate(summary: dict, history: list[dict], swaps: list[dict]):
-        formula, formula_min = dict.fromkeys(DIRECTIONS, 0), dict.fromkeys(DIRECTIONS, 0)
-        for record in history:
-            asked, answered = record["active_workers"], record["answered"]
-            full = per_iteration(summary, asked)
-            clean = answered == asked and not record.get("rejected") and not record.get("lost")
-            least = full if clean else per_iteration(summary, answered)
-            for k in DIRECTIONS:
-                formula[k] += full[k]
-                formula_min[k] += least[k]
-        return formula, formula_min, formula
-
-    return evaluate
-
-
-def _pwgan_per_iteration(summary: dict, workers: int) -> dict[str, int]:
-    from mdgan.algorithms.pwgan import PWGANOptions, traffic_per_iteration
-    from mdgan.config import TrainingConfig
-
-    options = PWGANOptions(potential_rounds=int(_option(summary, "pwgan", "potential_rounds")))
-    return traffic_per_iteration(TrainingConfig.from_dict(summary["config"]), options, workers)
-
-
-def _dpgan_per_iteration(summary: dict, workers: int) -> dict[str, int]:
-    from mdgan.algorithms.dpgan import traffic_per_iteration
-    from mdgan.config import TrainingConfig
-
-    return traffic_per_iteration(TrainingConfig.from_dict(summary["config"]), workers)
-
-
-RUN_FORMULAS = {"mdgan": _mdgan_run_formula, "flgan": _flgan_run_formula,
-                "pwgan": _rounds_run_formula(_pwgan_per_iteration),
-                "dpgan": _rounds_run_formula(_dpgan_per_iteration)}
 
 
 def traffic_report(run_dir: str) -> dict:
@@ -184,10 +81,10 @@ def traffic_report(run_dir: str) -> dict:
     b, d = config["batch_size"], math.prod(config["model"]["sample_shape"])
     theta_bytes = discriminator_state_bytes(config, wire)
     algorithm = summary.get("algorithm", "mdgan")
-    if algorithm not in RUN_FORMULAS:
-        raise ValueError(f"{run_dir}: no traffic formula for algorithm {algorithm!r} "
-                         f"(known: {', '.join(sorted(RUN_FORMULAS))})")
-    formula, formula_min, formula_fp32 = RUN_FORMULAS[algorithm](summary, history, swaps)
+    known = [name for name, entry in ALGORITHMS.items() if entry.run_traffic is not None]
+    if algorithm not in known:
+        raise ValueError(f"{run_dir}: no traffic formula for algorithm {algorithm!r} (known: {', '.join(known)})")
+    formula, formula_min, formula_fp32 = ALGORITHMS[algorithm].run_traffic(summary, history, swaps)
 
     def measured(group: str, metric: str, direction: str, side: str) -> int:
         sources = [server] if group == "server" else workers
@@ -220,7 +117,7 @@ def traffic_report(run_dir: str) -> dict:
 
 def format_table(report: dict) -> str:
     mb = 1e6
-    formula_name = "Table III MB" if report["algorithm"] == "mdgan" else "formula MB"  # the paper's, or its own
+    formula_name = "formula MB"
     lines = [f"{report['run']} ({report['algorithm']}): I={report['iterations']} N={report['workers']} "
              f"b={report['batch_size']} "
              f"d={report['sample_size']} wire={report.get('wire_dtype', 'float32')} "
@@ -239,61 +136,39 @@ def format_table(report: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 # The formulas alone (`mdgan traffic --algorithm A --workers N ...`, no run directory)
 
-ALGORITHMS = ("mdgan", "flgan", "pwgan", "dpgan")
 DATASET_TRAIN_SIZES = {"mnist": 60_000, "cifar10": 50_000}  # shard size m = train size / N by default
+REFERENCE = "mdgan"  # the table's ratios are to the paper's algorithm
 
 
-def per_worker_per_iteration(algorithm: str, config, shard_size: int, pwgan_options=None) -> dict[str, float]:
-    """Payload bytes one worker sends and receives in one iteration, by direction (periodic transfers,
-    MD-GAN's swaps and FL-GAN's averaging rounds, spread over their period S = ceil(E m / b))."""
-    from mdgan.compression import packed_nbytes
-
-    period = config.swap_period(shard_size)
-    as_dict = config.to_dict()
-    if algorithm == "mdgan":
-        sample = packed_nbytes((config.batch_size, config.model.sample_size), config.wire_dtype)
-        return {"server_to_worker": 2 * sample, "worker_to_server": sample,
-                "worker_to_worker": discriminator_state_bytes(as_dict, config.wire_dtype) / period}
-    if algorithm == "flgan":
-        model = discriminator_state_bytes(as_dict, config.wire_dtype) + generator_state_bytes(as_dict)
-        return {"server_to_worker": model / period, "worker_to_server": model / period, "worker_to_worker": 0}
-    if algorithm == "pwgan":
-        from mdgan.algorithms.pwgan import PWGANOptions, traffic_per_iteration
-
-        formula = traffic_per_iteration(config, pwgan_options or PWGANOptions(), 1)
-    elif algorithm == "dpgan":
-        from mdgan.algorithms.dpgan import traffic_per_iteration
-
-        formula = traffic_per_iteration(config, 1)
-    else:
-        raise ValueError(f"no traffic formula for algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
-    return {k: formula[k] for k in DIRECTIONS}
-
-
-def formula_table(algorithms: list[str], config, shard_size: int, pwgan_options=None) -> dict:
-    """Each algorithm's bytes per iteration, per worker by direction and for the whole run's N workers."""
-    from mdgan.algorithms.pwgan import PWGANOptions
-
-    pwgan_options = pwgan_options or PWGANOptions()
+def formula_table(options: dict[str, object], config, shard_size: int) -> dict:
+    """Each algorithm's bytes per iteration (options: name -> its options, None for none), per worker by
+    direction (periodic transfers, MD-GAN's swaps and FL-GAN's averaging rounds, spread over their period
+    S = ceil(E m / b)) and for the whole run's N workers."""
     rows = []
-    for algorithm in algorithms:
-        per_worker = per_worker_per_iteration(algorithm, config, shard_size, pwgan_options)
-        rows.append({"algorithm": algorithm, "per_worker": per_worker,
-                     "all_workers": config.workers * sum(per_worker.values())})
-    reference = next((r["all_workers"] for r in rows if r["algorithm"] == "mdgan"), None)
+    for name, algorithm_options in options.items():
+        per_worker = ALGORITHMS[name].per_worker_per_iteration(config, shard_size, algorithm_options)
+        rows.append({"algorithm": name, "per_worker": {k: per_worker[k] for k in DIRECTIONS},
+                     "all_workers": config.workers * sum(per_worker[k] for k in DIRECTIONS)})
+    reference = next((r["all_workers"] for r in rows if r["algorithm"] == REFERENCE), None)
     for row in rows:
         row["x_mdgan"] = row["all_workers"] / reference if reference else None
     return {"workers": config.workers, "batch_size": config.batch_size, "sample_size": config.model.sample_size,
             "architecture": config.model.architecture, "gan": config.model.gan, "disc_steps": config.disc_steps,
             "wire_dtype": config.wire_dtype, "shard_size": shard_size, "period": config.swap_period(shard_size),
-            "pwgan": asdict(pwgan_options), "rows": rows}
+            "options": {name: asdict(o) for name, o in options.items() if o is not None}, "rows": rows}
+
+
+def _symbols(name: str, options: dict) -> str:
+    """An algorithm's options by their symbols (P-WGAN: T=5 eta=1.0 gp=10.0)."""
+    return " ".join(f"{f.metadata['short'] or f.name}={options[f.name]}" for f in ALGORITHMS[name].option_fields()
+                    if f.name in options)
 
 
 def format_formulas(report: dict) -> str:
     lines = [f"payload bytes per iteration: N={report['workers']} b={report['batch_size']} d={report['sample_size']} "
              f"{report['architecture']} {report['gan']} L={report['disc_steps']} m={report['shard_size']} "
-             f"(S={report['period']}: swaps, FL-GAN rounds) T={report['pwgan']['potential_rounds']} "
-             f"wire={report['wire_dtype']}",
+             f"(S={report['period']}: swaps, FL-GAN rounds) wire={report['wire_dtype']}"
+             + "".join(f" {_symbols(name, o)}" for name, o in report["options"].items()),
              f"{'algorithm':10} {'C->W per worker':>16} {'W->C per worker':>16} {'W->W per worker':>16} "
              f"{'all N workers':>15} {'x MD-GAN':>9}"]
     for row in report["rows"]:

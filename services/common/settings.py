@@ -7,10 +7,11 @@ Precedence: a flag given on the command line, then MDGAN_<FLAG> (e.g. MDGAN_BATC
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 
-from mdgan import allocator, scheduling
+from services.common import allocator, scheduling
 from mdgan.config import (AGGREGATIONS, DATASETS, GAN_KINDS, LOSSES, SPLITS, SYNC_MODES, WIRE_DTYPES, ConfigError,
                           DataConfig, ModelSpec, OptimizerSpec, TrainingConfig)
 
@@ -112,6 +113,65 @@ class EnvArgumentParser(argparse.ArgumentParser):
         return super().format_help()
 
 
+def add_algorithm_argument(parser, choices: tuple[str, ...]) -> None:
+    """--algorithm, offering `choices` (every algorithm, or those the services run), from the registry."""
+    from mdgan.algorithms import ALGORITHMS
+
+    parser.add_argument("--algorithm", choices=choices, default="mdgan",
+                        help="; ".join(f"{name}: {ALGORITHMS[name].title}" for name in choices)
+                        + " (docs/ALGORITHMS.md)")
+
+
+def add_algorithm_options(parser: argparse.ArgumentParser) -> None:
+    """Every algorithm's own options, made from its options dataclass (mdgan/algorithms/*: each field
+    names its flag), a group per algorithm: defined once for the command line and the services."""
+    from mdgan.algorithms import ALGORITHMS
+
+    for entry in ALGORITHMS.values():
+        if entry.options is None:
+            continue
+        group = parser.add_argument_group(f"{entry.title} (--algorithm {entry.name})")
+        for field in dataclasses.fields(entry.options):
+            meta = dict(field.metadata)
+            flag, help_text = meta.pop("flag"), meta.pop("help")
+            meta.pop("short")
+            meta.setdefault("type", type(field.default))
+            group.add_argument(flag, default=field.default, help=f"{entry.name}: {help_text}", **meta)
+
+
+def algorithm_options(name: str, args: argparse.Namespace, config: TrainingConfig | None = None):
+    """The options of algorithm `name` from the parsed flags (None: it has none); with `config`,
+    checked against the run (one clear line for the first bad one, before anything starts)."""
+    from mdgan import algorithms
+
+    options = algorithms.get(name).options_from(vars(args))
+    return options.check(config) if config is not None and options is not None else options
+
+
+def algorithm_flags(name: str, args: argparse.Namespace) -> list[str]:
+    """The flags that give mdgan-server the options of algorithm `name` as `args` holds them."""
+    from mdgan import algorithms
+    from mdgan.algorithms.base import option_key
+
+    flags = []
+    for field in algorithms.get(name).option_fields():
+        value = getattr(args, option_key(field))
+        if value is not None:
+            flags += [field.metadata["flag"], repr(value) if isinstance(value, float) else str(value)]
+    return flags
+
+
+def add_durable_arguments(group, *, keep_help: str) -> None:
+    """--checkpoint-every and --keep-checkpoints, the same for mdgan simulate/local and mdgan-server."""
+    group.add_argument("--checkpoint-every", type=non_negative_int, default=0,
+                       help="checkpoint every this many iterations, and on SIGTERM (server and workers at the same "
+                            "iteration boundary; workers keep theirs in their state folder; 0: never)")
+    group.add_argument("--keep-checkpoints", type=int, default=3, help=keep_help)
+
+
+DURABLE_FLAGS = ("checkpoint_every", "keep_checkpoints")  # what `mdgan local` hands its server as it is
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training (the paper's N, I, b, kappa, L, E)")
     g.add_argument("--workers", type=int, default=4, help="N: number of workers (one shard each)")
@@ -193,7 +253,7 @@ def class_names(args: argparse.Namespace) -> tuple[str, ...] | None:
     raw = getattr(args, "classes", None)
     if not raw:
         return None
-    from mdgan.sites import check_class_names
+    from mdgan.images import check_class_names
 
     names = tuple(n.strip() for n in raw.split(","))
     malformed = check_class_names(names)
@@ -260,7 +320,7 @@ def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> No
     parser.add_argument("--cpu-scheduling", choices=("batch", "normal"), default=default,
                         help="batch: run as SCHED_BATCH with a 10 ms slice, for several services sharing few cores "
                              "(they preempt each other less: about 8%% less CPU per iteration at 10 workers on 2 "
-                             "cores; see mdgan/scheduling.py); normal: the kernel's defaults")
+                             "cores; see services/common/scheduling.py); normal: the kernel's defaults")
 
 
 def add_affinity_argument(parser: argparse.ArgumentParser) -> None:
@@ -360,7 +420,7 @@ def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
 def configure_compute(threads: int, pinned_cpus=None) -> None:
     """What every process that trains sets once, before its first step: torch's threads (0: torch's
     default; in a process kept on `pinned_cpus`, one per CPU, and no more than that: a ConfigError)
-    and the allocator's thresholds (mdgan/allocator.py). `simulate`, `experiment` and each service of
+    and the allocator's thresholds (services/common/allocator.py). `simulate`, `experiment` and each service of
     `mdgan local` set the same, so their figures compare."""
     import torch
 

@@ -1,12 +1,7 @@
-"""The paper's baselines, on the same models, seeds, data and outputs as MD-GAN.
-
-- Standalone GAN: one G and one D on the whole dataset, the usual loop (as in pytorch/examples
-  dcgan): D steps on (real, G(z).detach()), then one G step through D on the same fake batch.
-- FL-GAN (federated learning adapted to GANs): every worker holds a G and a D and trains them
-  on its shard like a standalone GAN; every ceil(E*m/b) iterations the server averages all G and
-  all D (FedAvg, weighted by shard size) and sends the averages back.
-
-Both yield IterationRecords, so history, evaluation and summaries are the same as MD-GAN's.
+"""FL-GAN (federated learning adapted to GANs, the paper's baseline): every worker holds a G and a D and
+trains them on its shard like a standalone GAN (standalone.py's LocalGAN); every ceil(E*m/b)
+iterations the server averages all G and all D (FedAvg, weighted by shard size) and sends the
+averages back. Its rounds yield IterationRecords, so history, evaluation and summaries are MD-GAN's.
 """
 
 from __future__ import annotations
@@ -18,89 +13,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
 
-from mdgan.cluster import (RUN_FINISHED, InputRejected, IterationRecord, RunResult, Traffic, WorkerLost,
-                           tell_to_stop, with_deadline)
+from mdgan.aggregation import fedavg
+from mdgan.algorithms.base import (RUN_FINISHED, Algorithm, InProcessRun, IterationRecord, RunResult, Traffic,
+                                   ask_all, tell_to_stop, why_lost)
+from mdgan.algorithms.standalone import LocalGAN, iteration_record
+from mdgan.algorithms.traffic import discriminator_state_bytes, generator_state_bytes
 from mdgan.config import TrainingConfig
-from mdgan.data import Shard, ShardSampler
-from mdgan.mdgan import (DiscriminatorSide, GeneratorSide, derive_seed, discriminator_loss, generator_loss,
-                         make_adam)
-
-
-class LocalGAN:
-    """One G and one D trained together on one shard: the standalone GAN, and an FL-GAN worker.
-
-    Built from the same GeneratorSide/DiscriminatorSide as MD-GAN, so that with the whole dataset
-    in one shard it starts from MD-GAN's N = 1 weights, noise and real batches.
-    """
-
-    def __init__(self, config: TrainingConfig, shard: Shard, generator: GeneratorSide | None = None):
-        self.config = config
-        self.spec = config.model
-        self.g = generator or GeneratorSide(config)
-        self.d = DiscriminatorSide(config, shard)
-
-    def step(self) -> dict:
-        spec, G, D = self.spec, self.g.generator, self.d.discriminator
-        batches = self.g.generate(1)  # the server's noise stream: same z and labels as MD-GAN
-        fake, labels = batches.samples[0], None if batches.labels is None else batches.labels[0]  # (b, *shape), (b,)
-        real, real_labels = self.d.sampler.next_batch()
-        disc_loss, real_acc, fake_acc = torch.tensor(float("nan")), float("nan"), float("nan")
-        for _ in range(self.config.disc_steps):
-            real_logits, fake_logits = D(real), D(fake.detach())
-            disc_loss = discriminator_loss(spec, real_logits, real_labels, fake_logits, labels)
-            self.d.optimizer.zero_grad(set_to_none=True)
-            disc_loss.backward()
-            self.d.optimizer.step()
-            real_acc = (real_logits[:, 0] > 0).float().mean().item()
-            fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
-        gen_loss = generator_loss(spec, D(fake), labels)
-        self.g.optimizer.zero_grad(set_to_none=True)
-        gen_loss.backward()  # through D into G; D's gradients are dropped before its next step
-        self.g.optimizer.step()
-        return {"gen_loss": gen_loss.item(), "disc_loss": disc_loss.item(), "real_accuracy": real_acc,
-                "fake_accuracy": fake_acc}
-
-
-def _record(t: int, workers: int, answered: int, stats: list[dict], seconds: float,
-            averaged: int | None) -> IterationRecord:
-    mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-    return IterationRecord(iteration=t, active_workers=workers, answered=answered, rejected=0, lost=workers - answered,
-                           swap_round=averaged, seconds=seconds, **mean)
-
-
-def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
-                   on_iteration: Callable[[IterationRecord], None] | None = None) -> RunResult:
-    gan = LocalGAN(config, dataset, generator)
-    last = None
-    for t in range(1, config.iterations + 1):
-        started = time.perf_counter()
-        stats = gan.step()
-        last = _record(t, 1, 1, [stats], time.perf_counter() - started, None)
-        if on_iteration:
-            on_iteration(last)
-    return RunResult(iterations=config.iterations, workers=1, workers_alive=1, swaps=0, rejections=0,
-                     swap_period=0, traffic=Traffic(), last=last)
-
-
-def fedavg(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
-    """The weighted average of state dicts (floating tensors; others are taken from the first).
-
-    Written as s_0 + sum_i (w_i / W) (s_i - s_0): the same average, but exactly the identity when
-    every state is the same (no rounding from scaling and summing equal terms).
-    """
-    total = sum(weights)
-    averaged = {}
-    for name, first in states[0].items():
-        if first.is_floating_point():
-            acc = first.clone()
-            for state, w in zip(states[1:], weights[1:]):  # fixed order: repeatable
-                acc += (state[name] - first) * (w / total)
-            averaged[name] = acc
-        else:
-            averaged[name] = first.clone()
-    return averaged
+from mdgan.data import Shard
+from mdgan.gan import GeneratorSide, derive_seed
 
 
 @dataclass
@@ -195,24 +116,18 @@ class FederatedTrainer:
             started = time.perf_counter()
             generator = self.server.generator.state_dict()
             active = list(self.active)
-            replies = await asyncio.gather(*(with_deadline(w.local_round(rounds, done + 1, count, generator,
-                                                                          self.discriminator), self.round_timeout) for w in active),
-                                           return_exceptions=True)
-            results, weights = [], []
+            replies = await ask_all(active, lambda w: w.local_round(rounds, done + 1, count, generator,
+                                                                   self.discriminator), self.round_timeout)
             down = sum(t.numel() * t.element_size() for t in [*generator.values(), *self.discriminator.values()])
-            for worker, reply in zip(active, replies):
-                self.traffic.payload_bytes["server_to_worker"] += down
-                if isinstance(reply, LocalRoundResult):
-                    self.traffic.payload_bytes["worker_to_server"] += reply.sent_bytes
-                    results.append(reply)
-                    weights.append(float(worker.shard_size))
-                elif isinstance(reply, InputRejected):  # this round goes on without it, as in MD-GAN
-                    self.rejections += 1
-                elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                    self.active.remove(worker)
-                    await tell_to_stop(worker, str(reply) or "missed its deadline")
-                else:
-                    raise reply
+            self.traffic.payload_bytes["server_to_worker"] += down * len(active)
+            results = replies.answers
+            weights = [float(worker.shard_size) for worker, _ in replies.good]
+            for reply in results:
+                self.traffic.payload_bytes["worker_to_server"] += reply.sent_bytes
+            self.rejections += len(replies.rejected)  # this round goes on without them, as in MD-GAN
+            for worker, error in replies.lost:
+                self.active.remove(worker)
+                await tell_to_stop(worker, why_lost(error))
             seconds = (time.perf_counter() - started) / count
             for i in range(count):
                 if i == count - 1 and results:  # worker-rank order, as everywhere: repeatable
@@ -222,7 +137,7 @@ class FederatedTrainer:
                     self.discriminator = fedavg([r.discriminator for r in results], weights)
                 stats = [r.stats[i] for r in results] or [dict.fromkeys(
                     ("gen_loss", "disc_loss", "real_accuracy", "fake_accuracy"), float("nan"))]
-                last = _record(done + i + 1, len(active), len(results), stats, seconds,
+                last = iteration_record(done + i + 1, len(active), len(results), stats, seconds,
                                rounds if i == count - 1 else None)
                 if self.on_iteration:
                     self.on_iteration(last)
@@ -243,3 +158,29 @@ def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard]
     initial = workers[0].gan.d.discriminator.state_dict()
     trainer = FederatedTrainer(config, server, workers, initial, on_iteration=on_iteration, on_round=on_round)
     return asyncio.run(trainer.run())
+
+
+def run_in_process(run: InProcessRun) -> RunResult:
+    """FL-GAN in `mdgan simulate`: its rounds are the run's swaps.jsonl lines."""
+    return run_flgan(run.config, run.generator, run.shards, on_iteration=run.recorder, on_round=run.recorder.swap)
+
+
+def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
+    """|theta_G| + |theta_D| both ways per worker per averaging round, spread over its period S."""
+    period, as_dict = config.swap_period(shard_size), config.to_dict()
+    model = discriminator_state_bytes(as_dict, config.wire_dtype) + generator_state_bytes(as_dict)
+    return {"server_to_worker": model / period, "worker_to_server": model / period, "worker_to_worker": 0}
+
+
+def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
+    """theta + w down and up per worker per round; nothing between workers."""
+    config = summary["config"]
+    model = discriminator_state_bytes(config, config.get("wire_dtype", "float32")) + generator_state_bytes(config)
+    per_round = sum(s["workers"] for s in swaps)
+    formula = {"server_to_worker": per_round * model, "worker_to_server": per_round * model, "worker_to_worker": 0}
+    return formula, formula, formula
+
+
+ALGORITHM = Algorithm(
+    name="flgan", title="FL-GAN (federated averaging of G and D)", run_in_process=run_in_process,
+    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False)

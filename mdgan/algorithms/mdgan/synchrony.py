@@ -1,6 +1,6 @@
 """Partial synchronisation: how long one iteration waits for the workers' feedback.
 
-The paper's protocol (`--sync all`, the default, in mdgan/cluster.py's Trainer) waits for every
+The paper's protocol (`--sync all`, the default, in trainer.py's Trainer) waits for every
 worker every iteration, so the slowest worker sets the pace. The coordinator design proceeds once a
 threshold of workers answered; FedBuff-style training goes further and applies what arrives.
 
@@ -26,8 +26,9 @@ import time
 from dataclasses import dataclass
 
 from mdgan import aggregation
+from mdgan.algorithms.base import sort_replies, why_lost, with_deadline
 from mdgan.config import SYNC_MODES  # noqa: F401  (the names, validated with the run's config)
-from mdgan.mdgan import GeneratedBatches, StepResult, WorkerBatch
+from mdgan.gan import GeneratedBatches, StepResult, WorkerBatch
 
 
 @dataclass
@@ -65,7 +66,7 @@ class PartialSync:
         batches = trainer.generator.generate(min(self.config.kappa, len(idle)))
         for rank, worker in enumerate(idle):
             batch = batches.for_worker(rank)
-            task = asyncio.ensure_future(_with_deadline(worker.step(t, batch), trainer.step_timeout))
+            task = asyncio.ensure_future(with_deadline(worker.step(t, batch), trainer.step_timeout))
             self.outstanding[worker] = Issued(task, t, batches, batch)
             trainer.count_batch(batch)
         return len(idle)
@@ -88,30 +89,27 @@ class PartialSync:
     async def _harvest(self, trainer, t: int, drain: bool = False):
         """Every answer in (every one, with `drain`), in rank order: (used, stats, rejected, lost, late);
         `used` groups the feedback by the batches it was computed on."""
-        from mdgan.cluster import InputRejected, WorkerLost
-
         if drain and self.outstanding:
             await asyncio.wait([i.task for i in self.outstanding.values()])
         done = sorted(((w, i) for w, i in self.outstanding.items() if i.task.done()), key=lambda wi: wi[0].shard_index)
-        used: dict[int, list] = {}  # id(batches) -> [(Issued, feedback)]
-        stats, rejected, lost, late = [], 0, 0, 0
-        for worker, issued in done:
+        for worker, _ in done:
             del self.outstanding[worker]
-            reply = issued.task.exception() or issued.task.result()
-            if isinstance(reply, StepResult):
-                trainer.count_feedback(reply)
-                staleness = t - issued.iteration
-                if (self.mode == "quorum" and staleness > 0) or staleness > self.config.max_staleness:
-                    late += 1
-                    continue
-                used.setdefault(id(issued.batches), []).append((issued, reply.feedback))
-                stats.append(reply)
-            elif isinstance(reply, InputRejected):
-                rejected += 1
-            elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                lost += await trainer._lose(worker, str(reply) or "missed its deadline")
-            else:
-                raise reply
+        issued_to = dict(done)
+        replies = sort_replies([w for w, _ in done], [i.task.exception() or i.task.result() for _, i in done])
+        used: dict[int, list] = {}  # id(batches) -> [(Issued, feedback)]
+        stats, late, lost = [], 0, 0
+        for worker, reply in replies.good:
+            issued = issued_to[worker]
+            trainer.count_feedback(reply)
+            staleness = t - issued.iteration
+            if (self.mode == "quorum" and staleness > 0) or staleness > self.config.max_staleness:
+                late += 1
+                continue
+            used.setdefault(id(issued.batches), []).append((issued, reply.feedback))
+            stats.append(reply)
+        for worker, error in replies.lost:
+            lost += await trainer._lose(worker, why_lost(error))
+        rejected = len(replies.rejected)
         return list(used.values()), stats, rejected, lost, late
 
     def _update(self, trainer, t: int, groups: list[list]) -> None:
@@ -158,7 +156,3 @@ class PartialSync:
                                                                           drain=True)
             rejected, lost, late = rejected + more_rejected, lost + more_lost, late + more_late
         return issued, stats, rejected, lost, late, waiting, time.perf_counter() - updating
-
-
-async def _with_deadline(awaitable, timeout: float | None):
-    return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable

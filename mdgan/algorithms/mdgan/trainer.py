@@ -1,43 +1,31 @@
 """The MD-GAN training loop, written once over an abstract worker handle.
 
-``Trainer`` drives global iterations against ``WorkerHandle`` objects. ``InProcessWorker`` is a
-handle over a DiscriminatorSide in this process; the gRPC server provides a handle over a stream
-(services/server). Both run this same loop, so both end with the same generator, bit for bit.
+``Trainer`` drives global iterations against ``WorkerHandle`` objects. ``InProcessWorker``
+(inprocess.py) is a handle over a DiscriminatorSide in this process; the gRPC server provides a handle
+over a stream (services/server/algorithms/mdgan.py). Both run this same loop, so both end with the
+same generator, bit for bit.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from mdgan import compression
-from mdgan.checkpoint import CheckpointStore
+from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Traffic, WorkerLost, ask_all, mean,
+                                   sort_replies, tell_to_stop, why_lost, with_deadline)
+from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
-from mdgan.mdgan import DiscriminatorSide, GeneratorSide, StepResult, WorkerBatch, derangement
+from mdgan.gan import GeneratorSide, StepResult, WorkerBatch, derangement
 from mdgan.roster import Roster
-from mdgan.synchrony import PartialSync
 
 log = logging.getLogger(__name__)
-
-
-class WorkerLost(Exception):
-    """The worker is gone (crashed, disconnected, or missed its deadline): it leaves the run."""
-
-
-class InputRejected(Exception):
-    """The worker answered with input that failed validation: this iteration goes on without it."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 SWAP, COPY = "swap", "copy"
@@ -97,189 +85,6 @@ class WorkerHandle(abc.ABC):
         return "this worker keeps no state"
 
 
-# ---------------------------------------------------------------------------------------------
-
-class InProcessSwapBoard:
-    """Peer-to-peer delivery between in-process workers: one mailbox per (round, receiver)."""
-
-    def __init__(self) -> None:
-        self._boxes: dict[tuple[int, str], asyncio.Future] = {}
-
-    def _box(self, swap_round: int, receiver: str) -> asyncio.Future:
-        return self._boxes.setdefault((swap_round, receiver), asyncio.get_running_loop().create_future())
-
-    def deliver(self, swap_round: int, receiver: str, sender: str, state: dict[str, torch.Tensor] | None) -> None:
-        """`state` None: the sender left, nothing will come."""
-        box = self._box(swap_round, receiver)
-        if not box.done():
-            box.set_result((sender, state))
-
-    async def collect(self, swap_round: int, receiver: str, timeout: float) -> tuple[str, dict[str, torch.Tensor]]:
-        try:
-            return await asyncio.wait_for(self._box(swap_round, receiver), timeout)
-        finally:
-            self._boxes.pop((swap_round, receiver), None)
-
-
-class InProcessWorker(WorkerHandle):
-    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
-                 state: CheckpointStore | None = None,
-                 attack: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.side = side
-        self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
-        self.board = board
-        self.swap_timeout = swap_timeout
-        self.shard_index = side.shard_index
-        self.worker_id = f"worker-{side.shard_index}"
-        self.shard_size = len(side.sampler.shard)
-        self.crashed = False
-        self.state = state  # where this worker saves its checkpoints (its own state dir)
-
-    def crash(self) -> None:
-        """Emulate the paper's crash experiment: the worker and its data leave the run."""
-        self.crashed = True
-
-    async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
-        if self.crashed:
-            raise WorkerLost(f"{self.worker_id} crashed")
-        # The same rounding at the same points as over gRPC: the batches, then the feedback.
-        wire = self.side.config.wire_dtype
-        result = self.side.step(dataclasses.replace(batch, generated=compression.round_trip(batch.generated, wire),
-                                                    discriminated=compression.round_trip(batch.discriminated, wire)))
-        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
-        return dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
-
-    async def swap(self, order: SwapOrder) -> SwapReport:
-        if self.crashed:
-            raise WorkerLost(f"{self.worker_id} crashed")
-        if order.kind == COPY:
-            return await self._copy(order)
-        state, sent = self._outgoing_state()
-        self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
-        try:
-            sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
-        except asyncio.TimeoutError:
-            return SwapReport(order.swap_round, True, False, sent, "no discriminator arrived")
-        if sender != order.receive_from or incoming is None:
-            return SwapReport(order.swap_round, True, False, sent, f"nothing usable from {sender}")
-        self.side.import_state(incoming)
-        return SwapReport(order.swap_round, True, True, sent)
-
-    def _outgoing_state(self) -> tuple[dict[str, torch.Tensor], int]:
-        """This worker's D as its receiver gets it (rounded to the wire dtype, as over gRPC), and the
-        payload bytes that travel."""
-        wire = self.side.config.wire_dtype
-        packed = compression.pack_state(self.side.export_state(), wire)
-        return compression.unpack_state(packed, self.side.state_layout(), wire), compression.state_nbytes(packed)
-
-    @staticmethod
-    def _mailbox(swap_round: int, kind: str) -> int:
-        """The board's key: copies have their own mailboxes, apart from swap rounds."""
-        return -swap_round if kind == COPY else swap_round
-
-    async def _copy(self, order: SwapOrder) -> SwapReport:
-        key = self._mailbox(order.swap_round, COPY)
-        if order.send_to:
-            state, sent = self._outgoing_state()
-            self.board.deliver(key, order.send_to, self.worker_id, state)
-            return SwapReport(order.swap_round, True, False, sent)
-        try:
-            sender, incoming = await self.board.collect(key, self.worker_id, self.swap_timeout)
-        except asyncio.TimeoutError:
-            return SwapReport(order.swap_round, False, False, 0, "no discriminator arrived")
-        if sender != order.receive_from or incoming is None:
-            return SwapReport(order.swap_round, False, False, 0, f"nothing usable from {sender}")
-        self.side.adopt(incoming)
-        return SwapReport(order.swap_round, False, True, 0)
-
-    async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
-        self.board.deliver(self._mailbox(swap_round, kind), self.worker_id, sender, None)
-
-    async def checkpoint(self, iteration: int) -> str | None:
-        if self.crashed:
-            raise WorkerLost(f"{self.worker_id} crashed")
-        if self.state is None:
-            return "this worker keeps no state"
-        self.state.save(iteration, "worker", self.side.state_dict())
-        self.state.prune(marker=None)
-        return None
-
-    async def stop(self, reason: str) -> None:
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-
-DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
-RUN_FINISHED = "run finished"  # the stop reason of a run that completed
-
-
-@dataclass
-class Traffic:
-    """Payload bytes (tensor data) by direction, plus the ACGAN labels that ride with the batches."""
-
-    payload_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
-    label_bytes: int = 0
-
-
-@dataclass
-class IterationRecord:
-    iteration: int
-    active_workers: int
-    answered: int
-    rejected: int
-    lost: int
-    gen_loss: float
-    disc_loss: float
-    real_accuracy: float
-    fake_accuracy: float
-    swap_round: int | None
-    seconds: float
-    # phases of `seconds`: generating the k batches, waiting for the workers, updating G, swapping
-    generate_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    update_seconds: float = 0.0
-    swap_seconds: float = 0.0
-    late: int = 0  # --sync quorum|async: answers that came too late to count (dropped)
-
-
-@dataclass
-class RunResult:
-    iterations: int
-    workers: int
-    workers_alive: int
-    swaps: int
-    rejections: int
-    swap_period: int
-    traffic: Traffic
-    last: IterationRecord | None
-    stopped_early: str | None = None
-    alive: list[str] | None = None  # worker ids connected at the end
-
-
-async def with_deadline(awaitable, timeout: float | None):
-    """Await, within `timeout` seconds when one is given (raises asyncio.TimeoutError).
-
-    asyncio.timeout, not wait_for: the same deadline without a task of its own for the awaitable
-    (wait_for makes one per call, and this runs N times an iteration)."""
-    if not timeout:
-        return await awaitable
-    async with asyncio.timeout(timeout):
-        return await awaitable
-
-
-async def tell_to_stop(worker, reason: str, timeout: float = 5.0) -> None:
-    """Best effort: a worker being dropped may already be gone, and then there is nobody to tell."""
-    try:
-        await asyncio.wait_for(worker.stop(reason), timeout)
-    except Exception as exc:
-        log.debug("could not stop %s: %s", worker.worker_id, exc)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -337,7 +142,7 @@ class Trainer:
         self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
         self._last_checkpoint = 0
         self.checkpoint_started = 0.0  # perf_counter() when the checkpoint under way began
-        # --sync quorum|async: the exchange of an iteration lives in mdgan/synchrony.py
+        # --sync quorum|async: the exchange of an iteration lives in mdgan/algorithms/mdgan/synchrony.py
         self.partial = PartialSync(config) if config.sync != "all" else None
 
     @property
@@ -426,7 +231,7 @@ class Trainer:
             # the swap deadline (the run stands still meanwhile).
             why = None
             if isinstance(gave, (WorkerLost, asyncio.TimeoutError)):
-                why = str(gave) or "deadline"
+                why = why_lost(gave, "deadline")
             elif isinstance(gave, SwapReport) and not gave.sent:
                 why = gave.error or "nothing sent"
             if why is not None:
@@ -435,21 +240,18 @@ class Trainer:
                 except WorkerLost:
                     pass  # the joiner is gone too: its own report says so
             took, = await asyncio.gather(taking, return_exceptions=True)
-            reports = (gave, took)
-            for worker, report in zip((donor, joiner), reports):
-                if isinstance(report, (WorkerLost, asyncio.TimeoutError)):
-                    await self._drop(worker, str(report) or "missed its copy deadline")
-                elif isinstance(report, BaseException):
-                    raise report
-                else:
-                    self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
-            received = isinstance(reports[1], SwapReport) and reports[1].received
+            reports = sort_replies((donor, joiner), (gave, took))
+            for worker, error in reports.lost:
+                await self._drop(worker, why_lost(error, "missed its copy deadline"))
+            for _, report in reports.good:
+                self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
+            received = isinstance(took, SwapReport) and took.received
             if received:
                 joiner.needs_copy = False
                 log.info("%s took a copy of %s's discriminator before iteration %d", joiner.worker_id,
                          donor.worker_id, t + 1)
             elif self.roster.slot_of(joiner) is not None:
-                detail = reports[1].error if isinstance(reports[1], SwapReport) else ""
+                detail = took.error if isinstance(took, SwapReport) else ""
                 log.warning("%s: no copy from %s (%s); it waits for the next boundary", joiner.worker_id,
                             donor.worker_id, detail or "donor lost")
             if self.on_swap is not None:
@@ -465,23 +267,20 @@ class Trainer:
         batches = self.generator.generate(min(self.config.kappa, len(active)))
         sent = [batches.for_worker(rank) for rank in range(len(active))]
         generated = time.perf_counter()
-        replies = await asyncio.gather(*(with_deadline(w.step(t, b), self.step_timeout) for w, b in zip(active, sent)),
-                                       return_exceptions=True)
+        batch_of = dict(zip(active, sent))
+        replies = await ask_all(active, lambda w: w.step(t, batch_of[w]), self.step_timeout)
         answered = time.perf_counter()
-        feedback, stats, rejected, lost = [], [], 0, 0
-        for worker, batch, reply in zip(active, sent, replies):
+        for batch in sent:
             self.count_batch(batch)
-            if isinstance(reply, StepResult):
-                self.count_feedback(reply)
-                feedback.append((batch.generated_index, reply.feedback))
-                stats.append(reply)
-            elif isinstance(reply, InputRejected):
-                rejected += 1
-                log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, reply)
-            elif isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                lost += await self._lose(worker, str(reply) or "missed its deadline")
-            else:
-                raise reply
+        feedback, stats, lost = [], replies.answers, 0
+        for worker, reply in replies.good:
+            self.count_feedback(reply)
+            feedback.append((batch_of[worker].generated_index, reply.feedback))
+        for worker, why in replies.rejected:
+            log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, why)
+        for worker, error in replies.lost:
+            lost += await self._lose(worker, why_lost(error))
+        rejected = len(replies.rejected)
         self.rejections += rejected
         if feedback:  # rank order: the order of `active`
             self.generator.update(batches, feedback)
@@ -494,13 +293,13 @@ class Trainer:
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
-            gen_loss=_mean([s.gen_loss for s in stats]), disc_loss=_mean([s.disc_loss for s in stats]),
-            real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
+            gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
+            real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
             swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
             wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated)
 
     async def _partial_iteration(self, t: int) -> IterationRecord:
-        """--sync quorum|async (mdgan/synchrony.py): wait for some of the workers, not all."""
+        """--sync quorum|async (mdgan/algorithms/mdgan/synchrony.py): wait for some of the workers, not all."""
         started = time.perf_counter()
         issued, stats, rejected, lost, late, waited, updating = await self.partial.exchange(self, t)
         self.rejections += rejected
@@ -512,8 +311,8 @@ class Trainer:
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=issued, answered=len(stats), rejected=rejected, lost=lost,
-            gen_loss=_mean([s.gen_loss for s in stats]), disc_loss=_mean([s.disc_loss for s in stats]),
-            real_accuracy=_mean([s.real_accuracy for s in stats]), fake_accuracy=_mean([s.fake_accuracy for s in stats]),
+            gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
+            real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
             swap_round=swap_round, seconds=finished - started, wait_seconds=waited, update_seconds=updating,
             generate_seconds=max(0.0, updated - started - waited - updating), swap_seconds=finished - updated,
             late=late)
@@ -533,27 +332,26 @@ class Trainer:
             except (WorkerLost, asyncio.TimeoutError) as exc:
                 # Its receiver would wait a whole swap deadline for a discriminator that cannot come.
                 try:
-                    await by_id[order.send_to].cancel_swap(swap_round, worker.worker_id, str(exc) or "deadline")
+                    await by_id[order.send_to].cancel_swap(swap_round, worker.worker_id, why_lost(exc, "deadline"))
                 except Exception:  # the receiver may be gone too; its own call reports that
                     pass
                 raise
 
-        reports = await asyncio.gather(*(swap_one(w, o) for w, o in zip(participants, orders)), return_exceptions=True)
+        order_of = dict(zip(participants, orders))
+        reports = await ask_all(participants, lambda w: swap_one(w, order_of[w]), None)
         outcome, lost = {}, 0
-        for worker, report in zip(participants, reports):
-            if isinstance(report, SwapReport):
-                self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
-                outcome[worker.worker_id] = {"sent": report.sent, "received": report.received,
-                                             "sent_bytes": report.sent_bytes, "error": report.error}
-                if not (report.sent and report.received):
-                    log.warning("swap %d: %s sent=%s received=%s %s", swap_round, worker.worker_id,
-                                report.sent, report.received, report.error)
-            elif isinstance(report, (WorkerLost, asyncio.TimeoutError)):
-                outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0,
-                                             "error": str(report) or "missed its swap deadline"}
-                lost += await self._lose(worker, str(report) or "missed its swap deadline")
-            else:
-                raise report
+        for worker, report in reports.good:
+            self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
+            outcome[worker.worker_id] = {"sent": report.sent, "received": report.received,
+                                         "sent_bytes": report.sent_bytes, "error": report.error}
+            if not (report.sent and report.received):
+                log.warning("swap %d: %s sent=%s received=%s %s", swap_round, worker.worker_id,
+                            report.sent, report.received, report.error)
+        for worker, error in reports.lost:
+            outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0,
+                                         "error": why_lost(error, "missed its swap deadline")}
+            lost += await self._lose(worker, why_lost(error, "missed its swap deadline"))
+        outcome = {w.worker_id: outcome[w.worker_id] for w in participants if w.worker_id in outcome}  # rank order
         self.swaps = swap_round
         if self.on_swap is not None:
             self.on_swap({"round": swap_round, "iteration": t, "plan": plan, "workers": outcome})
@@ -565,19 +363,25 @@ class Trainer:
         True when all of them wrote theirs (the checkpoint is complete)."""
         self.checkpoint_started = time.perf_counter()
         members = self.roster.members()
-        asked = asyncio.gather(*(with_deadline(w.checkpoint(t), self.checkpoint_timeout) for w in members),
-                               return_exceptions=True)
+
+        async def save(worker: WorkerHandle) -> str | None:  # None: saved; else why not (a failed write too)
+            try:
+                return await worker.checkpoint(t)
+            except (WorkerLost, asyncio.TimeoutError):
+                raise
+            except Exception as exc:
+                return repr(exc)
+
+        replies = await ask_all(members, save, self.checkpoint_timeout)
         # A worker lost during it, or none left at all (as when a SIGTERM reaches the whole cluster at
         # once): not complete. Resumed, it gave every worker a fresh discriminator ("a copy" of nobody's);
         # the checkpoint before has them all.
-        wrote_all = bool(members)
-        for worker, reply in zip(members, await asked):
-            if isinstance(reply, (WorkerLost, asyncio.TimeoutError)):
-                wrote_all = False  # its discriminator is in no state of this checkpoint
-                await self._drop(worker, str(reply) or "missed its checkpoint deadline")
-            elif isinstance(reply, BaseException) or reply is not None:
-                wrote_all = False
-                log.warning("checkpoint %d: %s did not save its state: %s", t, worker.worker_id, reply)
+        wrote_all = bool(members) and not replies.lost and all(why is None for why in replies.answers)
+        for worker, error in replies.lost:  # its discriminator is in no state of this checkpoint
+            await self._drop(worker, why_lost(error, "missed its checkpoint deadline"))
+        for worker, why in replies.good:
+            if why is not None:
+                log.warning("checkpoint %d: %s did not save its state: %s", t, worker.worker_id, why)
         if self.save_checkpoint is not None:
             self.save_checkpoint(t, wrote_all)
         self._last_checkpoint = t
@@ -656,17 +460,3 @@ class Trainer:
         return RunResult(iterations=t, workers=self.roster.slots, workers_alive=len(alive), swaps=self.swaps,
                          rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last,
                          stopped_early=stopped, alive=[w.worker_id for w in alive])
-
-
-def build_in_process_workers(config: TrainingConfig, shards, state_root: str | None = None, keep: int = 3,
-                             byzantine: int = 0, attack: str | None = None) -> list[InProcessWorker]:
-    """One in-process worker per shard; with state_root, worker k keeps its state in state_root/worker-k;
-    the last `byzantine` by rank replace their feedback by `attack`."""
-    from mdgan.attacks import FeedbackAttack, attackers
-
-    bad = set(attackers(len(shards), byzantine)) if attack else set()
-    board = InProcessSwapBoard()
-    return [InProcessWorker(DiscriminatorSide(config, shard), board,
-                            state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
-                            attack=FeedbackAttack(attack, config.seed, shard.index) if shard.index in bad else None)
-            for shard in shards]

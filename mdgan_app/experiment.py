@@ -47,7 +47,10 @@ import warnings
 import yaml
 from tqdm import tqdm
 
-from mdgan import scheduling
+from services.common import scheduling
+from mdgan import algorithms
+from mdgan.algorithms import ALGORITHMS
+from mdgan.algorithms.base import option_key
 from mdgan.config import ConfigError, DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
 
 DEFAULTS = {
@@ -59,19 +62,20 @@ DEFAULTS = {
     # beyond the paper (README "Beyond the paper")
     "wire_dtype": "float32", "aggregation": "mean", "trim_fraction": 0.2, "clip_norm": 0.0, "byzantine": 0,
     "attack": None, "sync": "all", "quorum": 0, "max_staleness": 4,
-    # P-WGAN and the data-parallel GAN (docs/ALGORITHMS.md)
-    "potential_rounds": 5, "potential_lr": 1.0, "gradient_penalty": 10.0, "dp_threshold": None,
 }
+# every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the data-parallel GAN's Q, ...), with their defaults
+OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
+DEFAULTS.update({option_key(f): f.default for f in OPTION_FIELDS})
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
              "architecture", "gan", "loss", "split", "iterations", "wire_dtype", "aggregation", "trim_fraction",
-             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "potential_rounds",
-             "potential_lr", "gradient_penalty", "dp_threshold", "seed")
+             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness",
+             *(option_key(f) for f in OPTION_FIELDS), "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
          "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
          "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
-         "potential_rounds": "T", "potential_lr": "eta", "gradient_penalty": "gp", "dp_threshold": "Q"}
+         **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS}}
 
 
 def load_config(path: str) -> dict:
@@ -105,7 +109,7 @@ def expand(config: dict) -> list[dict]:
             raise ConfigError(f"unknown run keys {sorted(unknown)}")
         if run["kappa"] == "log2":
             run["kappa"] = max(1, int(math.log2(run["workers"])))
-        if run["algorithm"] == "standalone":
+        if algorithms.get(run["algorithm"]).whole_dataset:  # one G and one D on the whole dataset
             run["workers"], run["kappa"] = 1, 1
     varying = [k for k in NAME_KEYS if len({json.dumps(r[k]) for r in runs}) > 1]
     for run in runs:
@@ -142,15 +146,14 @@ def crash_period(run: dict) -> int | None:
         return None
     if run["crash"] != "every I/N":
         raise ConfigError(f"crash: only 'every I/N' is known, got {run['crash']!r}")
-    if run["algorithm"] not in ("mdgan", "pwgan", "dpgan"):
-        raise ConfigError("crash schedules apply to MD-GAN, P-WGAN and data-parallel runs")
-    return max(1, run["iterations"] // run["workers"])
+    period = max(1, run["iterations"] // run["workers"])
+    algorithms.refuse(algorithms.get(run["algorithm"]), crash_every=period)
+    return period
 
 
 def run_one(run: dict, out_dir: str, progress: bool) -> dict:
-    from mdgan.algorithms.dpgan import DPGANOptions
-    from mdgan.algorithms.pwgan import PWGANOptions
-    from mdgan.run import EvaluationOptions, simulate
+    from mdgan.run import EvaluationOptions
+    from mdgan.simulate import simulate
 
     config = training_config(run)
     data = DataConfig(run["dataset"], run["data_root"], config.workers, 0, split=run["split"],
@@ -160,8 +163,8 @@ def run_one(run: dict, out_dir: str, progress: bool) -> dict:
                                    reference=run["eval_reference"])
     return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
                     crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
-                    attack=run["attack"] if run["byzantine"] else None, dpgan=DPGANOptions(run["dp_threshold"]),
-                    pwgan=PWGANOptions(run["potential_rounds"], run["potential_lr"], run["gradient_penalty"]))
+                    attack=run["attack"] if run["byzantine"] else None,
+                    options=algorithms.get(run["algorithm"]).options_from(run))
 
 
 def collect(runs: list[dict], out: str) -> list[dict]:
@@ -321,7 +324,7 @@ def _exit_on_sigterm(signum, frame):
 
 def _run_in_child(task: tuple[dict, str, int]) -> str:
     """One run in a worker process of `run_experiment(jobs > 1)`: its own torch threads, no progress bar."""
-    from mdgan.settings import configure_compute
+    from services.common.settings import configure_compute
 
     run, run_dir, threads = task
     configure_compute(threads)

@@ -1,0 +1,220 @@
+"""MD-GAN in one process: every worker a DiscriminatorSide behind an in-process handle, swaps through
+a mailbox board, and the whole `mdgan simulate` run (churn, crashes, checkpoints and resume) over the
+same Trainer and Roster as the gRPC server's."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from mdgan import compression
+from mdgan.algorithms.base import InProcessRun, RunResult, WorkerLost, crashing
+from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
+from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.checkpoint import CheckpointStore
+from mdgan.config import ConfigError, TrainingConfig
+from mdgan.gan import DiscriminatorSide, StepResult, WorkerBatch
+from mdgan.roster import Roster
+
+log = logging.getLogger(__name__)
+
+
+
+
+class InProcessSwapBoard:
+    """Peer-to-peer delivery between in-process workers: one mailbox per (round, receiver)."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[tuple[int, str], asyncio.Future] = {}
+
+    def _box(self, swap_round: int, receiver: str) -> asyncio.Future:
+        return self._boxes.setdefault((swap_round, receiver), asyncio.get_running_loop().create_future())
+
+    def deliver(self, swap_round: int, receiver: str, sender: str, state: dict[str, torch.Tensor] | None) -> None:
+        """`state` None: the sender left, nothing will come."""
+        box = self._box(swap_round, receiver)
+        if not box.done():
+            box.set_result((sender, state))
+
+    async def collect(self, swap_round: int, receiver: str, timeout: float) -> tuple[str, dict[str, torch.Tensor]]:
+        try:
+            return await asyncio.wait_for(self._box(swap_round, receiver), timeout)
+        finally:
+            self._boxes.pop((swap_round, receiver), None)
+
+
+class InProcessWorker(WorkerHandle):
+    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
+                 state: CheckpointStore | None = None,
+                 attack: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.side = side
+        self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
+        self.board = board
+        self.swap_timeout = swap_timeout
+        self.shard_index = side.shard_index
+        self.worker_id = f"worker-{side.shard_index}"
+        self.shard_size = len(side.sampler.shard)
+        self.crashed = False
+        self.state = state  # where this worker saves its checkpoints (its own state dir)
+
+    def crash(self) -> None:
+        """Emulate the paper's crash experiment: the worker and its data leave the run."""
+        self.crashed = True
+
+    async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
+        # The same rounding at the same points as over gRPC: the batches, then the feedback.
+        wire = self.side.config.wire_dtype
+        result = self.side.step(dataclasses.replace(batch, generated=compression.round_trip(batch.generated, wire),
+                                                    discriminated=compression.round_trip(batch.discriminated, wire)))
+        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
+        return dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
+
+    async def swap(self, order: SwapOrder) -> SwapReport:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
+        if order.kind == COPY:
+            return await self._copy(order)
+        state, sent = self._outgoing_state()
+        self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
+        try:
+            sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
+        except asyncio.TimeoutError:
+            return SwapReport(order.swap_round, True, False, sent, "no discriminator arrived")
+        if sender != order.receive_from or incoming is None:
+            return SwapReport(order.swap_round, True, False, sent, f"nothing usable from {sender}")
+        self.side.import_state(incoming)
+        return SwapReport(order.swap_round, True, True, sent)
+
+    def _outgoing_state(self) -> tuple[dict[str, torch.Tensor], int]:
+        """This worker's D as its receiver gets it (rounded to the wire dtype, as over gRPC), and the
+        payload bytes that travel."""
+        wire = self.side.config.wire_dtype
+        packed = compression.pack_state(self.side.export_state(), wire)
+        return compression.unpack_state(packed, self.side.state_layout(), wire), compression.state_nbytes(packed)
+
+    @staticmethod
+    def _mailbox(swap_round: int, kind: str) -> int:
+        """The board's key: copies have their own mailboxes, apart from swap rounds."""
+        return -swap_round if kind == COPY else swap_round
+
+    async def _copy(self, order: SwapOrder) -> SwapReport:
+        key = self._mailbox(order.swap_round, COPY)
+        if order.send_to:
+            state, sent = self._outgoing_state()
+            self.board.deliver(key, order.send_to, self.worker_id, state)
+            return SwapReport(order.swap_round, True, False, sent)
+        try:
+            sender, incoming = await self.board.collect(key, self.worker_id, self.swap_timeout)
+        except asyncio.TimeoutError:
+            return SwapReport(order.swap_round, False, False, 0, "no discriminator arrived")
+        if sender != order.receive_from or incoming is None:
+            return SwapReport(order.swap_round, False, False, 0, f"nothing usable from {sender}")
+        self.side.adopt(incoming)
+        return SwapReport(order.swap_round, False, True, 0)
+
+    async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
+        self.board.deliver(self._mailbox(swap_round, kind), self.worker_id, sender, None)
+
+    async def checkpoint(self, iteration: int) -> str | None:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
+        if self.state is None:
+            return "this worker keeps no state"
+        self.state.save(iteration, "worker", self.side.state_dict())
+        self.state.prune(marker=None)
+        return None
+
+    async def stop(self, reason: str) -> None:
+        return None
+
+
+
+
+def build_in_process_workers(config: TrainingConfig, shards, state_root: str | None = None, keep: int = 3,
+                             byzantine: int = 0, attack: str | None = None) -> list[InProcessWorker]:
+    """One in-process worker per shard; with state_root, worker k keeps its state in state_root/worker-k;
+    the last `byzantine` by rank replace their feedback by `attack`."""
+    from mdgan.attacks import FeedbackAttack, attackers
+
+    bad = set(attackers(len(shards), byzantine)) if attack else set()
+    board = InProcessSwapBoard()
+    return [InProcessWorker(DiscriminatorSide(config, shard), board,
+                            state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
+                            attack=FeedbackAttack(attack, config.seed, shard.index) if shard.index in bad else None)
+            for shard in shards]
+
+
+def parse_churn(text: str | None) -> list[tuple[int, str, int]]:
+    """--churn "leave:300:2,join:450:2": (iteration boundary, leave|join, slot), in order."""
+    events = []
+    for item in filter(None, (text or "").replace(" ", "").split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("leave", "join") or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ConfigError(f"--churn: {item!r} is not leave:ITERATION:SLOT or join:ITERATION:SLOT")
+        events.append((int(parts[1]), parts[0], int(parts[2])))
+    return sorted(events)
+
+
+def run_in_process(run: InProcessRun) -> RunResult:
+    """MD-GAN in one process (`mdgan simulate`): every worker an object, the same Trainer and Roster as
+    the gRPC server's; churn, crashes, checkpoints and resume as run asks."""
+    return asyncio.run(_run(run))
+
+
+async def _run(run: InProcessRun) -> RunResult:
+    config, shards, generator_side, recorder = run.config, run.shards, run.generator, run.recorder
+    keep, checkpoint_every, churn = run.keep_checkpoints, run.checkpoint_every, list(run.churn)
+    state_root = os.path.join(run.out_dir, "workers", run.run.run_id)
+    workers = build_in_process_workers(config, shards, state_root, keep, run.byzantine, run.attack)
+    by_slot = {w.shard_index: w for w in workers}
+    roster = Roster(config.workers, pause_timeout=0)
+    saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
+    trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
+                      save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder))
+    if run.run.state is not None:
+        ServerCheckpoints.restore(run.run.state, generator_side, trainer, recorder)
+
+    def arrive(worker) -> None:
+        plan = roster.rejoin_plan(worker.state.holding("worker"), trained=0)
+        if plan.restore:
+            worker.side.load_state_dict(worker.state.load(plan.restore, "worker"))
+        worker.needs_copy = plan.copy
+        roster.arrive(worker.shard_index, worker.worker_id, worker)
+
+    alive_at_start = roster.expected if roster.expected is not None else set(by_slot)
+    for slot in sorted(alive_at_start):
+        arrive(by_slot[slot])
+
+    on_iteration = crashing(recorder, run.crash_every, lambda: [w for w in roster.alive() if not w.crashed])
+
+    def on_boundary(t: int) -> None:
+        for _ in range(len(churn)):
+            if churn[0][0] > t:
+                break
+            at, action, slot = churn.pop(0)
+            if at < t:
+                continue  # before the checkpoint this run resumed from
+            if slot not in by_slot:
+                raise ConfigError(f"--churn: no slot {slot} in a run of {config.workers} workers")
+            current = by_slot[slot]
+            if action == "leave" and roster.depart(current):
+                current.crash()
+                log.info("churn: worker-%d leaves at iteration %d", slot, t)
+            elif action == "join" and roster.slot_of(current) is None:
+                fresh = type(current)(DiscriminatorSide(config, current.side.sampler.shard), current.board,
+                                      current.swap_timeout, state=current.state, attack=current.attack)
+                by_slot[slot] = fresh
+                arrive(fresh)
+                log.info("churn: worker-%d joins at iteration %d (%s)", slot, t,
+                         "copy" if fresh.needs_copy else "own state")
+
+    trainer.on_iteration = on_iteration
+    trainer.on_boundary = on_boundary
+    return await trainer.run()

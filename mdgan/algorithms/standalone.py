@@ -1,0 +1,89 @@
+"""The paper's standalone baseline: one G and one D on the whole dataset, the usual loop (as in
+pytorch/examples dcgan): D steps on (real, G(z).detach()), then one G step through D on the same fake
+batch. Its LocalGAN is also an FL-GAN worker's pair (flgan.py). Built from MD-GAN's own
+GeneratorSide/DiscriminatorSide, so that with the whole dataset in one shard it starts from MD-GAN's
+N = 1 weights, noise and real batches, and its records are MD-GAN's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from mdgan.algorithms.base import Algorithm, InProcessRun, IterationRecord, RunResult, Traffic
+from mdgan.config import TrainingConfig
+from mdgan.data import Shard
+from mdgan.gan import DiscriminatorSide, GeneratorSide, discriminator_loss, generator_loss
+
+
+class LocalGAN:
+    """One G and one D trained together on one shard: the standalone GAN, and an FL-GAN worker.
+
+    Built from the same GeneratorSide/DiscriminatorSide as MD-GAN, so that with the whole dataset
+    in one shard it starts from MD-GAN's N = 1 weights, noise and real batches.
+    """
+
+    def __init__(self, config: TrainingConfig, shard: Shard, generator: GeneratorSide | None = None):
+        self.config = config
+        self.spec = config.model
+        self.g = generator or GeneratorSide(config)
+        self.d = DiscriminatorSide(config, shard)
+
+    def step(self) -> dict:
+        spec, G, D = self.spec, self.g.generator, self.d.discriminator
+        batches = self.g.generate(1)  # the server's noise stream: same z and labels as MD-GAN
+        fake, labels = batches.samples[0], None if batches.labels is None else batches.labels[0]  # (b, *shape), (b,)
+        real, real_labels = self.d.sampler.next_batch()
+        disc_loss, real_acc, fake_acc = torch.tensor(float("nan")), float("nan"), float("nan")
+        for _ in range(self.config.disc_steps):
+            real_logits, fake_logits = D(real), D(fake.detach())
+            disc_loss = discriminator_loss(spec, real_logits, real_labels, fake_logits, labels)
+            self.d.optimizer.zero_grad(set_to_none=True)
+            disc_loss.backward()
+            self.d.optimizer.step()
+            real_acc = (real_logits[:, 0] > 0).float().mean().item()
+            fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
+        gen_loss = generator_loss(spec, D(fake), labels)
+        self.g.optimizer.zero_grad(set_to_none=True)
+        gen_loss.backward()  # through D into G; D's gradients are dropped before its next step
+        self.g.optimizer.step()
+        return {"gen_loss": gen_loss.item(), "disc_loss": disc_loss.item(), "real_accuracy": real_acc,
+                "fake_accuracy": fake_acc}
+
+
+def iteration_record(t: int, workers: int, answered: int, stats: list[dict], seconds: float,
+            averaged: int | None) -> IterationRecord:
+    mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+    return IterationRecord(iteration=t, active_workers=workers, answered=answered, rejected=0, lost=workers - answered,
+                           swap_round=averaged, seconds=seconds, **mean)
+
+
+def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
+                   on_iteration: Callable[[IterationRecord], None] | None = None) -> RunResult:
+    gan = LocalGAN(config, dataset, generator)
+    last = None
+    for t in range(1, config.iterations + 1):
+        started = time.perf_counter()
+        stats = gan.step()
+        last = iteration_record(t, 1, 1, [stats], time.perf_counter() - started, None)
+        if on_iteration:
+            on_iteration(last)
+    return RunResult(iterations=config.iterations, workers=1, workers_alive=1, swaps=0, rejections=0,
+                     swap_period=0, traffic=Traffic(), last=last)
+
+
+def run_in_process(run: InProcessRun) -> RunResult:
+    """The standalone GAN (`mdgan simulate --algorithm standalone`): run.config has one worker, whose
+    shard is the whole dataset."""
+    return run_standalone(run.config, run.generator, run.shards[0], on_iteration=run.recorder)
+
+
+def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
+    return {"server_to_worker": 0, "worker_to_server": 0, "worker_to_worker": 0}  # nothing travels
+
+
+ALGORITHM = Algorithm(
+    name="standalone", title="a standalone GAN", run_in_process=run_in_process,
+    per_worker_per_iteration=per_worker_per_iteration, served=False, crashes=False, whole_dataset=True)

@@ -1,0 +1,84 @@
+"""`mdgan simulate`: a whole run of any algorithm in this process, every worker an object, ending where
+the same run over the gRPC services ends, bit for bit. The algorithm comes from the one registry
+(mdgan/algorithms/__init__.py); this module loads the data, opens the run directory, and writes the
+outputs every algorithm shares (mdgan/run.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mdgan import algorithms
+from mdgan.algorithms.base import InProcessRun
+from mdgan.config import ConfigError, DataConfig, TrainingConfig
+from mdgan.data import load_all_shards
+from mdgan.gan import GeneratorSide
+from mdgan.run import EvaluationOptions, RunRecorder, RunStart, make_evaluator, open_run, write_outputs
+from mdgan.sites import RunClasses, site_shards
+
+
+def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
+             evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
+             crash_every: int | None = None, churn: list[tuple[int, str, int]] | None = None,
+             checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
+             run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
+             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
+             options=None) -> dict:
+    """The whole run in this process: MD-GAN with every worker an object (the same loop as over
+    gRPC), or one of the baselines on the same models, seeds and data.
+
+    Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
+    SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
+    (mdgan.sites; classes: the run's class names, as the server's --classes).
+    crash_every: the paper's crash experiment (the algorithms whose registry entry has `crashes`): every this
+    many iterations one more worker fails (the last by rank), and its data leaves with it.
+    churn: durable algorithms (MD-GAN), [(iteration, "leave" | "join", slot)]: at that iteration boundary the worker
+    of that slot leaves, or comes back (with its saved state if it has one, else a copy of a live
+    peer's discriminator), through the same roster as over gRPC.
+    checkpoint_every / resume: as for the server; each worker keeps its state in OUT/workers/worker-K.
+    byzantine, attack: MD-GAN, the last `byzantine` workers by rank send wrong feedback
+    (mdgan/attacks.py), to measure the robust aggregation rules.
+    options: the algorithm's own options (its registry entry's `options`: PWGANOptions, ...; None: the
+    defaults).
+    """
+    entry = algorithms.get(algorithm)
+    algorithms.refuse(entry, checkpoint_every=checkpoint_every, resume=resume != "no", churn=bool(churn),
+                      byzantine=byzantine, crash_every=crash_every, site_dirs=site_dirs)
+    if bool(byzantine) != bool(attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if byzantine:
+        from mdgan.attacks import ATTACKS, attackers
+
+        attackers(config.workers, byzantine)  # refuses K outside [0, N)
+        if attack not in ATTACKS:
+            raise ConfigError(f"unknown attack {attack!r}; choose from {ATTACKS}")
+    if entry.whole_dataset:  # one G, one D, the whole dataset
+        config = replace(config, workers=1, kappa=1)
+    config.validate()
+    run = open_run(out_dir, config, resume, run_id) if entry.durable else RunStart(run_id or "", config)
+    config = run.config
+    options = None if entry.options is None else (options or entry.default_options()).check(config)
+    if site_dirs:
+        run_classes = RunClasses(classes, config.model.num_classes, config.model.conditional)
+        shards = site_shards(site_dirs, data.dataset, config.workers, config.model.sample_shape, run_classes,
+                             bad_images)
+    else:
+        shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
+    generator_side = GeneratorSide(config)
+    evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
+                               evaluation.reference)
+    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from)
+    result = None
+    try:
+        result = entry.run_in_process(InProcessRun(
+            config, shards, generator_side, recorder, out_dir, run, options, crash_every, churn or [],
+            checkpoint_every, keep_checkpoints, byzantine, attack))
+    finally:
+        wall = recorder.close(result.iterations if result else None)
+    extra = {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
+             "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
+             "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}
+    if options is not None:  # the options its traffic formula (`mdgan traffic`) and its record need
+        extra[algorithm] = options.summary(config)
+    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores)
+
+

@@ -1,0 +1,413 @@
+"""The `mdgan` command: run a local gRPC cluster, simulate in one process, list the models.
+
+`mdgan local` starts the real services (mdgan-server and N mdgan-worker processes) on loopback;
+this module never imports gRPC itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import warnings
+
+from services.common import scheduling
+from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
+
+from mdgan_app.launcher import (MACHINE_PORTS, LocalCluster, ServiceFailed, Terminated, _how_it_ended, _log_tail,
+                                _raise_terminated, workers_per_process)
+from mdgan_app.run_folder import run_dir_lock, save_launch_settings, take_launch_settings
+
+def _print_summary(summary: dict) -> None:
+    keys = ("mode", "iterations", "workers", "workers_alive", "wall_seconds", "seconds_per_iteration",
+            "generator_sha256", "payload_bytes", "swaps", "final")
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
+
+
+def cmd_simulate(args) -> int:
+    from mdgan.algorithms.mdgan.inprocess import parse_churn
+    from mdgan.simulate import simulate
+    from services.common.settings import (algorithm_options, class_names, configure_compute, data_config,
+                                          evaluation_options, training_config)
+    from mdgan_app.launcher import _eval_root
+
+    if args.resume:
+        take_launch_settings(args)
+    configure_compute(args.threads)
+    _resolve_workers(args)
+    config = training_config(args)
+    with run_dir_lock(args.out, "simulate"):
+        save_launch_settings(args)
+        summary = simulate(
+            config, data_config(args, config.workers), args.out, progress=not args.no_progress,
+            evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+            churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
+            run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
+            byzantine=args.byzantine, attack=args.attack,
+            options=algorithm_options(args.algorithm, args))
+    _print_summary(summary)
+    print(f"run directory: {args.out}")
+    return 0
+
+
+def _resolve_workers(args) -> None:
+    """--workers: the number of site folders with --site-dirs (which an explicit --workers must match), else 4."""
+    from mdgan.sites import count_sites
+
+    if args.site_dirs:
+        sites = count_sites(args.site_dirs)
+        if args.workers is not None and args.workers != sites:
+            raise ConfigError(f"--workers {args.workers}, but --site-dirs {args.site_dirs} holds {sites} sites")
+        args.workers = sites
+    elif args.workers is None:
+        args.workers = 4
+
+
+def cmd_local(args) -> int:
+    from mdgan import algorithms
+    from services.common.settings import algorithm_options, training_config
+
+    if args.resume:  # the run's own settings, from its run directory
+        take_launch_settings(args)
+    _resolve_workers(args)
+    config = training_config(args)  # fail here, with a clear message, rather than in a child process
+    if bool(args.byzantine) != bool(args.attack):
+        raise ConfigError("--byzantine K and --attack go together")
+    if args.byzantine:
+        from mdgan.attacks import attackers
+
+        attackers(args.workers, args.byzantine)
+    # refused here, with a clear message, rather than in the server
+    algorithms.refuse(algorithms.get(args.algorithm), checkpoint_every=args.checkpoint_every,
+                      resume=bool(args.resume), byzantine=args.byzantine, in_process=False)
+    algorithm_options(args.algorithm, args, config)
+    workers_per_process(args.workers, args.workers_per_process)  # a bad value fails here
+    needed = 2 * args.workers + 2  # each service's /metrics, each worker's Peer service, the server's gRPC
+    if needed > MACHINE_PORTS:
+        raise ConfigError(f"--workers {args.workers}: a cluster on one machine needs {needed} ports (a /metrics "
+                          f"port and a Peer service port per worker) and a machine has {MACHINE_PORTS}")
+    with run_dir_lock(args.out, "local"):
+        return _run_local(args)
+
+
+def _run_local(args) -> int:
+    cluster = LocalCluster(args)
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    terminate = stop_now = False  # terminate: a signal, or a failure before the start (both said already)
+    try:
+        server = cluster.start()
+        code = cluster.follow(server)
+        # A server that failed stopped no worker: they would try to reconnect until the grace ran out.
+        stop_now = code != 0
+    except Terminated as exc:
+        print(f"mdgan local: {exc}: stopping the cluster", file=sys.stderr)
+        code, terminate = 128 + exc.signum, True
+    except ServiceFailed as exc:
+        print(f"mdgan local: {exc}\nmdgan local: stopping the cluster; logs in {cluster.logs}", file=sys.stderr)
+        code, terminate = 1, True
+    finally:
+        # A second signal while we stop must not leave processes behind: stop() runs to the end.
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        now = terminate or stop_now
+        try:
+            codes = cluster.stop(grace=10.0 if now else 30.0, terminate=now)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    if code != 0:
+        if not terminate:
+            print(f"mdgan local: the server {_how_it_ended(code)}; the end of its log:\n"
+                  f"{_log_tail(cluster.log_path('server'))}\nlogs in {cluster.logs}", file=sys.stderr)
+        return code if code > 0 else 1  # (a signal's negative code is no exit status)
+    with open(os.path.join(cluster.out, "summary.json")) as fh:
+        summary = json.load(fh)
+    summary["mode"] = "local"
+    summary["exit_codes"] = codes
+    from mdgan.checkpoint import atomic_write_json
+
+    atomic_write_json(os.path.join(cluster.out, "summary.json"), summary)
+    _print_summary(summary)
+    print(f"run directory: {args.out}")
+    return 0
+
+
+def cmd_certs(args) -> int:
+    # cryptography only; imported here so that other commands do not need it
+    from services.common import pki
+
+    try:
+        if args.certs_command == "init":
+            path = pki.init_ca(args.dir, days=args.days, overwrite=args.overwrite)
+            print(f"CA certificate: {path}\nCA key:         {pki.ca_paths(args.dir)[1]}  (keep it safe; only "
+                  f"`mdgan certs issue` needs it)")
+        else:
+            role = "server" if args.server else "worker"
+            paths = pki.issue(args.dir, args.name, role, sans=args.san, days=args.days, overwrite=args.overwrite)
+            print(f"{role} {args.name}: --tls-ca {paths['ca']} --tls-cert {paths['cert']} --tls-key {paths['key']}")
+    except pki.PKIError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
+def cmd_split(args) -> int:
+    from mdgan.config import DataConfig
+    from mdgan.sites import split_to_sites
+
+    data = DataConfig(args.dataset, args.data_root, args.workers, args.split_seed, split=args.split,
+                      dirichlet_alpha=args.alpha).validate()
+    sites = split_to_sites(data, args.out, samples=args.samples)
+    print(json.dumps(sites, indent=2))
+    print(f"{len(sites)} site folders in {args.out}: train on them with "
+          f"`mdgan local --dataset imagefolder --site-dirs {args.out}`", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from mdgan.models import ARCHITECTURES, parameter_report
+
+    report = {arch: {gan: parameter_report(ModelSpec(architecture=arch, gan=gan)) for gan in GAN_KINDS}
+              for arch in ARCHITECTURES}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_traffic(args) -> int:
+    from mdgan_app.traffic import format_formulas, format_table, traffic_report
+
+    if args.run is None:  # the formulas alone
+        report = _traffic_formulas(args)
+        print(json.dumps(report, indent=2) if args.json else format_formulas(report))
+        return 0
+    report = traffic_report(args.run)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0 if all(r["payload_matches_formula"] for r in report["rows"]) else 1
+
+
+def _traffic_formulas(args) -> dict:
+    from mdgan.algorithms import SERVED
+    from mdgan.config import TrainingConfig
+    from mdgan.data import DATASET_SAMPLE_SHAPES
+    from mdgan_app.traffic import DATASET_TRAIN_SIZES, formula_table
+    from services.common.settings import algorithm_options
+
+    if args.shard_size is None and args.dataset not in DATASET_TRAIN_SIZES:
+        raise ConfigError(f"--dataset {args.dataset}: give the worker's shard size with --shard-size")
+    shard_size = args.shard_size or DATASET_TRAIN_SIZES[args.dataset] // args.workers
+    config = TrainingConfig(workers=args.workers, iterations=1, batch_size=args.batch_size, disc_steps=args.disc_steps,
+                            swap_epochs=args.swap_epochs, swap_every=args.swap_every,
+                            swap_optimizer_state=args.swap_optimizer_state, wire_dtype=args.wire_dtype,
+                            model=ModelSpec(architecture=args.architecture, gan=args.gan,
+                                            sample_shape=tuple(DATASET_SAMPLE_SHAPES[args.dataset]))).validate()
+    names = list(SERVED) if args.algorithm == "all" else [args.algorithm]
+    return formula_table({name: algorithm_options(name, args) for name in names}, config, shard_size)
+
+
+def cmd_experiment(args) -> int:
+    from mdgan_app.experiment import run_experiment
+    from services.common.settings import configure_compute
+
+    configure_compute(args.threads)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does
+    try:
+        result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only,
+                                jobs=args.jobs, threads=args.threads)
+    except Terminated as exc:
+        print(f"mdgan experiment: {exc}: stopped; run it again to resume", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from mdgan.sampling import sample_run
+
+    written = sample_run(args.run, args.n, args.out, seed=args.seed)
+    print(f"wrote {written} samples to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mdgan.algorithms import NAMES, SERVED
+    from mdgan.attacks import ATTACKS
+    from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
+                                          add_data_arguments, add_durable_arguments, add_evaluation_arguments,
+                                          add_scheduling_argument, add_site_arguments, add_threads_argument,
+                                          add_training_arguments, positive_seconds)
+
+    parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def run_parser(name: str, help_text: str):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_algorithm_argument(p, NAMES if name == "simulate" else SERVED)  # a standalone GAN has no workers
+        add_training_arguments(p)
+        p.set_defaults(workers=None)  # 4, or the number of --site-dirs
+        add_data_arguments(p)
+        add_site_arguments(p, launcher=True)
+        add_evaluation_arguments(p)
+        add_algorithm_options(p)
+        # One thread per process by default: the same arithmetic in every process, so the
+        # in-process run and the gRPC cluster agree bit for bit.
+        add_threads_argument(p, default=1)
+        p.add_argument("--out", default=f"runs/{name}", help="run directory")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        durable = p.add_argument_group("durable runs (MD-GAN)")
+        add_durable_arguments(durable, keep_help="complete checkpoints kept (in OUT/checkpoints; workers keep theirs "
+                                                 "in OUT/workers/)")
+        durable.add_argument("--resume", metavar="RUN", default=None,
+                             help="continue the run in directory RUN from its last complete checkpoint, with the "
+                                  "settings it was launched with (RUN/launch.json); an option given with --resume "
+                                  "overrides one of them (a moved --data-root, say), except the training ones")
+        durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
+        g = p.add_argument_group("emulated Byzantine workers (experiments)")
+        g.add_argument("--byzantine", type=int, default=0,
+                       help="K: the last K workers by rank send wrong feedback (needs --attack)")
+        g.add_argument("--attack", choices=ATTACKS, default=None,
+                       help="what they send: sign-flip (-F), scale (10 F), sign-flip-scale (-10 F), "
+                            "noise (10x F's RMS), free-ride (zeros)")
+        return p
+
+    simulate = run_parser("simulate", "Train in one process: every worker is an object.")
+    simulate.add_argument("--churn", default=None, metavar="EVENTS",
+                          help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
+                               "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
+                               "state or a copy of a live peer's discriminator)")
+    simulate.set_defaults(func=cmd_simulate)
+    local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
+    local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
+    local.add_argument("--swap-timeout", type=positive_seconds, default=120.0, help="deadline for a discriminator swap (s)")
+    local.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
+    local.add_argument("--insecure", action="store_true",
+                       help="plaintext gRPC between the processes (default: mutual TLS with a throwaway CA made in "
+                            "OUT/tls/)")
+    local.add_argument("--join-timeout", type=positive_seconds, default=600.0,
+                       help="seconds the server waits for all workers to join")
+    add_scheduling_argument(local, default="batch")  # for every service of the cluster
+    local.add_argument("--workers-per-process", type=int, default=0, metavar="K",
+                       help="run K workers in each worker process (each still its own worker: data, gRPC client, "
+                            "certificate, /metrics, log); 0 (default): one process per core the launcher may use, "
+                            "i.e. ceil(workers / cores) each, and one process per worker when there are enough "
+                            "cores. On a machine with fewer cores than workers this costs less CPU and starts "
+                            "faster; killing one such process stops all of its workers")
+    local.add_argument("--pin-workers", choices=scheduling.PIN_WORKERS_CHOICES, default="auto",
+                       help="auto (default): when there are cores enough, keep each worker process on --threads "
+                            "cores of its own (the server is left free): about 6%% less time per iteration on 2 "
+                            "cores; nothing is pinned with more worker processes x --threads than cores, or with "
+                            "--threads 0; off: let the kernel place them (e.g. when other programs keep a core "
+                            "busy)")
+    local.set_defaults(func=cmd_local)
+    certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",
+                           description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "
+                                       "in DIR/NAME/ (tls.crt, tls.key, ca.crt): the --tls-* files of the services.")
+    certs_sub = certs.add_subparsers(dest="certs_command", required=True)
+    init = certs_sub.add_parser("init", help="create the run's CA in DIR")
+    init.add_argument("dir", help="directory of the run's PKI")
+    issue = certs_sub.add_parser("issue", help="a key and certificate for NAME, signed by DIR's CA")
+    issue.add_argument("dir", help="directory of the run's PKI (made by `mdgan certs init`)")
+    issue.add_argument("name", help="the identity: a worker's name (its SAN), or the server's")
+    role = issue.add_mutually_exclusive_group()
+    role.add_argument("--worker", action="store_true", help="a worker's certificate (the default)")
+    role.add_argument("--server", action="store_true",
+                      help="the server's certificate (also valid for localhost, 127.0.0.1 and ::1)")
+    issue.add_argument("--san", action="append", default=[],
+                       help="another DNS name or IP address the certificate is valid for (repeatable), e.g. the "
+                            "host name clients dial")
+    for p in (init, issue):
+        p.add_argument("--days", type=int, default=365, help="validity in days")
+        p.add_argument("--overwrite", action="store_true", help="replace existing files")
+    certs.set_defaults(func=cmd_certs)
+
+    split_help = ("Cut a dataset into one folder per site (OUT/site-0, site-1, ...: an ImageFolder of PNG files, every "
+                  "class folder present), to try the real path, where every worker brings its own data, on one machine.")
+    split = sub.add_parser("split", help=split_help, description=split_help)
+    split.add_argument("dataset", choices=("mnist", "cifar10", "synthetic"), help="the dataset to cut")
+    split.add_argument("--workers", type=int, required=True, help="number of sites")
+    split.add_argument("--split", choices=SPLITS, default="iid",
+                       help="iid: equal random parts; dirichlet: per class, proportions over the sites ~ Dir(alpha) "
+                            "(sites of different sizes and label mixes)")
+    split.add_argument("--alpha", type=float, default=0.5, help="dirichlet concentration (smaller: more skewed)")
+    split.add_argument("--split-seed", type=int, default=0, help="seed of the split")
+    split.add_argument("--data-root", default="data", help="folder holding MNIST/raw or cifar-10-batches-py")
+    split.add_argument("--samples", type=int, default=None, help="use only the dataset's first N images (quick trials)")
+    split.add_argument("--out", required=True, help="folder to write site-0, site-1, ... into")
+    split.set_defaults(func=cmd_split)
+    sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
+    traffic = sub.add_parser(
+        "traffic", help="A run's measured traffic against its algorithm's formula, or (without RUN) the formulas.",
+        description="mdgan traffic RUN: the bytes the run's processes counted, next to the per-iteration formula of "
+                    "its algorithm (docs/ALGORITHMS.md); exit status 1 if they differ. Without RUN: each algorithm's "
+                    "payload bytes per iteration for the settings given (the flags below; a run's come from its "
+                    "summary.json).")
+    traffic.add_argument("run", nargs="?", default=None, help="run directory of `mdgan local`")
+    traffic.add_argument("--json", action="store_true", help="print the report as JSON")
+    formulas = traffic.add_argument_group("the formulas alone (without RUN)")
+    formulas.add_argument("--algorithm", choices=("all", *SERVED), default="all",
+                          help="one algorithm, or all of them side by side")
+    formulas.add_argument("--workers", type=int, default=10, help="N")
+    formulas.add_argument("--batch-size", type=int, default=10, help="b (pwgan: n_g = n_r = b)")
+    formulas.add_argument("--disc-steps", type=int, default=1, help="L (dpgan: D rounds per iteration)")
+    formulas.add_argument("--swap-epochs", type=float, default=1.0, help="E: S = ceil(E m / b) (MD-GAN swaps, "
+                                                                         "FL-GAN rounds)")
+    formulas.add_argument("--swap-every", type=int, default=None, help="S, instead of ceil(E m / b)")
+    formulas.add_argument("--swap-optimizer-state", action="store_true",
+                          help="MD-GAN: Adam moments travel with a swapped discriminator")
+    formulas.add_argument("--architecture", default="mlp", help="see `mdgan models`")
+    formulas.add_argument("--gan", choices=GAN_KINDS, default="acgan")
+    formulas.add_argument("--dataset", choices=("mnist", "cifar10", "synthetic"), default="mnist",
+                          help="sets d (and m, with --shard-size unset)")
+    formulas.add_argument("--shard-size", type=int, default=None, help="m, samples per worker (default: the "
+                                                                       "dataset's training set / N)")
+    formulas.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16", "int8"), default="float32",
+                          help="MD-GAN's compressed wire")
+    add_algorithm_options(traffic)  # each algorithm's own options (P-WGAN's T, ...)
+    traffic.set_defaults(func=cmd_traffic)
+    experiment = sub.add_parser("experiment", help="Run a grid of trainings and plot the paper's figures.")
+    experiment.add_argument("config", help="experiment YAML (see experiments/)")
+    experiment.add_argument("--plot-only", action="store_true", help="only collect the results and plot them")
+    experiment.add_argument("--no-progress", action="store_true", help="no progress bars")
+    experiment.add_argument("--jobs", type=int, default=1,
+                            help="runs at once, each in its own process with --threads torch threads (same results)")
+    add_threads_argument(experiment, default=1)
+    experiment.set_defaults(func=cmd_experiment)
+    sample = sub.add_parser("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")
+    sample.add_argument("run", help="run directory (holding checkpoint.pt and summary.json)")
+    sample.add_argument("--n", type=int, default=100, help="number of samples")
+    sample.add_argument("--out", required=True, help="FILE.npy (float32 in [-1, 1], with labels in FILE.labels.npy "
+                                                    "for ACGAN) or FILE.png (a grid)")
+    sample.add_argument("--seed", type=int, default=0, help="noise seed")
+    sample.set_defaults(func=cmd_sample)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from services.common import settings
+
+    tokens = sys.argv[1:] if argv is None else list(argv)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    after = tokens[tokens.index(args.command) + 1:] if args.command in tokens else tokens
+    args.given = settings.given_options(commands[args.command], after)  # what this command chose (--resume keeps it)
+    # What Ctrl-C leaves: the coroutine of a training step it cut short, never awaited. Not news.
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    try:
+        return args.func(args)
+    except (ConfigError, OSError) as exc:
+        # A bad value found while running (a data file, a flag combination; 2), or the system's
+        # refusal (a folder that cannot be made, a full disk; 1): said under the subcommand's name,
+        # without the top-level usage banner that would say nothing about it.
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    except KeyboardInterrupt:  # Ctrl-C in a command that runs in this process (`local` stops its cluster itself)
+        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

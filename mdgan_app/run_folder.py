@@ -1,0 +1,100 @@
+"""A run folder's bookkeeping on the command line's side: one command at a time in a folder (its lock),
+and the settings it was launched with (RUN/launch.json), which `--resume` takes again."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+
+from mdgan.config import ConfigError
+
+RUN_DIR_LOCK = ".mdgan.lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(out: str, command: str):
+    """Keep `out` ours while a run writes there: a second `mdgan local` or `simulate` in the same
+    folder would remove the first's logs and overwrite its history, summary and checkpoints."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, RUN_DIR_LOCK), "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise ConfigError(f"--out {out}: a run is under way there ({holder}); wait for it to end, or choose "
+                              f"another --out") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"mdgan {command}, pid {os.getpid()}")
+        fh.flush()
+        yield  # (the lock goes with the file's closing, or the process's death)
+
+
+LAUNCH_FILE = "launch.json"  # `mdgan local`'s or `simulate`'s settings of the run in a folder, for --resume
+_NOT_LAUNCH_SETTINGS = {"command", "func", "given", "out", "resume", "run_id"}
+_PATH_SETTINGS = ("data_root", "site_dirs")  # saved absolute: a resume may start from another folder
+
+
+def save_launch_settings(args) -> None:
+    """RUN/launch.json: every setting of this `mdgan local` or `simulate` but where it writes and whether
+    it resumes."""
+    from mdgan.checkpoint import atomic_write_json
+
+    settings = {key: value for key, value in sorted(vars(args).items()) if key not in _NOT_LAUNCH_SETTINGS}
+    for key in _PATH_SETTINGS:
+        if settings.get(key):
+            settings[key] = os.path.abspath(settings[key])
+    atomic_write_json(os.path.join(args.out, LAUNCH_FILE), settings)
+
+
+def _check_launch_setting(args, key: str, value) -> None:
+    """A saved setting must be of its option's kind (an edited launch.json): a number where a number
+    is, and so on; what it may be beyond that, the checks of a fresh launch say."""
+    default = getattr(args, key)
+    if default is None or value is None:
+        return
+
+    def kind(v) -> str:  # (an int default may stand for a float option: numbers are one kind)
+        return "bool" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else type(v).__name__
+
+    if kind(value) != kind(default):
+        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE}: {key} is {value!r}, not a "
+                          f"{kind(default)} like its option's (edit it, or give --{key.replace('_', '-')})")
+
+
+def take_launch_settings(args) -> None:
+    """--resume RUN: the run goes on as it was launched (its data, split, evaluation, checkpoints,
+    timeouts, security...), but for what this command gives (a moved --data-root, --threads, ...).
+    Before, only its workers and iterations were taken: a run of synthetic data or another data root
+    resumed with the defaults' data (or failed), and without --checkpoint-every never checkpointed again."""
+    from mdgan.checkpoint import RUN_FILE, read_json
+
+    args.out = args.resume
+    try:
+        saved = read_json(os.path.join(args.resume, RUN_FILE))
+    except FileNotFoundError:
+        raise ConfigError(f"--resume {args.resume}: no run to resume there (no {RUN_FILE})") from None
+    try:
+        launched = read_json(os.path.join(args.resume, LAUNCH_FILE))
+    except FileNotFoundError:  # launched by an older mdgan
+        launched = {}
+        print(f"mdgan {args.command}: {args.resume} has no {LAUNCH_FILE} (an older mdgan launched it): its training "
+              "settings are its own, the others (data, evaluation, checkpoints) this command's", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} is unreadable: {exc}") from None
+    if not isinstance(launched, dict):
+        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} holds no settings (a JSON object is expected)")
+    given = getattr(args, "given", set())
+    for key, value in launched.items():
+        if key not in given and key not in _NOT_LAUNCH_SETTINGS and hasattr(args, key):
+            _check_launch_setting(args, key, value)
+            setattr(args, key, value)
+    for key in ("workers", "iterations"):  # the run's own: its checkpoints are of that many
+        if key in given and getattr(args, key) != saved["config"][key]:
+            raise ConfigError(f"--resume {args.resume}: the run has {key} {saved['config'][key]}; --{key} "
+                              f"{getattr(args, key)} cannot change it (start a new run with --out elsewhere)")
+        setattr(args, key, saved["config"][key])
+

@@ -1,0 +1,37 @@
+"""What a worker's algorithm may use of the connection that runs it (services/worker/node.py's
+WorkerNode provides it): the worker side's counterpart of services/server/context.py.
+
+An algorithm module (services/worker/algorithms/x.py) is given this, never the node's other parts;
+tests/test_layers.py checks that the algorithms reach nothing else and that WorkerNode has all of it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from mdgan.checkpoint import CheckpointStore
+    from services.common.telemetry import Telemetry
+    from services.common.tls import TLSConfig
+    from services.common.proto import coordinator_pb2 as pb
+
+
+class WorkerContext(Protocol):
+    worker_id: str  # the id the server gave this worker (worker-K)
+    identity: str  # its certificate's name (what peers check when it pushes a discriminator)
+    run_id: str | None  # the run it is in (None: none yet)
+    telemetry: Telemetry  # every Prometheus metric of this process
+    tls: TLSConfig | None  # its certificate and the CA, for peer-to-peer channels (None: --insecure)
+    swap_timeout: float  # the server's swap deadline, from the welcome (s)
+    state_dir: str | None  # where it keeps its durable state (None: it keeps none)
+    attack_kind: str | None  # an emulated Byzantine worker's attack (mdgan/attacks.py), or None
+    slow_factor: float  # an emulated straggler: every step takes this many times as long
+
+    async def write(self, call, message: pb.WorkerMessage) -> None:
+        """Send one message to the server on the stream `call` (counted on the wire counters)."""
+
+    def store(self) -> CheckpointStore | None:
+        """Where this run's checkpoints go (None: the worker keeps no state)."""
+
+    def remember_run(self) -> None:
+        """Record the run it is in, so that a restart rejoins it."""
