@@ -105,3 +105,85 @@ class ShapedNamespace:
     def __exit__(self, *exc) -> None:
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)  # takes the veth's inner end
         subprocess.run(["ip", "link", "del", self.host_dev], capture_output=True)  # gone already, normally
+
+
+class Consortium:
+    """Machines on one LAN, each a network namespace of its own, reaching each other by name only.
+
+        with Consortium(["server", "site-0", "site-1"], domain="lan.test", shaped={"site-1": "10mbit"}) as lan:
+            lan.host("site-0")                  # 'site-0.lan.test', its name on the LAN
+            subprocess.Popen(lan.wrap("site-0", ["python", "-m", "services.worker", ...]))
+
+    A bridge in a namespace of its own (the switch) joins one veth per machine; no machine has a route
+    to this host's loopback or to the others' loopbacks, so what works here works between separate
+    hosts. Names resolve through /etc/netns/NS/hosts (which `ip netns exec` mounts over /etc/hosts),
+    the same file for every machine: each knows the others by name, as DNS would tell them. A machine
+    in `shaped` has a token bucket (tc tbf) at RATE on both ends of its link, as a slow site would.
+    """
+
+    def __init__(self, machines: list[str], domain: str = "lan.test", shaped: dict[str, str] | None = None,
+                 subnet: int | None = None):
+        tag = os.getpid() % 100000
+        self.tag = tag
+        self.domain = domain
+        self.shaped = shaped or {}
+        subnet = (tag % 200) + 20 if subnet is None else subnet
+        self.switch = f"mdgan-sw-{tag}"
+        self.machines = {m: {"ns": f"mdgan-{i}-{tag}", "ip": f"10.214.{subnet}.{i + 10}",
+                             "outer": f"mc{tag}-{i}", "inner": "eth0"} for i, m in enumerate(machines)}
+
+    def host(self, machine: str) -> str:
+        return f"{machine}.{self.domain}"
+
+    def ip(self, machine: str) -> str:
+        return self.machines[machine]["ip"]
+
+    def __enter__(self) -> "Consortium":
+        try:
+            _ip("netns", "add", self.switch)
+            sw = ["netns", "exec", self.switch, "ip"]
+            _ip(*sw, "link", "add", "br0", "type", "bridge")
+            _ip(*sw, "link", "set", "br0", "up")
+            hosts = "".join(f"{m['ip']} {self.host(name)}\n" for name, m in self.machines.items())
+            for name, m in self.machines.items():
+                _ip("netns", "add", m["ns"])
+                os.makedirs(f"/etc/netns/{m['ns']}", exist_ok=True)
+                with open(f"/etc/netns/{m['ns']}/hosts", "w") as fh:
+                    fh.write("127.0.0.1 localhost\n::1 localhost\n" + hosts)
+                _ip("link", "add", m["outer"], "netns", self.switch, "type", "veth", "peer", "name", m["inner"],
+                    "netns", m["ns"])
+                _ip(*sw, "link", "set", m["outer"], "master", "br0")
+                _ip(*sw, "link", "set", m["outer"], "up")
+                inside = ["netns", "exec", m["ns"], "ip"]
+                _ip(*inside, "addr", "add", f"{m['ip']}/24", "dev", m["inner"])
+                _ip(*inside, "link", "set", m["inner"], "up")
+                _ip(*inside, "link", "set", "lo", "up")
+                if name in self.shaped:
+                    shape = ["root", "tbf", "rate", self.shaped[name], "burst", "32kbit", "latency", "400ms"]
+                    for ns, dev in ((self.switch, m["outer"]), (m["ns"], m["inner"])):
+                        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *shape],
+                                       check=True, capture_output=True)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def bytes_shaped(self, machine: str) -> tuple[int, int]:
+        """(to the machine, from it): bytes through its link's token buckets so far."""
+        m = self.machines[machine]
+
+        def sent(ns: str, dev: str) -> int:
+            text = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev], check=True,
+                                  capture_output=True, text=True).stdout
+            return int(re.search(r"Sent (\d+) bytes", text).group(1))
+        return sent(self.switch, m["outer"]), sent(m["ns"], m["inner"])
+
+    def wrap(self, machine: str, command: list[str]) -> list[str]:
+        """The command, run on that machine (in its namespace, with its /etc/hosts)."""
+        return ["ip", "netns", "exec", self.machines[machine]["ns"], *command]
+
+    def __exit__(self, *exc) -> None:
+        for m in self.machines.values():
+            subprocess.run(["ip", "netns", "del", m["ns"]], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{m['ns']}", ignore_errors=True)
+        subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)

@@ -139,6 +139,8 @@ def cmd_certs(args) -> int:
     # cryptography only; imported here so that other commands do not need it
     from services.common import pki
 
+    if args.certs_command == "kit":
+        return _certs_kit(args)
     try:
         if args.certs_command == "init":
             path = pki.init_ca(args.dir, days=args.days, overwrite=args.overwrite)
@@ -150,6 +152,30 @@ def cmd_certs(args) -> int:
             print(f"{role} {args.name}: --tls-ca {paths['ca']} --tls-cert {paths['cert']} --tls-key {paths['key']}")
     except pki.PKIError as exc:
         raise ConfigError(str(exc)) from None
+    return 0
+
+
+def _certs_kit(args) -> int:
+    from mdgan_app import kits
+    from services.common import pki
+
+    try:
+        if args.server:
+            if args.advertise or args.slot != "assign":
+                raise ConfigError("--advertise and --slot are a site's: the server is reached at --server-address")
+            folder = kits.server_kit(args.dir, args.name, args.server_address, workers=args.workers,
+                                     metrics_port=args.metrics_port or kits.SERVER_METRICS_PORT, out=args.out,
+                                     days=args.days, overwrite=args.overwrite, tag=args.tag)
+        else:
+            if args.workers is not None:
+                raise ConfigError("--workers is the server's kit's (--server): a site's kit is one worker")
+            folder = kits.site_kit(args.dir, args.name, args.server_address, args.advertise,
+                                   metrics_port=args.metrics_port or kits.DEFAULT_METRICS_PORT, slot=args.slot,
+                                   out=args.out, days=args.days, overwrite=args.overwrite, tag=args.tag)
+    except pki.PKIError as exc:
+        raise ConfigError(str(exc)) from None
+    print(f"{'server' if args.server else 'site'} kit {args.name}: {folder} (copy this folder to its machine; "
+          f"{os.path.join(folder, 'README.txt')} says what to run there)")
     return 0
 
 
@@ -318,7 +344,29 @@ def build_parser() -> argparse.ArgumentParser:
     issue.add_argument("--san", action="append", default=[],
                        help="another DNS name or IP address the certificate is valid for (repeatable), e.g. the "
                             "host name clients dial")
-    for p in (init, issue):
+    kit = certs_sub.add_parser(
+        "kit", help="one machine's bundle: its key and certificate, the CA certificate, its settings and compose file",
+        description="Write everything one machine of a consortium needs into one folder (default PKI/kits/NAME): "
+                    "its key and certificate (issued now, valid for the name it is reached at, or checked if "
+                    "PKI/NAME exists), the CA's certificate (never its key), mdgan.env, .env, docker-compose.yml "
+                    "and a README. A site's kit runs one worker; the server's kit (--server) runs the server, "
+                    "Prometheus (scraping every site that has a kit) and Grafana. Write the sites' kits first.")
+    kit.add_argument("dir", metavar="PKI", help="directory of the run's PKI (made by `mdgan certs init`)")
+    kit.add_argument("name", help="the identity: a site's name, or the server's")
+    kit.add_argument("--server-address", required=True, metavar="HOST:PORT",
+                     help="where the sites dial the server (the server's certificate is made valid for HOST)")
+    kit.add_argument("--server", action="store_true", help="the server's kit (default: a site's)")
+    kit.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
+                     help="a site's address as the other sites dial it for the swap (default: NAME:50052; the "
+                          "certificate is made valid for HOST)")
+    kit.add_argument("--slot", default="assign",
+                     help="a site's rank in the run: a number, or 'assign' (default: the server gives the lowest free one)")
+    kit.add_argument("--metrics-port", type=int, default=None, help="the /metrics port (default: 9101 a site, 9100 the server)")
+    kit.add_argument("--workers", type=int, default=None,
+                     help="the server's kit: the number of sites (default: the sites that have a kit in PKI)")
+    kit.add_argument("--out", default=None, help="the kit's folder (default: PKI/kits/NAME)")
+    kit.add_argument("--tag", default=None, help="the images' tag (default: this version's, as the Helm chart's)")
+    for p in (init, issue, kit):
         p.add_argument("--days", type=int, default=365, help="validity in days")
         p.add_argument("--overwrite", action="store_true", help="replace existing files")
     certs.set_defaults(func=cmd_certs)

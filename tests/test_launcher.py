@@ -132,7 +132,7 @@ def test_a_signal_to_mdgan_local_leaves_no_process_behind_and_its_services_run_a
             assert ("CPU affinity: pinned to CPU" in text) == pinned, name
         # A second run in the same folder is refused while this one is under way (it would remove this
         # run's logs and overwrite its history).
-        from mdgan_app import cli, launcher
+        from mdgan_app import cli
 
         assert cli.main(["local", "--dataset", "synthetic", "--workers", "2", "--out", str(tmp_path / "run")]) == 2
         assert f"a run is under way there (mdgan local, pid {launcher.pid})" in capsys.readouterr().err
@@ -443,15 +443,15 @@ def test_a_launch_json_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_err
 
 
 def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path):
-    from mdgan_app import cli, launcher
+    from mdgan_app import launcher as cluster
 
     logs, earlier = tmp_path / "logs", tmp_path / "earlier-logs"
-    launcher.keep_earlier_logs(str(logs), str(earlier))  # none yet: nothing to keep
+    cluster.keep_earlier_logs(str(logs), str(earlier))  # none yet: nothing to keep
     assert not earlier.exists()
     for start in range(7):
         logs.mkdir()
         (logs / "server.log").write_text(f"start {start}\n")
-        launcher.keep_earlier_logs(str(logs), str(earlier), now=time.struct_time((2026, 1, 1, 0, 0, start, 0, 1, 0)))
+        cluster.keep_earlier_logs(str(logs), str(earlier), now=time.struct_time((2026, 1, 1, 0, 0, start, 0, 1, 0)))
         assert not logs.exists()
     kept = sorted(earlier.iterdir())
     assert [p.name for p in kept] == [f"20260101T00000{s}Z" for s in range(2, 7)]
@@ -478,11 +478,11 @@ def test_the_options_a_command_gives_are_told_apart_from_its_defaults(monkeypatc
 
 
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
-    from mdgan_app import cli, launcher
+    from mdgan_app import cli, launcher as cluster
 
-    monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cluster, "usable_cores", lambda: 2)
     assert [cli.workers_per_process(n, 0) for n in (1, 2, 3, 4, 10, 50)] == [1, 1, 2, 2, 5, 25]
-    monkeypatch.setattr(launcher, "usable_cores", lambda: 16)
+    monkeypatch.setattr(cluster, "usable_cores", lambda: 16)
     assert [cli.workers_per_process(n, 0) for n in (4, 10, 50)] == [1, 1, 4]
     assert cli.workers_per_process(10, 3) == 3  # as asked
     with pytest.raises(cli.ConfigError, match="workers-per-process"):
@@ -491,7 +491,7 @@ def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
 
 def test_more_workers_than_one_machine_has_ports_for_is_a_clear_error(monkeypatch, capsys, tmp_path):
     # It used to look for 70001 free ports forever, printing nothing.
-    from mdgan_app import cli, launcher
+    from mdgan_app import cli, launcher as cluster
 
     code = cli.main(["local", "--workers", "40000", "--kappa", "1", "--dataset", "synthetic",
                      "--out", str(tmp_path / "run")])
@@ -516,20 +516,20 @@ def test_more_workers_than_one_machine_has_ports_for_is_a_clear_error(monkeypatc
         def getsockname(self):
             return ("127.0.0.1", 40000)
 
-    monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (1, 65535))
-    monkeypatch.setattr(launcher.socket, "socket", ShortOfPorts)
+    monkeypatch.setattr(cluster, "_ephemeral_range", lambda: (1, 65535))
+    monkeypatch.setattr(cluster.socket, "socket", ShortOfPorts)
     with pytest.raises(cli.ConfigError, match=r"only 1 of the 3 ports the services need are free on 127.0.0.1"):
-        launcher._free_ports(3)
+        cluster._free_ports(3)
 
 
 def test_metrics_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range():
     # The kernel gives ephemeral ports to every outgoing connection and `--listen HOST:0` of the
     # cluster's own services; a metrics port picked from that range was taken by one of them in a
     # 50-worker run ("Address already in use" at a worker's /metrics).
-    from mdgan_app import cli, launcher
+    from mdgan_app import launcher as cluster
 
-    low, high = launcher._ephemeral_range()
-    ports = launcher._free_ports(60)
+    low, high = cluster._ephemeral_range()
+    ports = cluster._free_ports(60)
     assert len(set(ports)) == 60
     assert not [p for p in ports if low <= p <= high]
     for port in ports:
@@ -538,7 +538,7 @@ def test_metrics_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range
 
 
 def test_a_taken_port_is_skipped(monkeypatch):
-    from mdgan_app import cli, launcher
+    from mdgan_app import launcher as cluster
 
     def free(port: int) -> bool:
         with socket.socket() as s:
@@ -558,8 +558,8 @@ def test_a_taken_port_is_skipped(monkeypatch):
         taken.listen()
         port = taken.getsockname()[1]
         # Only `port` and `port + 1` lie outside the (pretended) ephemeral range.
-        monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (port + 2, 65535))
-        ports = launcher._free_ports(2, floor=port)
+        monkeypatch.setattr(cluster, "_ephemeral_range", lambda: (port + 2, 65535))
+        ports = cluster._free_ports(2, floor=port)
     assert port not in ports and port + 1 in ports and len(set(ports)) == 2
 
 
@@ -569,20 +569,20 @@ def test_stopping_the_cluster_ends_multiprocessings_helper_processes():
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
-    from mdgan_app import cli, launcher
+    from mdgan_app import launcher as cluster
 
     child = multiprocessing.get_context("forkserver").Process(target=int)
     child.start()
     child.join(30)
     helpers = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
     assert all(pid is not None and alive(pid) for pid in helpers)
-    launcher._stop_multiprocessing_helpers()
+    cluster._stop_multiprocessing_helpers()
     assert not [pid for pid in helpers if alive(pid)]
     assert forkserver._forkserver._forkserver_pid is None and resource_tracker._resource_tracker._pid is None
 
 
 def test_batch_scheduling_sets_the_policy_and_the_slice():
-    code = ("import os; from mdgan import scheduling; print(scheduling.batch()); "
+    code = ("import os; from services.common import scheduling; print(scheduling.batch()); "
             "print(os.sched_getscheduler(0) == os.SCHED_BATCH); print(open('/proc/self/sched').read())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     applied, is_batch, sched = out.split("\n", 2)
@@ -708,7 +708,7 @@ except scheduling.ConfigError as exc:
 
 
 def test_a_run_folder_that_cannot_be_made_is_a_clear_error_in_every_entry_point(tmp_path, capsys):
-    from mdgan_app import cli, launcher
+    from mdgan_app import cli
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -165,6 +165,47 @@ def provision_run(directory: str, workers: list[str], server: str = "mdgan-serve
     return issued
 
 
+def check_identity(directory: str, name: str, role: str, must_name: str | None = None,
+                   now: datetime.datetime | None = None) -> str | None:
+    """Why DIR/NAME's certificate cannot serve as `name` in this run, or None when it can: it must be
+    signed by DIR's CA, carry `name` and role `role`, be valid now, and be valid for `must_name` (the
+    host it is reached at). Each reason says how to fix it."""
+    paths = identity_paths(directory, name)
+    ca_cert_path = ca_paths(directory)[0]
+    reissue = f"`mdgan certs issue {directory} {name}{' --server' if role == 'server' else ''}" + \
+              (f" --san {must_name}" if must_name and must_name != name else "") + " --overwrite`"
+    try:
+        with open(paths["cert"], "rb") as fh:
+            cert = x509.load_pem_x509_certificate(fh.read())
+        with open(ca_cert_path, "rb") as fh:
+            ca = x509.load_pem_x509_certificate(fh.read())
+    except FileNotFoundError as exc:
+        return f"{exc.filename} is missing: run `mdgan certs init {directory}` and {reissue}"
+    except ValueError as exc:
+        return f"{paths['cert']} is not a PEM certificate ({exc}): issue it again with {reissue}"
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, Exception) as exc:  # InvalidSignature, or another issuer
+        return (f"{paths['cert']} was not issued by the CA in {directory} ({type(exc).__name__}): a certificate of "
+                f"another CA is refused by every member of this run; issue it again with {reissue}")
+    cn, sans, cert_role = certificate_names(cert.public_bytes(serialization.Encoding.PEM))
+    if cn != name:
+        return f"{paths['cert']} is {cn!r}'s certificate, not {name!r}'s: issue it again with {reissue}"
+    if cert_role != ROLES[role]:
+        return f"{paths['cert']} is a {cert_role} certificate, not a {ROLES[role]} one: issue it again with {reissue}"
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    if now < cert.not_valid_before_utc:
+        return (f"{paths['cert']} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC and this "
+                f"machine's clock says {now:%Y-%m-%d %H:%M} UTC: set the clock right (NTP) on the machine that "
+                f"issued it or on this one")
+    if now > cert.not_valid_after_utc:
+        return f"{paths['cert']} expired on {cert.not_valid_after_utc:%Y-%m-%d}: issue it again with {reissue}"
+    if must_name and must_name not in sans:
+        return (f"{paths['cert']} is valid for {', '.join(sans)}, not for {must_name!r}, the name others reach it "
+                f"at: issue it again with {reissue}")
+    return None
+
+
 # -- reading certificates (what the services learn about a peer) ------------------------------------
 
 def certificate_names(pem: bytes) -> tuple[str | None, list[str], str | None]:

@@ -1,0 +1,101 @@
+"""Sites on separate machines, for real: the server and three sites, each in a network namespace of its
+own (a network stack of its own: no shared loopback), joined by one bridge and reaching each other by
+name only (/etc/netns/NS/hosts, as DNS would tell them). Every machine runs from its kit, written by
+`mdgan certs kit` (its certificate issued for the name it is reached at), with the kit's settings as
+they are; one site sits behind a shaped link (tc tbf). The run ends with the generator `mdgan simulate`
+gives on the same site folders, bit for bit.
+
+Needs root and iproute2; skipped, with the reason, where namespaces are not permitted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from procs import Proc, read_json
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+from netns import Consortium, why_not_available  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REASON = why_not_available()
+SITES = 3
+TRAINING = {"MDGAN_ITERATIONS": "12", "MDGAN_BATCH_SIZE": "10", "MDGAN_SWAP_EVERY": "4", "MDGAN_KAPPA": "2",
+            "MDGAN_SEED": "3", "MDGAN_THREADS": "1", "MDGAN_EVAL_EVERY": "-1"}
+
+
+def mdgan(*argv: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *argv], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def kit_environment(kit: str, data: str | None, state: str | None, out: str | None) -> dict[str, str]:
+    """The kit's mdgan.env as the service reads it, its container paths mapped onto this machine's
+    folders (what compose's volumes do)."""
+    env = dict(os.environ)
+    mounts = {"/tls/": os.path.join(kit, "tls") + "/", "/data": data, "/state": state, "/runs/mdgan": out}
+    with open(os.path.join(kit, "mdgan.env")) as fh:
+        for line in fh:
+            key, _, value = line.strip().partition("=")
+            for inside, outside in mounts.items():
+                if outside and value.startswith(inside):
+                    value = outside + value[len(inside):]
+            env[key] = value
+    return env
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")
+def test_three_sites_on_separate_machines_from_their_kits_end_where_simulate_ends(tmp_path):
+    sites = str(tmp_path / "sites")
+    mdgan("split", "synthetic", "--workers", str(SITES), "--samples", "300", "--out", sites)
+    pki, kits = str(tmp_path / "pki"), str(tmp_path / "kits")
+    mdgan("certs", "init", pki)
+    lan_names = ["server", *(f"site-{i}" for i in range(SITES))]
+    with Consortium(lan_names, domain="lan.test", shaped={"site-2": "20mbit"}) as lan:
+        server_address = f"{lan.host('server')}:50051"
+        for i in range(SITES):
+            mdgan("certs", "kit", pki, f"site-{i}", "--server-address", server_address, "--advertise",
+                  f"{lan.host(f'site-{i}')}:50052", "--slot", str(i), "--out", os.path.join(kits, f"site-{i}"))
+        mdgan("certs", "kit", pki, "coordinator", "--server", "--server-address", server_address,
+              "--out", os.path.join(kits, "server"))
+        for kit in os.listdir(kits):  # a kit holds its own key and the CA's certificate, never the CA's key
+            assert sorted(os.listdir(os.path.join(kits, kit, "tls"))) == ["ca.crt", "tls.crt", "tls.key"]
+        out = str(tmp_path / "run")
+        server = Proc("server", lan.wrap("server", [sys.executable, "-m", "services.server"]),
+                      str(tmp_path / "server.log"),
+                      env={**kit_environment(os.path.join(kits, "server"), None, None, out), **TRAINING})
+        workers = [Proc(f"site-{i}", lan.wrap(f"site-{i}", [sys.executable, "-m", "services.worker"]),
+                        str(tmp_path / f"site-{i}.log"),
+                        env={**kit_environment(os.path.join(kits, f"site-{i}"), os.path.join(sites, f"site-{i}"),
+                                               str(tmp_path / f"state-{i}"), None),
+                             "MDGAN_THREADS": "1"})  # one thread everywhere: the same arithmetic as simulate's
+                   for i in range(SITES)]
+        try:
+            assert server.wait(300) == 0, server.log()
+            for worker in workers:
+                assert worker.wait(60) == 0, worker.log()
+            to_slow_site, from_slow_site = lan.bytes_shaped("site-2")
+        finally:
+            for p in [server, *workers]:
+                p.kill()
+    summary = read_json(os.path.join(out, "summary.json"))
+    assert summary["iterations"] == 12 and summary["workers_alive"] == SITES and summary["swaps"] == 3
+    with open(os.path.join(out, "swaps.jsonl")) as fh:
+        swaps = [json.loads(line) for line in fh]
+    assert all(w["sent"] and w["received"] for s in swaps for w in s["workers"].values())  # across the machines
+    # the slow site's discriminators (2.7 MB each) went through its shaped link, both ways
+    assert to_slow_site > 2_000_000 and from_slow_site > 2_000_000, (to_slow_site, from_slow_site)
+
+    simulated = str(tmp_path / "simulated")
+    mdgan("simulate", "--dataset", "imagefolder", "--site-dirs", sites, "--iterations", "12", "--batch-size", "10",
+          "--swap-every", "4", "--kappa", "2", "--seed", "3", "--eval-every", "-1", "--no-progress",
+          "--out", simulated)
+    assert summary["generator_sha256"] == read_json(os.path.join(simulated, "summary.json"))["generator_sha256"]
