@@ -417,6 +417,126 @@ def test_compose_sites_override_mounts_only_each_sites_folder():
     assert sources == ["/srv/paris", "/srv/lyon"]
 
 
+def _kit(*argv: str) -> None:
+    from mdgan_app.cli import main
+
+    assert main(["certs", "kit", *argv]) == 0
+
+
+def _rendered(compose: str, kit: str) -> dict:
+    """`docker compose config` of a kit, as its machine would run it (from inside the kit's folder)."""
+    proc = subprocess.run([compose, "config", "--format", "json"], capture_output=True, text=True, cwd=kit,
+                          timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith(("KIT_", "MDGAN_"))})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_kits_render_compose_files_that_work_across_hosts(tmp_path, capsys):
+    """Three sites and a server, each from its kit alone: every address and port a remote peer needs is
+    published and advertised, no service of one machine depends on another's, the server's Prometheus
+    finds every site by the address it is reached at, and no kit holds the CA's key."""
+    compose = tool("docker-compose")
+    from mdgan_app.cli import main
+
+    pki = str(tmp_path / "pki")
+    assert main(["certs", "init", pki]) == 0
+    for i, (host, port) in enumerate([("paris.example.org", 50052), ("lyon.example.org", 50062),
+                                      ("10.1.2.3", 50072)]):
+        _kit(pki, f"site-{i}", "--server-address", "hub.example.org:50051", "--advertise", f"{host}:{port}",
+             "--metrics-port", str(9101 + i))
+    _kit(pki, "hub", "--server", "--server-address", "hub.example.org:50051")
+    with open(os.path.join(pki, "ca.key"), "rb") as fh:
+        ca_key = fh.read()
+    for i, (host, port) in enumerate([("paris.example.org", 50052), ("lyon.example.org", 50062), ("10.1.2.3", 50072)]):
+        kit = os.path.join(pki, "kits", f"site-{i}")
+        services = _rendered(compose, kit)["services"]
+        assert list(services) == ["worker"]  # one machine, one worker: nothing of another machine's
+        worker = services["worker"]
+        assert "depends_on" not in worker
+        env = worker["environment"]
+        assert env["MDGAN_SERVER"] == "hub.example.org:50051"
+        assert env["MDGAN_ADVERTISE_ADDRESS"] == f"{host}:{port}" and env["MDGAN_LISTEN"] == f"0.0.0.0:{port}"
+        published = {(int(p["target"]), int(p["published"])) for p in worker["ports"]}
+        assert published == {(port, port), (9101 + i, 9101 + i)}  # the Peer port as advertised, and /metrics
+        assert env["MDGAN_METRICS_PORT"] == str(9101 + i)
+        mounts = {v["target"]: v for v in worker["volumes"]}
+        assert mounts["/data"]["read_only"] and mounts["/tls"]["read_only"]
+        assert {"/data", "/tls", "/state"} == set(mounts)
+        assert env["MDGAN_TLS_CERT"].startswith("/tls/") and "MDGAN_INSECURE" not in env
+        from services.common import pki as pki_module
+
+        with open(os.path.join(kit, "tls", "tls.crt"), "rb") as fh:
+            name, sans, role = pki_module.certificate_names(fh.read())
+        assert (name, role) == (f"site-{i}", pki_module.ROLE_WORKER) and host in sans
+        assert os.stat(os.path.join(kit, "tls", "tls.key")).st_mode & 0o077 == 0  # the owner's only
+        for folder, _, files in os.walk(kit):
+            for f in files:
+                with open(os.path.join(folder, f), "rb") as fh:
+                    assert fh.read() != ca_key, f
+    hub = os.path.join(pki, "kits", "hub")
+    services = _rendered(compose, hub)["services"]
+    assert set(services) == {"server", "prometheus", "grafana"}
+    server = services["server"]
+    assert {(int(p["target"]), int(p["published"])) for p in server["ports"]} == {(50051, 50051)}
+    assert server["environment"]["MDGAN_WORKERS"] == "3"
+    assert server["environment"]["MDGAN_ALLOWED_WORKERS"] == "site-0,site-1,site-2"
+    for service in ("prometheus", "grafana"):  # the consoles: on the server's machine only
+        assert all(p.get("host_ip") == "127.0.0.1" for p in services[service]["ports"]), service
+    with open(os.path.join(hub, "prometheus", "targets", "sites.json")) as fh:
+        targets = sorted(t for group in json.load(fh) for t in group["targets"])
+    assert targets == ["10.1.2.3:9103", "lyon.example.org:9102", "paris.example.org:9101"]
+    with open(os.path.join(hub, "tls", "tls.crt"), "rb") as fh:
+        name, sans, role = pki_module.certificate_names(fh.read())
+    assert role == pki_module.ROLE_SERVER and "hub.example.org" in sans
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["site-9", "--server-address", "hub.example.org"], "has no port: give HOST:PORT"),
+    (["site-9", "--server-address", "localhost:50051"], "loopback address, which other machines cannot reach"),
+    (["site-9", "--server-address", "hub.example.org:50051", "--advertise", "site-9:99999"], "a port from 1 to 65535"),
+    (["bad name", "--server-address", "hub.example.org:50051"], "is not a usable identity"),
+    (["hub", "--server", "--server-address", "hub.example.org:50051"], "write the sites' kits first"),
+])
+def test_a_kit_that_cannot_work_is_one_clear_line(tmp_path, capsys, argv, message):
+    from mdgan_app.cli import main
+
+    pki = str(tmp_path / "pki")
+    assert main(["certs", "init", pki]) == 0
+    assert main(["certs", "kit", pki, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(os.path.join(pki, "kits"))  # nothing half written
+
+
+def test_a_kit_checks_a_certificate_it_did_not_issue(tmp_path, capsys):
+    """Another CA's certificate, one for another name or role, one not valid for the address, one not
+    yet valid (a machine whose clock is behind): each refused in one line that says how to fix it."""
+    import datetime
+
+    from mdgan_app.cli import main
+    from services.common import pki as pki_module
+
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    for folder in (ours, theirs):
+        pki_module.init_ca(folder)
+    pki_module.issue(theirs, "site-0")  # a certificate of another CA, copied in
+    shutil.copytree(os.path.join(theirs, "site-0"), os.path.join(ours, "site-0"))
+    assert main(["certs", "kit", ours, "site-0", "--server-address", "hub.example.org:50051"]) == 2
+    assert "was not issued by the CA in" in capsys.readouterr().err
+    pki_module.issue(ours, "site-1")  # ours, but without the name it is reached at
+    assert main(["certs", "kit", ours, "site-1", "--server-address", "hub.example.org:50051", "--advertise",
+                 "paris.example.org:50052"]) == 2
+    err = capsys.readouterr().err
+    assert "not for 'paris.example.org'" in err and "--san paris.example.org --overwrite" in err
+    pki_module.issue(ours, "hub", "worker")  # a worker's certificate for the server
+    assert main(["certs", "kit", ours, "hub", "--server", "--workers", "1", "--server-address",
+                 "hub.example.org:50051"]) == 2
+    assert "not a mdgan-server one" in capsys.readouterr().err
+    behind = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=2)
+    assert "not valid before" in pki_module.check_identity(ours, "site-1", "worker", None, now=behind)
+    assert not os.path.exists(os.path.join(ours, "kits"))
+
+
 # ------------------------------------------------- the compose services, run as local processes
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")

@@ -81,7 +81,7 @@ async def _fake_worker(port: int):
 def test_malformed_feedback_is_answered_with_invalid_argument_and_training_goes_on(tmp_path):
     out = str(tmp_path)
     server, port = start_server(out, "--workers", "2", "--iterations", "10", "--swap-every", "1000",
-                                "--batch-size", str(B))
+                                "--batch-size", str(B), "--peer-check", "off")  # the fake worker serves no Peer
     worker = start_worker(out, port, 0, 2, "--dataset", "synthetic")
     try:
         welcome, iterations, rejections, stop = asyncio.run(_fake_worker(port))

@@ -112,7 +112,7 @@ def test_hostile_compressed_feedback_is_refused_in_band(tmp_path):
 
     out = str(tmp_path)
     server, port = start_server(out, "--workers", "2", "--iterations", "6", "--swap-every", "1000",
-                                "--wire-dtype", "int8")
+                                "--wire-dtype", "int8", "--peer-check", "off")  # the fake worker serves no Peer
     worker = start_worker(out, port, 0, 2, "--dataset", "synthetic")
     try:
         rejections = asyncio.run(fake_worker(port))

@@ -206,6 +206,64 @@ def check_identity(directory: str, name: str, role: str, must_name: str | None =
     return None
 
 
+def check_credentials(ca_pem: bytes, cert_pem: bytes, now: datetime.datetime | None = None) -> str | None:
+    """Why a process's own certificate cannot work with its CA file (None: it can): not issued by that
+    CA (a site given another PKI's ca.crt, or its certificate from another PKI), not valid yet (this
+    machine's clock is behind the issuer's), or expired. Said before anything dials or listens, since
+    the TLS handshake would only say "unable to get local issuer certificate" or "Socket closed"."""
+    try:
+        chain = x509.load_pem_x509_certificates(cert_pem)
+        authorities = x509.load_pem_x509_certificates(ca_pem)
+    except ValueError as exc:
+        return f"not a PEM certificate ({exc})"
+    cert = chain[0]
+
+    def issued_by(authority: x509.Certificate) -> bool:
+        try:
+            cert.verify_directly_issued_by(authority)
+            return True
+        except Exception:  # InvalidSignature, another issuer name, another key type
+            return False
+
+    # (a certificate that comes with its intermediates is left to the handshake to check)
+    if len(chain) == 1 and not any(issued_by(a) for a in authorities):
+        return ("the certificate was not issued by the CA in the --tls-ca file: this machine holds files of two "
+                "different PKIs; use one kit's tls/ folder whole (its ca.crt, tls.crt and tls.key), made from the "
+                "run's PKI")
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    if now < cert.not_valid_before_utc:
+        return (f"the certificate is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M:%S} UTC, and this "
+                f"machine's clock says {now:%Y-%m-%d %H:%M:%S} UTC: set its clock right (NTP)")
+    if now > cert.not_valid_after_utc:
+        return (f"the certificate expired on {cert.not_valid_after_utc:%Y-%m-%d}: issue it again (`mdgan certs "
+                f"issue ... --overwrite`, or a new kit) and restart")
+    return None
+
+
+def explain_handshake(details: str) -> str | None:
+    """What a failed TLS handshake's gRPC details mean for an operator (None: not a TLS failure)."""
+    known = (
+        ("unable to get local issuer certificate",
+         "the peer's certificate is not signed by this process's CA (--tls-ca): both ends must hold files of the "
+         "run's one PKI (a kit's tls/ folder)"),
+        ("certificate is not yet valid",
+         "the peer's certificate is not valid yet: one of the two machines' clocks is wrong (set it with NTP)"),
+        ("certificate has expired", "the peer's certificate has expired: issue it again and restart that peer"),
+        ("Hostname Verification Check failed",
+         "the peer's certificate does not carry the name it was dialled by: issue it with that name (--san), or "
+         "give the name it carries (--tls-server-name)"),
+        ("Socket closed",
+         "the peer closed the connection during the handshake: it may not trust this process's certificate (another "
+         "PKI's, or not valid by its clock), or it is not a TLS endpoint"),
+    )
+    if "handshake" not in details.lower() and "Socket closed" not in details and "Verification" not in details:
+        return None
+    for marker, meaning in known:
+        if marker in details:
+            return meaning
+    return "the TLS handshake failed"
+
+
 # -- reading certificates (what the services learn about a peer) ------------------------------------
 
 def certificate_names(pem: bytes) -> tuple[str | None, list[str], str | None]:

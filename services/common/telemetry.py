@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
-                               start_http_server)
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, disable_created_metrics, generate_latest, start_http_server)
 
 from mdgan.checkpoint import atomic_write_bytes
 from mdgan.config import ConfigError
@@ -42,6 +42,10 @@ class Telemetry:
         self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
+        # The standard process_* (CPU, memory, open files, start time), python_info and python_gc_*
+        # series, as every Prometheus client exposes them by default: dashboards and alerts expect them.
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(standard)
         wire = ["direction", "kind", "side"]
         self.payload_bytes = Counter("mdgan_wire_payload_bytes_total",
                                      "Tensor bytes of Table III (samples, feedback, discriminators) on the wire",

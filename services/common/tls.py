@@ -47,6 +47,9 @@ class TLSConfig:
             raise ConfigError(f"--tls-cert {cert_path}: not a PEM certificate ({exc})") from None
         if not identity:
             raise ConfigError(f"--tls-cert {cert_path}: the certificate names no identity (no CN, no SAN)")
+        problem = pki.check_credentials(blobs[0], blobs[1])
+        if problem:
+            raise ConfigError(f"--tls-cert {cert_path} with --tls-ca {ca_path}: {problem}")
         return cls(ca=blobs[0], cert=blobs[1], key=blobs[2], identity=identity, role=role)
 
     def server_credentials(self) -> grpc.ServerCredentials:

@@ -31,7 +31,7 @@ from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
 from services.server.algorithms import ALGORITHMS
 from services.server.context import ServerContext
-from services.server.coordinator import Coordinator
+from services.server.coordinator import Coordinator, PeerProbe
 
 log = logging.getLogger("mdgan.server")
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -61,6 +61,9 @@ def build_parser() -> EnvArgumentParser:
                         help="the kind of data the workers hold (sets the sample shape; default: the architecture's)")
     parser.add_argument("--eval-data-root", default=None,
                         help="folder holding MNIST/raw: score the generator (MNIST score, FID) against its test set")
+    parser.add_argument("--peer-check", choices=("dial", "off"), default="dial",
+                        help="dial: at its join, dial each MD-GAN worker's advertised Peer address as its peers will, "
+                             "and refuse the join with the reason when it cannot be reached; off: take it on trust")
     parser.add_argument("--allowed-workers", default=None,
                         help="comma-separated identities (certificate names) that may join; default: any worker "
                              "certificate the run's CA signed")
@@ -137,7 +140,8 @@ async def serve(args) -> dict:
                               model_layouts=layouts, roster=roster, run_id=run.run_id,
                               swap_round=session.swap_round, class_names=class_names(args),
                               authenticated=credentials is not None, allowed_workers=allowed,
-                              describe_run=getattr(session, "describe", None), finished_runs=finished_run_ids(args.out))
+                              describe_run=getattr(session, "describe", None), finished_runs=finished_run_ids(args.out),
+                              peer_probe=PeerProbe(credentials) if args.peer_check == "dial" else None)
     receive, send = message_limits(config)
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)

@@ -36,6 +36,8 @@ class StreamHandle:
     algorithm: ClassVar[str] = ""
     # Set: joins after the run started are refused with this reason (FAILED_PRECONDITION).
     late_join_refusal: ClassVar[str | None] = None
+    # the workers dial each other (MD-GAN's swaps): the server dials a joiner's Peer address first
+    peer_to_peer: ClassVar[bool] = False
 
     def __init__(self, connection: WorkerConnection):
         self.connection = connection

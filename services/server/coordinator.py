@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mdgan.algorithms.base import WorkerLost
 from mdgan.config import TrainingConfig
@@ -22,7 +23,8 @@ from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from services.common import codec, pki
 from services.common.rpc import FINISHED_RUN_KEY, RateLimitedWarnings
 from services.common.telemetry import Telemetry
-from services.common.tls import peer_certificate
+from services.common import tls as tls_
+from services.common.tls import TLSConfig, peer_certificate
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
 from services.server.algorithms import ALGORITHMS
@@ -43,6 +45,28 @@ class JoinRefused(Exception):
         self.finished_run = finished_run  # the worker's run, known to have ended
 
 
+class PeerProbe:
+    """Dials a joining worker's advertised Peer address, as the other workers will to push their
+    discriminators to it, and asks its health service: an address the other machines cannot reach is
+    found at join, said in one line, instead of as failed swaps every round."""
+
+    def __init__(self, tls: TLSConfig | None, timeout: float = 5.0):
+        self.tls = tls
+        self.timeout = timeout
+
+    async def unreachable(self, address: str, identity: str | None) -> str | None:
+        """Why `address` does not answer as `identity`'s Peer service (None: it does)."""
+        try:
+            async with tls_.channel(address, self.tls, server_name=identity if self.tls else None) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                       timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        except ValueError as exc:  # an address gRPC cannot parse
+            return str(exc)
+        return None if reply.status == health_pb2.HealthCheckResponse.SERVING else "its Peer service is not serving"
+
+
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """Admits workers into the roster's slots, at any time (they take part from the next iteration
     boundary), and refuses those of another run or another identity.
@@ -58,8 +82,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
                  run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
                  authenticated: bool = False, allowed_workers: list[str] | None = None, describe_run=None,
-                 finished_runs: set[str] | frozenset[str] = frozenset()):
+                 finished_runs: set[str] | frozenset[str] = frozenset(), peer_probe: PeerProbe | None = None):
         self.config = config
+        self.peer_probe = peer_probe  # None: a worker's advertised address is taken on trust
         self.finished_runs = frozenset(finished_runs) - {run_id}  # earlier runs of this server, ended
         # The run's algorithm adds its own options to the Welcome's TrainingSpec (P-WGAN's T, eta, ...).
         self.describe_run = describe_run
@@ -186,6 +211,19 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                                        join.trained_iteration if same_run else 0)
         return index, size, identity, plan
 
+    async def _check_peer_address(self, join: pb.Join, identity: str | None) -> None:
+        """Refuses a worker whose advertised Peer address this server cannot reach (the other workers,
+        which push their discriminators there, could not either)."""
+        if self.peer_probe is None or not self.handle_class.peer_to_peer or self.config.workers < 2 \
+                or not join.peer_address or len(join.peer_address) > MAX_ADDRESS_CHARS:
+            return  # (no address, or an absurd one: _admit says why)
+        why = await self.peer_probe.unreachable(join.peer_address, identity)
+        if why:
+            raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"this worker's Peer service cannot be reached at {join.peer_address!r} ({why}), where the other "
+                f"workers would push their discriminators: set --advertise-address (MDGAN_ADVERTISE_ADDRESS) to the "
+                f"HOST:PORT the other machines reach it at, and open that port to them"))
+
     def _check_data(self, join: pb.Join) -> None:
         """The worker's samples fit the model: the same flat shape, or images it can resize to the model's."""
         model = self.config.model
@@ -270,7 +308,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.telemetry.count("worker_to_server", "control", "receiver", first)
         join = first.join
         try:
-            index, size, identity, plan = self._admit(join, self.identify(join, context))
+            identity = self.identify(join, context)
+            await self._check_peer_address(join, identity)
+            index, size, identity, plan = self._admit(join, identity)
         except JoinRefused as refused:
             self.warnings.warn(refused.code.name, "join refused (%s, %s): %s", context.peer(), refused.code.name,
                                refused.detail)

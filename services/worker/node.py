@@ -73,6 +73,21 @@ def backoff_delays(base: float = 0.5, cap: float = 10.0):
         attempt += 1
 
 
+async def _why_unreachable(channel: grpc.aio.Channel) -> str:
+    """': REASON' when a failed connection's cause means something to an operator (a TLS handshake that
+    failed: another PKI's certificate, a clock, a name); '' for a server that is simply not there."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common import pki
+
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+    except grpc.aio.AioRpcError as exc:
+        meaning = pki.explain_handshake(exc.details() or "")
+        return f": {meaning}" if meaning else ""
+    return ""
+
+
 class WorkerNode:
     """Holds one of: its site's own data (shaped for the model once the server's spec arrives; its
     slot chosen by the operator or by the server), its shard of a shared dataset (emulation; index
@@ -273,9 +288,10 @@ class WorkerNode:
             try:  # a short try, then our own backoff: gRPC's would wait up to two minutes between tries
                 await asyncio.wait_for(channel.channel_ready(), max(0.1, min(remaining, CONNECT_TRY_S)))
             except asyncio.TimeoutError:
+                why = await _why_unreachable(channel)
                 if remaining <= CONNECT_TRY_S:
-                    raise ServerGone(f"could not reach the server at {self.server_address} in time") from None
-                raise StreamBroken(f"the server at {self.server_address} is not reachable") from None
+                    raise ServerGone(f"could not reach the server at {self.server_address} in time{why}") from None
+                raise StreamBroken(f"the server at {self.server_address} is not reachable{why}") from None
             call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=self.run_deadline)
             await self.write(call, self._join_message())
             try:

@@ -40,6 +40,7 @@ class GrpcWorker(StreamHandle, WorkerHandle):
     """MD-GAN's WorkerHandle for a worker on the other end of a stream."""
 
     algorithm = "mdgan"
+    peer_to_peer = True  # the workers push their discriminators to each other's Peer service
 
     def __init__(self, connection: WorkerConnection, run: MDGANRun, needs_copy: bool = False):
         super().__init__(connection)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -99,3 +100,73 @@ def test_three_sites_on_separate_machines_from_their_kits_end_where_simulate_end
           "--swap-every", "4", "--kappa", "2", "--seed", "3", "--eval-every", "-1", "--no-progress",
           "--out", simulated)
     assert summary["generator_sha256"] == read_json(os.path.join(simulated, "summary.json"))["generator_sha256"]
+
+
+def test_a_worker_advertising_an_address_nobody_reaches_is_refused_at_join_with_the_fix(tmp_path):
+    """Its peers would fail to push to it at every swap; the server dials the address first, as they
+    would, and refuses the join in one line that names the setting to fix (exit 3, nothing started)."""
+    from procs import start_server, start_worker
+
+    out = str(tmp_path)
+    server, port = start_server(out, "--workers", "2", "--iterations", "4", "--dataset", "synthetic",
+                                "--join-timeout", "60")
+    good = start_worker(out, port, 0, 2, "--dataset", "synthetic")
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{closed.getsockname()[1]}"
+    bad = start_worker(out, port, 1, 2, "--dataset", "synthetic", "--advertise-address", nowhere, name="bad")
+    try:
+        assert bad.wait(60) == 3, bad.log()
+        log = bad.log()
+        assert f"the server refused us: FAILED_PRECONDITION: this worker's Peer service cannot be reached at '{nowhere}'" in log, log
+        assert "MDGAN_ADVERTISE_ADDRESS" in log and "Traceback" not in log
+        # a worker advertising where it serves is taken: the run goes on with it once it comes back right
+        fixed = start_worker(out, port, 1, 2, "--dataset", "synthetic", name="fixed")
+        assert server.wait(120) == 0, server.log()
+        assert fixed.wait(30) == 0 and good.wait(30) == 0
+    finally:
+        for p in (server, good, bad):
+            p.kill()
+
+
+def test_a_site_given_another_pkis_files_says_so_in_one_line(tmp_path):
+    """A site whose kit came from another PKI than the server's: the handshake fails, and the worker
+    says why (not only 'unreachable'); a site whose tls/ folder mixes two PKIs' files stops at once."""
+    import datetime
+
+    from procs import start_server, start_worker, tls_flags
+    from services.common import pki
+
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    pki.provision_run(ours, ["site-0"], server="hub")
+    pki.provision_run(theirs, ["site-1"], server="hub")
+    out = str(tmp_path / "run")
+    server, port = start_server(out, "--workers", "2", "--iterations", "2", "--dataset", "synthetic",
+                                *tls_flags(ours, "hub"))
+    foreign = start_worker(out, port, 1, 2, "--dataset", "synthetic", "--connect-timeout", "6",
+                           "--tls-server-name", "hub", *tls_flags(theirs, "site-1"), name="foreign")
+    mixed_dir = tmp_path / "mixed"
+    mixed_dir.mkdir()
+    for name, source in (("ca.crt", os.path.join(ours, "ca.crt")), ("tls.crt", os.path.join(theirs, "site-1", "tls.crt")),
+                         ("tls.key", os.path.join(theirs, "site-1", "tls.key"))):
+        with open(source, "rb") as src, open(mixed_dir / name, "wb") as dst:
+            dst.write(src.read())
+    mixed = start_worker(out, port, 1, 2, "--dataset", "synthetic", "--tls-ca", str(mixed_dir / "ca.crt"),
+                         "--tls-cert", str(mixed_dir / "tls.crt"), "--tls-key", str(mixed_dir / "tls.key"), name="mixed")
+    try:
+        assert mixed.wait(30) == 2
+        assert "this machine holds files of two different PKIs" in mixed.log()
+        assert foreign.wait(60) == 2
+        log = foreign.log()
+        assert "could not reach the server" in log and "not signed by this process's CA (--tls-ca)" in log, log
+    finally:
+        for p in (server, foreign, mixed):
+            p.kill()
+    # a machine whose clock is behind the one that issued its certificate is told so, with the fix
+    with open(os.path.join(ours, "ca.crt"), "rb") as ca, open(os.path.join(ours, "site-0", "tls.crt"), "rb") as cert:
+        ca_pem, cert_pem = ca.read(), cert.read()
+    behind = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    assert "set its clock right (NTP)" in pki.check_credentials(ca_pem, cert_pem, now=behind)
+    ahead = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=400)
+    assert "expired" in pki.check_credentials(ca_pem, cert_pem, now=ahead)
+    assert pki.check_credentials(ca_pem, cert_pem) is None
