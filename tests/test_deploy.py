@@ -324,16 +324,21 @@ def test_tls_secrets_cert_manager_and_plaintext():
 
 
 def test_network_policies_let_only_workers_in():
+    """The server's port from the workers; a worker's Peer port from the other workers and from the
+    server (which dials a joiner's Peer address once, to refuse an unreachable one)."""
     policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(render(), "NetworkPolicy")}
     assert sorted(policies) == ["mdgan-server", "mdgan-worker"]
-    worker_pods = {"app.kubernetes.io/component": "worker", "app.kubernetes.io/instance": "mdgan",
-                   "app.kubernetes.io/name": "mdgan"}
-    for name, grpc_port, metrics_port in (("mdgan-server", 50051, 9100), ("mdgan-worker", 50052, 9101)):
+    pods = {component: {"podSelector": {"matchLabels": {"app.kubernetes.io/component": component,
+                                                         "app.kubernetes.io/instance": "mdgan",
+                                                         "app.kubernetes.io/name": "mdgan"}}}
+            for component in ("server", "worker")}
+    for name, grpc_port, metrics_port, callers in (("mdgan-server", 50051, 9100, ["worker"]),
+                                                   ("mdgan-worker", 50052, 9101, ["worker", "server"])):
         spec = policies[name]
         assert spec["policyTypes"] == ["Ingress"]
         rules = {rule["ports"][0]["port"]: rule["from"] for rule in spec["ingress"]}
         assert sorted(rules) == sorted([grpc_port, metrics_port])
-        assert rules[grpc_port] == [{"podSelector": {"matchLabels": worker_pods}}]
+        assert rules[grpc_port] == [pods[c] for c in callers]
         assert rules[metrics_port] == [{"namespaceSelector": {"matchLabels": {
             "kubernetes.io/metadata.name": "monitoring"}}}]
     assert not by_kind(render("--set", "networkPolicy.enabled=false"), "NetworkPolicy")
