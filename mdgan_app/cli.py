@@ -141,6 +141,8 @@ def cmd_certs(args) -> int:
 
     if args.certs_command == "kit":
         return _certs_kit(args)
+    if args.certs_command == "secrets":
+        return _certs_secrets(args)
     try:
         if args.certs_command == "init":
             path = pki.init_ca(args.dir, days=args.days, overwrite=args.overwrite)
@@ -176,6 +178,22 @@ def _certs_kit(args) -> int:
         raise ConfigError(str(exc)) from None
     print(f"{'server' if args.server else 'site'} kit {args.name}: {folder} (copy this folder to its machine; "
           f"{os.path.join(folder, 'README.txt')} says what to run there)")
+    return 0
+
+
+def _certs_secrets(args) -> int:
+    from mdgan_app.kube_secrets import KubeAPI, ensure_secrets
+
+    api = KubeAPI.in_cluster(args.api_server, args.token_file, args.api_ca, args.namespace)
+    written = ensure_secrets(api, ca_secret=args.ca_secret, server_secret=args.server_secret,
+                             server_name=args.server_name, server_sans=args.server_san,
+                             workers_secret=args.workers_secret, worker_prefix=args.worker_prefix,
+                             workers=args.workers, days=args.days,
+                             labels=dict(label.split("=", 1) for label in args.label))
+    for secret, keys in written.items():
+        print(f"Secret {secret}: wrote {', '.join(keys)}")
+    if not written:
+        print("every Secret and certificate was there already: nothing to do")
     return 0
 
 
@@ -366,8 +384,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the server's kit: the number of sites (default: the sites that have a kit in PKI)")
     kit.add_argument("--out", default=None, help="the kit's folder (default: PKI/kits/NAME)")
     kit.add_argument("--tag", default=None, help="the images' tag (default: this version's, as the Helm chart's)")
-    for p in (init, issue, kit):
+    secrets = certs_sub.add_parser(
+        "secrets", help="the Helm chart's PKI: make the run's CA and certificates into Kubernetes Secrets",
+        description="Run inside the cluster (the chart's pre-install/pre-upgrade hook Job): makes whatever is "
+                    "missing of the CA Secret, the server's Secret and the workers' Secret, through the Kubernetes "
+                    "API with the pod's service account; never replaces what exists.")
+    secrets.add_argument("--ca-secret", required=True, help="the Secret holding ca.crt and ca.key")
+    secrets.add_argument("--server-secret", default=None, help="the server's Secret (ca.crt, tls.crt, tls.key)")
+    secrets.add_argument("--server-name", default="mdgan-server", help="the server's identity")
+    secrets.add_argument("--server-san", action="append", default=[], help="a name the server is reached at (repeatable)")
+    secrets.add_argument("--workers-secret", required=True, help="the workers' Secret (ca.crt, <pod>.crt, <pod>.key)")
+    secrets.add_argument("--worker-prefix", required=True, help="the worker pods' names without their ordinal")
+    secrets.add_argument("--workers", type=int, required=True, help="the number of worker pods")
+    secrets.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label of the Secrets made")
+    secrets.add_argument("--namespace", default=None, help="default: the pod's own")
+    secrets.add_argument("--api-server", default=None, help="default: the cluster's (KUBERNETES_SERVICE_HOST)")
+    secrets.add_argument("--token-file", default=None, help="default: the pod's service-account token")
+    secrets.add_argument("--api-ca", default=None, help="default: the pod's service-account CA")
+    for p in (init, issue, kit, secrets):
         p.add_argument("--days", type=int, default=365, help="validity in days")
+    for p in (init, issue, kit):
         p.add_argument("--overwrite", action="store_true", help="replace existing files")
     certs.set_defaults(func=cmd_certs)
 

@@ -107,13 +107,21 @@ EOF
 }
 
 step "helm lint --strict (default values)" "$HELM" lint --strict "$CHART"
+step "helm lint --strict (worker-only release)" "$HELM" lint --strict "$CHART" --set server.enabled=false \
+    --set server.address=hub.example.org:50051
 step "helm lint --strict (ServiceMonitor + dashboard on)" "$HELM" lint --strict "$CHART" "${ALL_ON[@]}"
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (default values)" render_and_validate default
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (8 workers, synthetic, no persistence, no metrics)" \
     render_and_validate variant --set workers.replicas=8 --set global.dataset=synthetic \
     --set server.persistence.enabled=false --set workers.persistence.enabled=false --set metrics.enabled=false --set server.runDirPerStart=false
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (sites bound to existing volumes)" \
-    render_and_validate sites --set workers.replicas=3 --set-json 'workers.data.claim.existingVolumes=["pv-a","pv-b","pv-c"]'
+    render_and_validate sites --set workers.data.mode=site --set global.dataset=imagefolder --set workers.replicas=3 \
+    --set-json 'workers.data.claim.existingVolumes=["pv-a","pv-b","pv-c"]'
+step "helm template | kubernetes-validate --strict -k $K8S_VERSION (worker-only release: a site joining an outside server)" \
+    render_and_validate worker-only --set server.enabled=false --set server.address=hub.example.org:50051 \
+    --set workers.replicas=1 --set tls.workersSecret=site-tls --set-json 'workers.advertiseAddresses=["site.example.org:50052"]' \
+    --set workers.externalService.enabled=true
+step "values.schema.json and the chart's README.md made from values.yaml" "$PY" scripts/chart_docs.py --check
 step "helm template | kubernetes-validate --strict -k $K8S_VERSION (emulation, download demo)" \
     render_and_validate emulation --set workers.data.mode=emulation --set workers.data.download=true --set global.dataset=mnist
 echo "note: kubernetes-validate has no schema for the ServiceMonitor CRD (monitoring.coreos.com/v1); it validates"

@@ -154,10 +154,15 @@ def test_workers_replicas_is_the_one_scaling_value():
     assert config["mdgan-worker"]["MDGAN_NUM_SHARDS"] == "5"
     assert config["mdgan-worker"]["MDGAN_SHARD_INDEX"] == "auto"
     assert config["mdgan-server"]["MDGAN_DATASET"] == config["mdgan-worker"]["MDGAN_DATASET"] == "mnist"
-    # sites (the default): no shards, each worker's data is its own
-    sites = {c["metadata"]["name"]: c["data"] for c in by_kind(render("--set", "workers.replicas=5"), "ConfigMap")}
+    # sites: no shards, each worker's data is its own
+    sites = {c["metadata"]["name"]: c["data"] for c in by_kind(render("--set", "workers.replicas=5", "--set",
+                                                                      "workers.data.mode=site", "--set",
+                                                                      "global.dataset=imagefolder"), "ConfigMap")}
     assert sites["mdgan-server"]["MDGAN_WORKERS"] == "5" and "MDGAN_NUM_SHARDS" not in sites["mdgan-worker"]
     assert sites["mdgan-server"]["MDGAN_DATASET"] == sites["mdgan-worker"]["MDGAN_DATASET"] == "imagefolder"
+    # the default: the demo that trains with nothing set (synthetic data, shards of it)
+    demo = {c["metadata"]["name"]: c["data"] for c in by_kind(render(), "ConfigMap")}
+    assert demo["mdgan-worker"]["MDGAN_DATASET"] == "synthetic" and demo["mdgan-worker"]["MDGAN_NUM_SHARDS"] == "2"
     # the derived settings cannot be overridden out of step with workers.replicas
     for flag in ("server.settings.MDGAN_WORKERS=3", "workers.settings.MDGAN_NUM_SHARDS=3",
                  "workers.settings.MDGAN_DATASET=synthetic"):
@@ -200,8 +205,9 @@ def test_one_value_picks_the_algorithm():
 
 
 def test_each_worker_mounts_its_own_site_volume():
-    """Site mode (default): a claim per worker, read-only, no shared data volume, no download."""
-    [statefulset] = by_kind(render(), "StatefulSet")
+    """Site mode: a claim per worker, read-only, no shared data volume, no download."""
+    site = ("--set", "workers.data.mode=site", "--set", "global.dataset=imagefolder")
+    [statefulset] = by_kind(render(*site), "StatefulSet")
     pod = statefulset["spec"]["template"]["spec"]
     assert "initContainers" not in pod
     assert "data" not in [v["name"] for v in pod["volumes"]]  # not one volume for every pod ...
@@ -210,21 +216,22 @@ def test_each_worker_mounts_its_own_site_volume():
     assert claims["data"]["spec"]["resources"]["requests"]["storage"] == "1Gi"
     [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data"]
     assert mount["mountPath"] == "/data" and mount["readOnly"] is True
-    assert not by_kind(render(), "PersistentVolumeClaim")[1:]  # only the server's runs claim
+    assert not by_kind(render(*site), "PersistentVolumeClaim")[1:]  # only the server's runs claim
 
     # the sites' existing volumes, in worker order: claim data-<statefulset>-i bound to volume i, kept
-    docs = render("--set", "workers.replicas=3", "--set-json", 'workers.data.claim.existingVolumes=["pv-a","pv-b","pv-c"]')
+    docs = render(*site, "--set", "workers.replicas=3", "--set-json",
+                  'workers.data.claim.existingVolumes=["pv-a","pv-b","pv-c"]')
     claims = {c["metadata"]["name"]: c for c in by_kind(docs, "PersistentVolumeClaim")}
     for i, volume in enumerate(["pv-a", "pv-b", "pv-c"]):
         claim = claims[f"data-mdgan-worker-{i}"]
         assert claim["spec"]["volumeName"] == volume
         assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    result = validate(helm_template("--set-json", 'workers.data.claim.existingVolumes=["pv-a","pv-b"]').stdout)
+    result = validate(helm_template(*site, "--set-json", 'workers.data.claim.existingVolumes=["pv-a","pv-b"]').stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     for bad, why in ((["--set-json", 'workers.data.claim.existingVolumes=["pv-a"]'], "1 volumes for 2 workers"),
                      (["--set", "workers.data.download=true"], "needs workers.data.mode=emulation"),
-                     (["--set", "workers.data.mode=shared"], "must be site or emulation")):
-        result = helm_template(*bad, check=False)
+                     (["--set", "workers.data.mode=shared"], "workers.data.mode")):
+        result = helm_template(*site, *bad, check=False)
         assert result.returncode != 0 and why in result.stderr, result.stderr
 
     # emulation: one shared volume source, the download init container only when asked (demos)
@@ -323,6 +330,79 @@ def test_tls_secrets_cert_manager_and_plaintext():
         assert "tls" not in [v["name"] for v in workload["spec"]["template"]["spec"]["volumes"]]
 
 
+def test_the_default_install_provisions_its_own_pki_and_trains_a_demo():
+    """`helm install` with nothing set: a hook Job (with a Role that may only get, create and patch
+    Secrets) makes the CA and every certificate before the pods start; the data are the synthetic demo."""
+    docs = render()
+    result = validate(helm_template().stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [job] = by_kind(docs, "Job")
+    hooks = {d["kind"]: d["metadata"]["annotations"]["helm.sh/hook"] for d in docs
+             if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+    assert hooks == dict.fromkeys(("ServiceAccount", "Role", "RoleBinding", "Job"), "pre-install,pre-upgrade")
+    [role] = by_kind(docs, "Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch"]}]
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:3] == ["mdgan", "certs", "secrets"] and "--workers=2" in command
+    assert "--server-secret=mdgan-server-tls" in command and "--workers-secret=mdgan-worker-tls" in command
+    mounted = {v["name"]: v for v in by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["volumes"]}
+    assert mounted["tls"]["secret"]["secretName"] == "mdgan-worker-tls"  # what the Job writes
+    config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    assert config["mdgan-worker"]["MDGAN_DATASET"] == "synthetic"
+    # with your own Secrets or cert-manager it has nothing to make
+    for off in (["--set", "pki.enabled=false"], ["--set", "tls.certManager.enabled=true", "--set",
+                                                 "tls.certManager.issuerRef.name=ca-issuer"]):
+        assert not by_kind(render(*off), "Job")
+
+
+def test_a_worker_only_release_joins_an_outside_server_and_holds_no_server():
+    site = ("--set", "server.enabled=false", "--set", "server.address=hub.example.org:50051", "--set",
+            "workers.replicas=1", "--set", "tls.workersSecret=paris-tls", "--set-json",
+            'workers.advertiseAddresses=["paris.example.org:50052"]', "--set", "workers.externalService.enabled=true")
+    docs = render(*site)
+    result = validate(helm_template(*site).stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = [d["metadata"]["name"] for d in docs]
+    assert not [n for n in names if "server" in n] and not by_kind(docs, "Deployment") and not by_kind(docs, "Job")
+    config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    assert config["mdgan-worker"]["MDGAN_SERVER"] == "hub.example.org:50051"
+    assert config["mdgan-worker-advertise"] == {"mdgan-worker-0": "paris.example.org:50052"}
+    [service] = [d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "mdgan-worker-0-peer"]
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "mdgan-worker-0"
+    [policy] = by_kind(docs, "NetworkPolicy")
+    assert policy["spec"]["ingress"][0] == {"ports": [{"port": 50052, "protocol": "TCP"}]}  # peers dial in from outside
+    worker = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "MDGAN_ADVERTISE_ADDRESS" in " ".join(worker["command"])
+    for bad, why in ((["--set", "server.enabled=false"], "needs server.address"),
+                     (["--set", "server.enabled=false", "--set", "server.address=hub.example.org"], "server.address"),
+                     (["--set", "server.enabled=false", "--set", "server.address=h:1", "--set-json",
+                       'workers.advertiseAddresses=["a:1"]', "--set", "workers.replicas=2"], "lists 1 addresses")):
+        result = helm_template(*bad, check=False)
+        assert result.returncode != 0 and why in result.stderr, result.stderr
+
+
+def test_the_values_schema_refuses_every_unknown_key_and_the_chart_readme_is_current():
+    run([sys.executable, os.path.join(REPO, "scripts", "chart_docs.py"), "--check"])
+    for typo, where in ((["--set", "workers.replcas=3"], "replcas"), (["--set", "servr.enabled=false"], "servr"),
+                        (["--set", "workers.data.mdoe=site"], "mdoe"), (["--set", "tls.enabld=false"], "enabld")):
+        result = helm_template(*typo, check=False)
+        assert result.returncode != 0 and where in result.stderr, result.stderr
+    assert helm_template("--set", "server.settings.MDGAN_ITERATIONS=10").returncode == 0  # free-form: MDGAN_*
+    assert helm_template("--set", "server.podLabels.team=gan").returncode == 0
+    with open(os.path.join(CHART, "README.md")) as fh:
+        readme = fh.read()
+    with open(os.path.join(CHART, "values.yaml")) as fh:
+        values = yaml.safe_load(fh)
+
+    def paths(node, prefix=""):
+        for key, value in node.items():
+            yield prefix + key
+            if isinstance(value, dict) and prefix + key not in ("server.settings", "workers.settings"):
+                yield from paths(value, prefix + key + ".")
+    assert [p for p in paths(values) if f"| `{p}` |" not in readme] == []
+
+
 def test_network_policies_let_only_workers_in():
     """The server's port from the workers; a worker's Peer port from the other workers and from the
     server (which dials a joiner's Peer address once, to refuse an unreachable one)."""
@@ -351,8 +431,8 @@ def test_plain_manifests_are_up_to_date_and_valid():
     result = validate(kustomized)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(doc["kind"] for doc in yaml.safe_load_all(kustomized) if doc) == [
-        "ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "Service",
-        "Service", "StatefulSet"]
+        "ConfigMap", "ConfigMap", "Deployment", "Job", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "Role",
+        "RoleBinding", "Service", "Service", "ServiceAccount", "StatefulSet"]
 
 
 # ------------------------------------------------------------------------------- Dockerfiles, compose

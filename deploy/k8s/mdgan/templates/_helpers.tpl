@@ -104,3 +104,15 @@ grpc:
 {{- end }}
 {{ toYaml .settings }}
 {{- end }}
+
+{{/* What the workers dial: this release's server Service, or (server.enabled=false) server.address. */}}
+{{- define "mdgan.serverAddress" -}}
+{{- if .Values.server.enabled -}}
+{{- printf "%s:%d" (include "mdgan.server.fullname" .) (int .Values.server.grpcPort) -}}
+{{- else -}}
+{{- if not (regexMatch "^.+:[0-9]+$" .Values.server.address) -}}
+{{- fail (printf "server.enabled=false (a worker-only release) needs server.address: the HOST:PORT of the consortium's server, got %q" .Values.server.address) -}}
+{{- end -}}
+{{- .Values.server.address -}}
+{{- end -}}
+{{- end }}
