@@ -20,7 +20,7 @@
 # Run as root. Prometheus and Grafana are not started: their images cannot be pulled offline.
 #   scripts/container_smoke.sh 2>&1 | tee /tmp/container_smoke.log
 # Environment: SMOKE_DIR (work dir, default /tmp/mdgan-container-smoke), SMOKE_ITERATIONS (default 2000),
-# SMOKE_PROJECT (compose project, default mdgan-smoke), SMOKE_TAG (image tag, default latest),
+# SMOKE_PROJECT (compose project, default mdgan-smoke), SMOKE_TAG (image tag, default the version, as the chart and the compose files),
 # SMOKE_KILL_SERVER (default 1: SIGKILL the server container after its first complete checkpoint; the
 # engine restarts it, it resumes its run, the workers reconnect, the run must still finish),
 # SMOKE_REBUILD_BASE=1 (debootstrap again), SMOKE_KEEP_IMAGES=0 (remove the built images at the end).
@@ -36,7 +36,7 @@ WORKERS=2
 BASE=localhost/bookworm-min
 MIRROR="${SMOKE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 PROJECT="${SMOKE_PROJECT:-mdgan-smoke}"
-TAG="${SMOKE_TAG:-latest}"
+TAG="${SMOKE_TAG:-0.1.0}"
 SOCK="$WORK/podman.sock"
 started=$(date +%s)
 

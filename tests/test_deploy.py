@@ -141,8 +141,14 @@ def test_optional_servicemonitor_and_dashboard(tmp_path):
     [dashboard] = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "mdgan-grafana-dashboard"]
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     json.loads(dashboard["data"]["mdgan.json"])
-    # enabling the dashboard without its JSON is an error, not an empty ConfigMap
-    assert helm_template("--set", "grafanaDashboard.enabled=true", check=False).returncode != 0
+    # by default the chart ships its own copy of the repository's dashboard
+    [shipped] = [d for d in by_kind(render(), "ConfigMap") if d["metadata"]["name"] == "mdgan-grafana-dashboard"]
+    with open(os.path.join(REPO, "deploy", "grafana", "dashboards", "mdgan.json")) as fh:
+        assert json.loads(shipped["data"]["mdgan.json"]) == json.load(fh)
+    # and the alert rules as a PrometheusRule, when asked (the operator's CRD)
+    assert not by_kind(render(), "PrometheusRule")
+    [rule] = by_kind(render("--set", "prometheusRule.enabled=true"), "PrometheusRule")
+    assert {g["name"] for g in rule["spec"]["groups"]} == {"mdgan-alerts", "mdgan-recording"}
 
 
 def test_workers_replicas_is_the_one_scaling_value():
@@ -431,7 +437,7 @@ def test_plain_manifests_are_up_to_date_and_valid():
     result = validate(kustomized)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(doc["kind"] for doc in yaml.safe_load_all(kustomized) if doc) == [
-        "ConfigMap", "ConfigMap", "Deployment", "Job", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "Role",
+        "ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Job", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "Role",
         "RoleBinding", "Service", "Service", "ServiceAccount", "StatefulSet"]
 
 

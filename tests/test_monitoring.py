@@ -168,14 +168,20 @@ def test_dashboard_is_generated_and_uses_the_prometheus_datasource():
     assert dashboard["uid"] == "mdgan" and dashboard["schemaVersion"] >= 39
     panels = _panels(dashboard)
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    # every query goes to the `datasource` variable's Prometheus (Grafana's default one unless picked),
+    # so the dashboard works where the datasource has another uid than the provisioned `prometheus`
+    ours = {"type": "prometheus", "uid": "${datasource}"}
     for panel in panels:
         assert panel["targets"], panel["title"]
-        assert panel["datasource"] == {"type": "prometheus", "uid": "prometheus"}, panel["title"]
+        assert panel["datasource"] == ours, panel["title"]
         for t in panel["targets"]:
-            assert t["datasource"] == {"type": "prometheus", "uid": "prometheus"}, (panel["title"], t["refId"])
+            assert t["datasource"] == ours, (panel["title"], t["refId"])
             assert "vector(" not in t["expr"], (panel["title"], t["refId"])
-    for variable in dashboard["templating"]["list"]:
-        assert variable["datasource"]["uid"] == "prometheus"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert (variables["datasource"]["type"], variables["datasource"]["query"]) == ("datasource", "prometheus")
+    assert variables["worker"]["datasource"] == ours
+    with open(os.path.join(REPO, "deploy", "k8s", "mdgan", "dashboards", "mdgan.json")) as fh:
+        assert json.load(fh) == dashboard  # the chart ships the same dashboard
     provisioning = _load_yaml(os.path.join(REPO, "deploy", "grafana", "provisioning", "datasources", "prometheus.yml"))
     (source,) = provisioning["datasources"]
     assert (source["name"], source["uid"], source["url"]) == ("Prometheus", "prometheus", "http://prometheus:9090")
@@ -462,3 +468,33 @@ def test_kubernetes_relabeling_on_simulated_pods(tmp_path):
         assert {"mdgan-worker-2", "mdgan-worker-3", "mdgan-worker-4", "other-server-0"} <= dropped
     finally:
         prometheus.stop()
+
+
+def test_every_metric_and_alert_is_documented_and_the_chart_ships_the_same_rules():
+    """docs/MONITORING.md lists every metric telemetry.py declares and explains every alert; the Helm
+    chart's PrometheusRule takes the very rule files Prometheus loads."""
+    from services.common.telemetry import Telemetry
+
+    with open(os.path.join(REPO, "docs", "MONITORING.md")) as fh:
+        doc = fh.read()
+    declared = {m.name + ("_total" if m.type == "counter" else "") for m in Telemetry("server").registry.collect()
+                if m.name.startswith("mdgan_")}
+    assert declared and [m for m in sorted(declared) if f"`{m}`" not in doc] == []
+    alerts = {rule["alert"] for group in _load_yaml(os.path.join(PROM_DIR, "rules", "mdgan-alerts.yml"))["groups"]
+              for rule in group["rules"] if "alert" in rule}
+    assert alerts and [a for a in sorted(alerts) if f"| `{a}`" not in doc] == []
+    for name in ("mdgan-alerts.yml", "mdgan-recording.yml"):
+        with open(os.path.join(PROM_DIR, "rules", name)) as ours, \
+                open(os.path.join(REPO, "deploy", "k8s", "mdgan", "rules", name)) as chart:
+            assert ours.read() == chart.read(), name
+
+
+def test_the_services_expose_the_standard_process_metrics():
+    from prometheus_client import generate_latest
+
+    from services.common.telemetry import Telemetry
+
+    text = generate_latest(Telemetry("worker").registry).decode()
+    for series in ("process_cpu_seconds_total", "process_resident_memory_bytes", "python_info",
+                   "python_gc_objects_collected_total"):
+        assert f"\n{series}" in "\n" + text, series

@@ -10,7 +10,10 @@ The metrics are declared in services/common/telemetry.py. The server (job mdgan-
 workers (job mdgan-worker) export the same names, so every query selects the role by job. Wire
 bytes are counted by the sender and by the receiver: direction totals use side="sender" only (the
 server sends server_to_worker; workers send worker_to_server and worker_to_worker), so nothing is
-counted twice. Every target uses the datasource uid `prometheus` (deploy/grafana/provisioning).
+counted twice. Every target uses the dashboard's `datasource` variable (a Prometheus datasource,
+by default the one Grafana has as default: `prometheus` in deploy/grafana/provisioning), so the same
+JSON works in a Grafana whose Prometheus has another uid. The chart ships the same file
+(deploy/k8s/mdgan/dashboards/mdgan.json) for Grafana's sidecar.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUTPUT = os.path.join(HERE, "dashboards", "mdgan.json")
+CHART_COPY = os.path.join(HERE, "..", "k8s", "mdgan", "dashboards", "mdgan.json")  # Helm reads files in its chart only
 
-DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SERVER = 'job="mdgan-server"'
 WORKERS = 'job="mdgan-worker", instance=~"$worker"'
 RI = "$__rate_interval"
@@ -294,6 +298,9 @@ def build() -> dict:
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
             "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"}]},
         "templating": {"list": [{
+            "name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+            "refresh": 1, "regex": "", "hide": 0, "skipUrlSync": False, "options": [],
+            "current": {"selected": False, "text": "default", "value": "default"}}, {
             "name": "worker", "label": "Worker", "type": "query", "datasource": dict(DATASOURCE),
             "definition": 'label_values(mdgan_iterations_total{job="mdgan-worker"}, instance)',
             "query": {"qryType": 1, "query": 'label_values(mdgan_iterations_total{job="mdgan-worker"}, instance)',
@@ -315,16 +322,17 @@ def main() -> int:
     parser.add_argument("--output", default=OUTPUT)
     args = parser.parse_args()
     text = render()
+    outputs = [args.output] + ([os.path.normpath(CHART_COPY)] if args.output == OUTPUT else [])
     if args.check:
-        current = open(args.output).read() if os.path.exists(args.output) else ""
-        if current != text:
-            print(f"{args.output} is stale: run {os.path.relpath(__file__)}", file=sys.stderr)
-            return 1
-        return 0
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as fh:
-        fh.write(text)
-    print(f"wrote {args.output}")
+        stale = [o for o in outputs if not os.path.exists(o) or open(o).read() != text]
+        for output in stale:
+            print(f"{output} is stale: run {os.path.relpath(__file__)}", file=sys.stderr)
+        return 1 if stale else 0
+    for output in outputs:
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        with open(output, "w") as fh:
+            fh.write(text)
+        print(f"wrote {output}")
     return 0
 
 

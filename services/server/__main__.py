@@ -123,7 +123,13 @@ async def serve(args) -> dict:
         roster = Roster(config.workers, args.min_workers, args.pause_timeout)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    evaluator = make_evaluator(generator, args.eval_data_root, args.eval_every, args.eval_samples, args.eval_reference)
+    try:
+        evaluator = make_evaluator(generator, args.eval_data_root, args.eval_every, args.eval_samples,
+                                   args.eval_reference)
+    except (ConfigError, OSError) as exc:  # (a compose or Helm default folder without MNIST in it, say)
+        log.warning("--eval-data-root %s: %s; the generator is not scored (put MNIST/raw there for scores)",
+                    args.eval_data_root, exc)
+        evaluator = None
     recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server", evaluator,
                            resume_at=run.resumed_from)
     saver = ServerCheckpoints(args.out, run.run_id, args.keep_checkpoints)
