@@ -204,7 +204,7 @@ def test_one_value_picks_the_algorithm():
                       (("--set", "pwgan.potentialRounds=0"), "potentialRounds"),
                       (("--set", "pwgan.potentialLr=fast"), "potentialLr"),
                       (("--set", "dpgan.threshold=0"), "threshold"),
-                      (("--set", "algorithm=dpgan", "--set", "dpgan.threshold=3"), "more than workers.replicas 2"),
+                      (("--set", "algorithm=dpgan", "--set", "dpgan.threshold=3"), "more than the run's 2 workers"),
                       (("--set", "server.settings.MDGAN_ALGORITHM=pwgan"), "set by the chart")):
         result = helm_template(*bad, check=False)
         assert result.returncode != 0 and says in result.stderr, (bad, result.stderr)
@@ -386,6 +386,20 @@ def test_a_worker_only_release_joins_an_outside_server_and_holds_no_server():
                        'workers.advertiseAddresses=["a:1"]', "--set", "workers.replicas=2"], "lists 1 addresses")):
         result = helm_template(*bad, check=False)
         assert result.returncode != 0 and why in result.stderr, result.stderr
+
+
+def test_a_server_only_release_waits_for_the_sites_of_other_clusters():
+    hub = ("--set", "workers.replicas=0", "--set", "server.workers=2", "--set", "pki.enabled=false",
+           "--set", "tls.serverSecret=hub-tls", "--set", "server.service.type=LoadBalancer")
+    docs = render(*hub)
+    result = validate(helm_template(*hub).stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    assert config["mdgan-server"]["MDGAN_WORKERS"] == "2"
+    [server_policy] = [p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "mdgan-server"]
+    assert server_policy["spec"]["ingress"][0] == {"ports": [{"port": 50051, "protocol": "TCP"}]}  # sites dial in
+    result = helm_template("--set", "workers.replicas=0", check=False)
+    assert result.returncode != 0 and "at least 1 worker" in result.stderr
 
 
 def test_the_values_schema_refuses_every_unknown_key_and_the_chart_readme_is_current():

@@ -116,3 +116,8 @@ grpc:
 {{- .Values.server.address -}}
 {{- end -}}
 {{- end }}
+
+{{/* The workers the run waits for: server.workers, else this release's workers.replicas. */}}
+{{- define "mdgan.runWorkers" -}}
+{{- if kindIs "invalid" .Values.server.workers -}}{{ .Values.workers.replicas | int }}{{- else -}}{{ .Values.server.workers | int }}{{- end -}}
+{{- end }}
