@@ -388,6 +388,27 @@ def test_a_worker_only_release_joins_an_outside_server_and_holds_no_server():
         assert result.returncode != 0 and why in result.stderr, result.stderr
 
 
+def test_on_mnist_the_server_reads_the_workers_dataset_and_scores_the_generator():
+    """Emulation on MNIST: the server mounts the workers' data volume (one source: the one given
+    replaces the default emptyDir) and scores G on its test set, which feeds the dashboard's scores."""
+    pvc = ("--set", "workers.data.mode=emulation", "--set", "global.dataset=mnist", "--set-json",
+           'workers.data.volume={"persistentVolumeClaim":{"claimName":"mnist","readOnly":true}}')
+    docs = render(*pvc)
+    result = validate(helm_template(*pvc).stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    server = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    worker = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]
+    for pod in (server, worker):
+        [volume] = [v for v in pod["volumes"] if v["name"] == "data"]
+        assert volume == {"name": "data", "persistentVolumeClaim": {"claimName": "mnist", "readOnly": True}}
+    assert {"name": "MDGAN_EVAL_DATA_ROOT", "value": "/data"} in server["containers"][0]["env"]
+    downloaded = by_kind(render("--set", "workers.data.mode=emulation", "--set", "global.dataset=mnist", "--set",
+                                "workers.data.download=true"), "Deployment")[0]["spec"]["template"]["spec"]
+    assert [c["name"] for c in downloaded["initContainers"]] == ["download-data"]
+    demo = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]  # synthetic: nothing to score against
+    assert "data" not in [v["name"] for v in demo["volumes"]]
+
+
 def test_a_server_only_release_waits_for_the_sites_of_other_clusters():
     hub = ("--set", "workers.replicas=0", "--set", "server.workers=2", "--set", "pki.enabled=false",
            "--set", "tls.serverSecret=hub-tls", "--set", "server.service.type=LoadBalancer")
