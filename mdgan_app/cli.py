@@ -20,6 +20,11 @@ from mdgan_app.launcher import (MACHINE_PORTS, LocalCluster, ServiceFailed, Term
                                 _raise_terminated, workers_per_process)
 from mdgan_app.run_folder import run_dir_lock, save_launch_settings, take_launch_settings
 
+def show_progress(args) -> bool:
+    """Progress bars on a terminal only (not in the logs of compose, CI or nohup), unless --no-progress."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def _print_summary(summary: dict) -> None:
     keys = ("mode", "iterations", "workers", "workers_alive", "wall_seconds", "seconds_per_iteration",
             "generator_sha256", "payload_bytes", "swaps", "final")
@@ -41,7 +46,7 @@ def cmd_simulate(args) -> int:
     with run_dir_lock(args.out, "simulate"):
         save_launch_settings(args)
         summary = simulate(
-            config, data_config(args, config.workers), args.out, progress=not args.no_progress,
+            config, data_config(args, config.workers), args.out, progress=show_progress(args),
             evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
             churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
             keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
@@ -257,7 +262,7 @@ def cmd_experiment(args) -> int:
     configure_compute(args.threads)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does
     try:
-        result = run_experiment(args.config, progress=not args.no_progress, only_plot=args.plot_only,
+        result = run_experiment(args.config, progress=show_progress(args), only_plot=args.plot_only,
                                 jobs=args.jobs, threads=args.threads)
     except Terminated as exc:
         print(f"mdgan experiment: {exc}: stopped; run it again to resume", file=sys.stderr)
@@ -282,13 +287,20 @@ def build_parser() -> argparse.ArgumentParser:
     from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
                                           add_data_arguments, add_durable_arguments, add_evaluation_arguments,
                                           add_scheduling_argument, add_site_arguments, add_threads_argument,
-                                          add_training_arguments, positive_seconds)
+                                          add_training_arguments, add_version, positive_seconds)
 
-    parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.")
+    # Each command reads its own variables (MDGAN_LOCAL_WORKERS, ...), never the services' MDGAN_<FLAG>:
+    # a worker's MDGAN_SERVER must not become `certs issue`'s --server. `certs` reads none.
+    parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.",
+                               env_prefix=None)
+    add_version(parser, "mdgan")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def command(name: str, **kwargs):
+        return sub.add_parser(name, env_prefix=f"MDGAN_{name.upper()}_", **kwargs)
+
     def run_parser(name: str, help_text: str):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = command(name, help=help_text, description=help_text)
         add_algorithm_argument(p, NAMES if name == "simulate" else SERVED)  # a standalone GAN has no workers
         add_training_arguments(p)
         p.set_defaults(workers=None)  # 4, or the number of --site-dirs
@@ -346,13 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "--threads 0; off: let the kernel place them (e.g. when other programs keep a core "
                             "busy)")
     local.set_defaults(func=cmd_local)
-    certs = sub.add_parser("certs", help="Provision a run's CA and the certificates of its server and workers.",
+    certs = sub.add_parser("certs", env_prefix=None, help="Provision a run's CA and the certificates of its server and workers.",
                            description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "
                                        "in DIR/NAME/ (tls.crt, tls.key, ca.crt): the --tls-* files of the services.")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True)
-    init = certs_sub.add_parser("init", help="create the run's CA in DIR")
+    init = certs_sub.add_parser("init", env_prefix=None, help="create the run's CA in DIR")
     init.add_argument("dir", help="directory of the run's PKI")
-    issue = certs_sub.add_parser("issue", help="a key and certificate for NAME, signed by DIR's CA")
+    issue = certs_sub.add_parser("issue", env_prefix=None, help="a key and certificate for NAME, signed by DIR's CA")
     issue.add_argument("dir", help="directory of the run's PKI (made by `mdgan certs init`)")
     issue.add_argument("name", help="the identity: a worker's name (its SAN), or the server's")
     role = issue.add_mutually_exclusive_group()
@@ -362,8 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     issue.add_argument("--san", action="append", default=[],
                        help="another DNS name or IP address the certificate is valid for (repeatable), e.g. the "
                             "host name clients dial")
-    kit = certs_sub.add_parser(
-        "kit", help="one machine's bundle: its key and certificate, the CA certificate, its settings and compose file",
+    kit = certs_sub.add_parser("kit", env_prefix=None, help="one machine's bundle: its key and certificate, the CA certificate, its settings and compose file",
         description="Write everything one machine of a consortium needs into one folder (default PKI/kits/NAME): "
                     "its key and certificate (issued now, valid for the name it is reached at, or checked if "
                     "PKI/NAME exists), the CA's certificate (never its key), mdgan.env, .env, docker-compose.yml "
@@ -384,8 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the server's kit: the number of sites (default: the sites that have a kit in PKI)")
     kit.add_argument("--out", default=None, help="the kit's folder (default: PKI/kits/NAME)")
     kit.add_argument("--tag", default=None, help="the images' tag (default: this version's, as the Helm chart's)")
-    secrets = certs_sub.add_parser(
-        "secrets", help="the Helm chart's PKI: make the run's CA and certificates into Kubernetes Secrets",
+    secrets = certs_sub.add_parser("secrets", env_prefix=None, help="the Helm chart's PKI: make the run's CA and certificates into Kubernetes Secrets",
         description="Run inside the cluster (the chart's pre-install/pre-upgrade hook Job): makes whatever is "
                     "missing of the CA Secret, the server's Secret and the workers' Secret, through the Kubernetes "
                     "API with the pod's service account; never replaces what exists.")
@@ -409,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     split_help = ("Cut a dataset into one folder per site (OUT/site-0, site-1, ...: an ImageFolder of PNG files, every "
                   "class folder present), to try the real path, where every worker brings its own data, on one machine.")
-    split = sub.add_parser("split", help=split_help, description=split_help)
+    split = command("split", help=split_help, description=split_help)
     split.add_argument("dataset", choices=("mnist", "cifar10", "synthetic"), help="the dataset to cut")
     split.add_argument("--workers", type=int, required=True, help="number of sites")
     split.add_argument("--split", choices=SPLITS, default="iid",
@@ -421,8 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument("--samples", type=int, default=None, help="use only the dataset's first N images (quick trials)")
     split.add_argument("--out", required=True, help="folder to write site-0, site-1, ... into")
     split.set_defaults(func=cmd_split)
-    sub.add_parser("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
-    traffic = sub.add_parser(
+    command("models", help="Parameter counts of every architecture, as JSON.").set_defaults(func=cmd_models)
+    traffic = command(
         "traffic", help="A run's measured traffic against its algorithm's formula, or (without RUN) the formulas.",
         description="mdgan traffic RUN: the bytes the run's processes counted, next to the per-iteration formula of "
                     "its algorithm (docs/ALGORITHMS.md); exit status 1 if they differ. Without RUN: each algorithm's "
@@ -451,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="MD-GAN's compressed wire")
     add_algorithm_options(traffic)  # each algorithm's own options (P-WGAN's T, ...)
     traffic.set_defaults(func=cmd_traffic)
-    experiment = sub.add_parser("experiment", help="Run a grid of trainings and plot the paper's figures.")
+    experiment = command("experiment", help="Run a grid of trainings and plot the paper's figures.")
     experiment.add_argument("config", help="experiment YAML (see experiments/)")
     experiment.add_argument("--plot-only", action="store_true", help="only collect the results and plot them")
     experiment.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -459,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="runs at once, each in its own process with --threads torch threads (same results)")
     add_threads_argument(experiment, default=1)
     experiment.set_defaults(func=cmd_experiment)
-    sample = sub.add_parser("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")
+    sample = command("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")
     sample.add_argument("run", help="run directory (holding checkpoint.pt and summary.json)")
     sample.add_argument("--n", type=int, default=100, help="number of samples")
     sample.add_argument("--out", required=True, help="FILE.npy (float32 in [-1, 1], with labels in FILE.labels.npy "

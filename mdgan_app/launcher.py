@@ -440,7 +440,7 @@ class LocalCluster:
         from tqdm import tqdm
 
         history = os.path.join(self.out, "history.jsonl")
-        quiet = self.args.no_progress
+        quiet = self.args.no_progress or not sys.stderr.isatty()  # bars on a terminal only
         with tqdm(total=self.args.workers, desc="workers joined", unit="worker", disable=quiet) as bar:
             joined, last_note = 0, time.monotonic()
             while server.exitcode is None:  # (a server done before we looked: its exit code says how it went)

@@ -16,13 +16,14 @@ import logging
 import sys
 
 from mdgan.config import ConfigError
-from services.common.settings import EnvArgumentParser, dial_address, positive_seconds
+from services.common.settings import add_version, EnvArgumentParser, dial_address, positive_seconds
 from services.common import tls
 from services.common.rpc import check_health
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = EnvArgumentParser(prog="mdgan-healthcheck", description=__doc__)
+    add_version(parser, "mdgan-healthcheck")
     parser.add_argument("address", type=dial_address, help="host:port of an mdgan server or worker")
     parser.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
     parser.add_argument("--timeout", type=positive_seconds, default=3.0, help="seconds before giving up")

@@ -1,7 +1,14 @@
-"""Command-line flags with MDGAN_* environment fallbacks, shared by every entry point.
+"""Command-line flags with environment fallbacks, shared by every entry point.
 
-Precedence: a flag given on the command line, then MDGAN_<FLAG> (e.g. MDGAN_BATCH_SIZE for
---batch-size), then the default. Only entry points build these parsers.
+Precedence: a flag given on the command line, then its variable, then the default. Each program reads
+its own namespace of variables, so that a variable set for one never changes another:
+
+    mdgan-server, mdgan-worker, mdgan-healthcheck   MDGAN_<FLAG>          (what compose and Helm set)
+    mdgan local, mdgan simulate, ...                MDGAN_<COMMAND>_<FLAG> (MDGAN_LOCAL_WORKERS, ...)
+    mdgan certs ...                                  none
+
+(a worker's MDGAN_SERVER=host:port once made `mdgan certs issue` fail: it read it as its --server).
+Only entry points build these parsers.
 """
 
 from __future__ import annotations
@@ -20,8 +27,39 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def env_name(dest: str) -> str:
-    return ENV_PREFIX + dest.upper()
+def env_name(dest: str, prefix: str = ENV_PREFIX) -> str:
+    return prefix + dest.upper()
+
+
+def program_version() -> str:
+    """This installation's version (the package metadata's), for --version and the image tag."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mdgan")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
+EXIT_CODES = """exit status:
+  0    done (the run finished, or the command did what it was asked)
+  1    the system refused (a folder that cannot be made, a full disk), or a service failed
+  2    a bad setting or input, said in one line (a flag, a variable, a data file, a certificate)
+  3    (mdgan-worker) the server refused this worker: its reason is in the log
+  128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM); a stopped run resumes with --resume"""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but the exit-status table keeps its lines."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("exit status:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def add_version(parser: argparse.ArgumentParser, program: str) -> None:
+    parser.add_argument("--version", action="version", version=f"{program} {program_version()}")
 
 
 def _shown_default(action: argparse.Action) -> str:
@@ -51,24 +89,36 @@ def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         elif name.startswith("--") and parser.allow_abbrev:
             matches = {dest for string, dest in options.items() if string.startswith(name)}
             given |= matches if len(matches) == 1 else set()
-    given |= {action.dest for action in parser._actions
-              if action.option_strings and env_name(action.dest) in os.environ}
+    prefix = getattr(parser, "env_prefix", None)
+    if prefix:
+        given |= {action.dest for action in parser._actions
+                  if action.option_strings and env_name(action.dest, prefix) in os.environ}
     return given
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
-    """argparse, where every option's default may come from its MDGAN_* variable.
+    """argparse, where every option's default may come from its variable: env_prefix + FLAG (MDGAN_ by
+    default; None: no variables at all). A subcommand's parser takes its own env_prefix.
 
     Applied when parsing (and when printing help), so options added through argument groups and
     subcommands get it too.
     """
 
+    def __init__(self, *args, env_prefix: str | None = ENV_PREFIX, **kwargs):
+        kwargs.setdefault("epilog", EXIT_CODES)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.env_prefix = env_prefix
+
     def _apply_environment(self) -> None:
+        if self.env_prefix is None:
+            return
         for action in self._actions:
-            if not action.option_strings or action.dest == "help" or getattr(action, "_env_applied", False):
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)) \
+                    or getattr(action, "_env_applied", False):
                 continue
             action._env_applied = True
-            name = env_name(action.dest)
+            name = env_name(action.dest, self.env_prefix)
             action.help = f"{action.help or ''}{_shown_default(action)} [env {name}]".strip()
             if name not in os.environ:
                 continue
@@ -90,7 +140,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
             if raw is None or action.choices is None:
                 continue
             if getattr(namespace, action.dest, None) not in action.choices:
-                self.error(f"{env_name(action.dest)}={raw!r}: invalid choice (choose from "
+                self.error(f"{env_name(action.dest, self.env_prefix)}={raw!r}: invalid choice (choose from "
                            f"{', '.join(map(repr, action.choices))})")
 
     def _get_value(self, action, arg_string):
@@ -99,7 +149,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         except argparse.ArgumentError as exc:
             # the variable's own string (the same object), not a flag's: name the variable
             if arg_string is getattr(action, "_env_raw", None):
-                self.error(f"{env_name(action.dest)}={arg_string!r}: {exc.message}")
+                self.error(f"{env_name(action.dest, self.env_prefix)}={arg_string!r}: {exc.message}")
             raise
 
     def parse_known_args(self, args=None, namespace=None):

@@ -20,7 +20,7 @@ from mdgan.roster import Roster
 from mdgan.run import RESUME_MODES, RunRecorder, finished_run_ids, make_evaluator, open_run, write_outputs
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common import scheduling
-from services.common.settings import (EnvArgumentParser, add_affinity_argument, add_algorithm_argument,
+from services.common.settings import (add_version, EnvArgumentParser, add_affinity_argument, add_algorithm_argument,
                                       add_algorithm_options, add_durable_arguments, add_evaluation_arguments,
                                       add_scheduling_argument, add_site_arguments, add_threads_argument,
                                       add_training_arguments, class_names, configure_compute, listen_address,
@@ -39,6 +39,7 @@ SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="mdgan-server", description=__doc__)
+    add_version(parser, "mdgan-server")
     parser.add_argument("--listen", type=listen_address, default="0.0.0.0:50051", help="host:port to serve the Coordinator on (port 0: any)")
     parser.add_argument("--out", default="runs/server", help="run directory (summary, history, samples, checkpoint)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")

@@ -24,7 +24,7 @@ from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
 from services.common import scheduling
-from services.common.settings import (EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
+from services.common.settings import (add_version, EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
                             add_threads_argument, configure_compute, data_config, dial_address, listen_address,
                             log_level, port_number, positive_seconds)
 from services.common import codec, pki, rpc, tls
@@ -40,6 +40,7 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="mdgan-worker", description=__doc__)
+    add_version(parser, "mdgan-worker")
     parser.add_argument("--server", type=dial_address, default="localhost:50051", help="host:port of the mdgan server")
     parser.add_argument("--listen", type=listen_address, default="0.0.0.0:50052", help="host:port to serve the Peer service on (port 0: any)")
     parser.add_argument("--advertise-address", default=None,

@@ -1,0 +1,75 @@
+"""Each program reads its own variables; every program has --version and its exit statuses in --help;
+progress bars only on a terminal."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def run(argv: list[str], env: dict | None = None, cwd: str = REPO) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MDGAN_")}
+    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**clean, **(env or {})})
+
+
+def documented_variables() -> set[str]:
+    names = set()
+    for doc in ("README.md", os.path.join("docs", "DEPLOY.md")):
+        with open(os.path.join(REPO, doc)) as fh:
+            names |= set(re.findall(r"\bMDGAN_[A-Z0-9_]*[A-Z0-9]\b", fh.read()))
+    return names
+
+
+def test_a_services_variable_never_changes_an_mdgan_command(tmp_path):
+    """The worker's documented MDGAN_SERVER=host:port once made `mdgan certs issue` exit 2 (read as its
+    boolean --server). With every variable the docs name set to a value no command takes, every `mdgan`
+    command still runs as asked."""
+    services_only = {name for name in documented_variables()
+                     if not name.startswith(("MDGAN_LOCAL_", "MDGAN_SIMULATE_", "MDGAN_EXPERIMENT_"))}
+    assert {"MDGAN_SERVER", "MDGAN_WORKERS", "MDGAN_RESUME", "MDGAN_ITERATIONS"} <= services_only
+    env = dict.fromkeys(services_only, "not-a-value-any-command-takes")
+    env["MDGAN_SERVER"] = "server.example.org:50051"
+    pki = str(tmp_path / "pki")
+    for argv in (["certs", "init", pki], ["certs", "issue", pki, "site-a"], ["models"],
+                 ["traffic", "--workers", "4"], ["simulate", "--help"], ["local", "--help"],
+                 ["experiment", "--help"], ["split", "--help"], ["sample", "--help"]):
+        result = run(["mdgan_app.cli", *argv], env)
+        assert result.returncode == 0, (argv, result.stderr)
+    # a simulate run takes its own variables only: MDGAN_SIMULATE_*, not the services' MDGAN_*
+    out = str(tmp_path / "run")
+    result = run(["mdgan_app.cli", "simulate", "--dataset", "synthetic", "--workers", "2", "--batch-size", "8",
+                  "--eval-every", "-1", "--out", out], {**env, "MDGAN_SIMULATE_ITERATIONS": "3"})
+    assert result.returncode == 0, result.stderr
+    assert '"iterations": 3' in result.stdout
+    def help_of(*argv: str) -> str:
+        return " ".join(run(list(argv)).stdout.split())  # (argparse wraps "[env NAME]" across lines)
+
+    help_text = help_of("mdgan_app.cli", "local", "--help")
+    assert "[env MDGAN_LOCAL_WORKERS]" in help_text and "[env MDGAN_WORKERS]" not in help_text
+    assert "[env " not in help_of("mdgan_app.cli", "certs", "issue", "--help")  # certs: no variables
+    assert "[env MDGAN_WORKERS]" in help_of("services.server", "--help")  # the services keep MDGAN_*
+
+
+def test_every_program_has_a_version_and_its_exit_statuses_in_its_help():
+    from importlib.metadata import version
+
+    for module, program in (("mdgan_app.cli", "mdgan"), ("services.server", "mdgan-server"),
+                            ("services.worker", "mdgan-worker"), ("services.common.healthcheck", "mdgan-healthcheck")):
+        result = run([module, "--version"])
+        assert result.returncode == 0 and result.stdout.strip() == f"{program} {version('mdgan')}", result
+        help_text = run([module, "--help"]).stdout
+        assert "exit status:" in help_text and "128+N" in help_text, program
+    assert run(["services.worker", "--help"]).stdout.count("server refused this worker") == 1
+
+
+def test_no_progress_bar_where_nobody_watches(tmp_path):
+    """Logs of compose, CI or nohup get no bar (stderr is not a terminal here)."""
+    result = run(["mdgan_app.cli", "simulate", "--dataset", "synthetic", "--workers", "2", "--batch-size", "8",
+                  "--iterations", "3", "--eval-every", "-1", "--out", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr
+    assert "it/s" not in result.stderr and "s/it" not in result.stderr and "\r" not in result.stderr
