@@ -1,7 +1,7 @@
 """What a run leaves behind: history.jsonl, summary.json, sample grids, a checkpoint; a run directory's
 identity and the runs it held before; the evaluation schedule.
 
-Used by the in-process simulation (mdgan/simulate.py) and by the gRPC server alike, so both write the
+Used by the in-process simulation (mdgan/simulation.py) and by the gRPC server alike, so both write the
 same files.
 """
 

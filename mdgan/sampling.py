@@ -1,4 +1,10 @@
-"""Draw samples from a finished run's generator: `mdgan sample RUN --n N --out FILE.npy|FILE.png`."""
+"""A finished run, from Python (`mdgan.load_run`), and samples of its generator (`mdgan sample RUN ...`).
+
+    >>> import mdgan
+    >>> run = mdgan.load_run("runs/local")                  # doctest: +SKIP
+    >>> run.scores["mnist_score"], run.config.workers        # doctest: +SKIP
+    >>> images, labels = run.sample(20, classes=[3, 7])     # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
@@ -8,20 +14,72 @@ import os
 import numpy as np
 import torch
 
-from mdgan.config import ConfigError, ModelSpec
+import json
+from dataclasses import dataclass
+
+from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.models import build_generator, image_shape
 
 
-def load_generator(run_dir: str) -> torch.nn.Module:
+def load_generator(run_dir: str, device: str | torch.device = "cpu") -> torch.nn.Module:
     path = os.path.join(run_dir, "checkpoint.pt")
     if not os.path.exists(path):
-        raise ConfigError(f"no checkpoint.pt in {run_dir}")
+        raise ConfigError(f"no checkpoint.pt in {run_dir}: is it the folder of a finished run (--out)?")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # our own file, plain tensors and dicts
     model = dict(checkpoint["config"]["model"])
     model["sample_shape"] = tuple(model["sample_shape"])
     generator = build_generator(ModelSpec(**model), seed=0)
     generator.load_state_dict(checkpoint["generator"])
-    return generator.eval()
+    return generator.eval().to(device)
+
+
+@dataclass
+class Run:
+    """A finished run: its generator (in eval mode, on `device`), its config and its summary."""
+
+    path: str
+    generator: torch.nn.Module
+    config: TrainingConfig
+    summary: dict
+
+    @property
+    def scores(self) -> dict:
+        """The final generator's scores ({"mnist_score", "fid", ...}; empty when it was not scored)."""
+        return dict(self.summary.get("scores") or {})
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.generator.parameters()).device
+
+    def sample(self, n: int, classes=None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """n samples (n, *sample_shape) in [-1, 1] on the generator's device, and their labels (n,) for ACGAN
+        (None for a plain GAN). classes: the labels to draw, in turn (default: every class, balanced)."""
+        spec = self.generator.spec
+        if n < 1:
+            raise ConfigError("n must be at least 1")
+        rng = torch.Generator().manual_seed(seed)
+        z = torch.randn(n, spec.latent_dim, generator=rng)  # (n, l), drawn on the CPU: the same on any device
+        labels = None
+        if spec.conditional:
+            wanted = torch.as_tensor(list(range(spec.num_classes)) if classes is None else list(classes))
+            if wanted.numel() == 0 or wanted.min() < 0 or wanted.max() >= spec.num_classes:
+                raise ConfigError(f"classes must be labels in [0, {spec.num_classes})")
+            labels = wanted[torch.arange(n) % wanted.numel()]  # (n,)
+        elif classes is not None:
+            raise ConfigError("this run trained a plain GAN (--gan gan): its samples have no classes")
+        with torch.no_grad():
+            samples = self.generator(z.to(self.device), None if labels is None else labels.to(self.device))
+        return samples.reshape(n, *spec.sample_shape), labels
+
+
+def load_run(path: str, device: str | torch.device = "cpu") -> Run:
+    """A finished run from its folder (what `mdgan local|simulate --out` wrote), on CPU or CUDA."""
+    try:
+        with open(os.path.join(path, "summary.json"), encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"no summary.json in {path}: is it the folder of a finished run (--out)?") from None
+    return Run(path, load_generator(path, device), TrainingConfig.from_dict(summary["config"]), summary)
 
 
 def sample_run(run_dir: str, n: int, out: str, seed: int = 0) -> int:

@@ -25,15 +25,33 @@ def show_progress(args) -> bool:
     return not args.no_progress and sys.stderr.isatty()
 
 
-def _print_summary(summary: dict) -> None:
-    keys = ("mode", "iterations", "workers", "workers_alive", "wall_seconds", "seconds_per_iteration",
-            "generator_sha256", "payload_bytes", "swaps", "final")
-    print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
+def _print_summary(summary: dict, out: str) -> None:
+    """What a person wants at the end of a run: how far it got, the scores, where the files are
+    (every figure is in OUT/summary.json, docs/OUTPUTS.md)."""
+    wall, per = summary.get("wall_seconds") or 0.0, summary.get("seconds_per_iteration")
+    print(f"{summary.get('algorithm') or 'mdgan'} ({summary.get('mode')}): {summary.get('iterations')} iterations, "
+          f"{summary.get('workers_alive')} of {summary.get('workers')} workers alive at the end, {wall:.1f} s"
+          + (f" ({1000 * per:.0f} ms an iteration)" if per else "")
+          + (f"; stopped early: {summary['stopped_early']}" if summary.get("stopped_early") else ""))
+    scores = summary.get("scores") or {}
+    if scores.get("mnist_score") is not None:
+        print(f"final generator: MNIST score {scores['mnist_score']:.2f}, FID {scores['fid']:.1f} (higher score, "
+              f"lower FID are better: real MNIST images score 9.6, noise 1.0 with a FID of about 1,000; "
+              f"docs/RESULTS.md)")
+    else:
+        print("final generator: not scored (scores need MNIST-shaped samples and the MNIST test set under "
+              "--data-root)")
+    mb = {k: v / 1e6 for k, v in (summary.get("payload_bytes") or {}).items()}
+    if any(mb.values()):
+        print("payload on the wire: " + ", ".join(f"{k.replace('_to_', ' -> ').replace('_', ' ')} {v:.1f} MB"
+                                                  for k, v in mb.items()))
+    print(f"generator sha256 {summary.get('generator_sha256', '')[:16]}...; samples.png, summary.json, history.jsonl "
+          f"in {out}")
 
 
 def cmd_simulate(args) -> int:
     from mdgan.algorithms.mdgan.inprocess import parse_churn
-    from mdgan.simulate import simulate
+    from mdgan.simulation import simulate
     from services.common.settings import (algorithm_options, class_names, configure_compute, data_config,
                                           evaluation_options, training_config)
     from mdgan_app.launcher import _eval_root
@@ -53,15 +71,24 @@ def cmd_simulate(args) -> int:
             run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
             byzantine=args.byzantine, attack=args.attack,
             options=algorithm_options(args.algorithm, args))
-    _print_summary(summary)
-    print(f"run directory: {args.out}")
+    _print_summary(summary, args.out)
     return 0
 
 
 def _resolve_workers(args) -> None:
-    """--workers: the number of site folders with --site-dirs (which an explicit --workers must match), else 4."""
-    from mdgan.sites import count_sites
+    """--workers: the number of site folders with --site-dirs (which an explicit --workers must match), else 4.
+    With --site-dirs and no --dataset, the sites' format is read from the first site's folder (what
+    `mdgan split` writes is an image folder)."""
+    from mdgan.sites import count_sites, site_dir
 
+    if args.site_dirs and "dataset" not in getattr(args, "given", set()):
+        first = site_dir(args.site_dirs, 0)
+        found = ("mnist" if os.path.isdir(os.path.join(first, "MNIST", "raw")) else
+                 "cifar10" if os.path.isdir(os.path.join(first, "cifar-10-batches-py")) else "imagefolder")
+        if found != args.dataset:
+            print(f"mdgan {args.command}: --site-dirs {args.site_dirs} holds {found} sites: --dataset {found}",
+                  file=sys.stderr)
+            args.dataset = found
     if args.site_dirs:
         sites = count_sites(args.site_dirs)
         if args.workers is not None and args.workers != sites:
@@ -135,8 +162,7 @@ def _run_local(args) -> int:
     from mdgan.checkpoint import atomic_write_json
 
     atomic_write_json(os.path.join(cluster.out, "summary.json"), summary)
-    _print_summary(summary)
-    print(f"run directory: {args.out}")
+    _print_summary(summary, args.out)
     return 0
 
 

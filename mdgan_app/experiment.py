@@ -153,7 +153,7 @@ def crash_period(run: dict) -> int | None:
 
 def run_one(run: dict, out_dir: str, progress: bool) -> dict:
     from mdgan.run import EvaluationOptions
-    from mdgan.simulate import simulate
+    from mdgan.simulation import simulate
 
     config = training_config(run)
     data = DataConfig(run["dataset"], run["data_root"], config.workers, 0, split=run["split"],

@@ -183,7 +183,7 @@ def test_training_config_takes_the_sample_shape_from_dataset_and_architecture():
 
 
 def test_cnn_mnist_trains_end_to_end_in_process(tmp_path):
-    from mdgan.simulate import simulate
+    from mdgan.simulation import simulate
 
     config = TrainingConfig(workers=2, iterations=2, batch_size=4, swap_every=1,
                             model=ModelSpec(architecture="cnn-mnist", sample_shape=(784,)))

@@ -213,7 +213,7 @@ def test_generated_code_is_not_stale():
 
 
 def test_library_never_imports_grpc_or_prometheus():
-    code = ("import sys, mdgan.algorithms, mdgan.simulate, mdgan.run, mdgan.models, mdgan.data, mdgan.sites; "
+    code = ("import sys, mdgan.algorithms, mdgan.simulation, mdgan.run, mdgan.models, mdgan.data, mdgan.sites; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'prometheus_client', 'services')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
-from mdgan.simulate import simulate
+from mdgan.simulation import simulate
 
 CUDA = torch.cuda.is_available()
 

@@ -11,7 +11,7 @@ from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import ShardSampler, load_all_shards
 from mdgan.gan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
 from mdgan.models import build_discriminator, build_generator
-from mdgan.simulate import simulate
+from mdgan.simulation import simulate
 
 
 def _config(**kw) -> TrainingConfig:

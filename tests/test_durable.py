@@ -17,7 +17,7 @@ from procs import python_module, read_json, read_jsonl, start_server, start_work
 
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.run import EvaluationOptions, finished_run_ids, open_run
-from mdgan.simulate import simulate
+from mdgan.simulation import simulate
 from services.common import pki
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from mdgan.algorithms.pwgan import (COUNT_DTYPE, CriticSide, InProcessCritic, Po
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
-from mdgan.simulate import simulate
+from mdgan.simulation import simulate
 
 
 def brute_force_cells(real_values: list[float], generated_values: list[float], phi: list[float]) -> list[int]:

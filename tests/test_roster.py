@@ -19,7 +19,7 @@ from mdgan.config import DataConfig, TrainingConfig
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from mdgan.run import EvaluationOptions
 from mdgan.algorithms.mdgan.inprocess import parse_churn
-from mdgan.simulate import simulate
+from mdgan.simulation import simulate
 
 
 class Handle:
@@ -412,7 +412,7 @@ def test_a_checkpoint_names_no_class_of_ours_so_moving_the_code_cannot_break_res
 
     from mdgan.config import DataConfig, ModelSpec, TrainingConfig
     from mdgan.run import EvaluationOptions
-    from mdgan.simulate import simulate
+    from mdgan.simulation import simulate
 
     config = TrainingConfig(workers=2, iterations=4, batch_size=4, swap_every=2, model=ModelSpec()).validate()
     simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, evaluation=EvaluationOptions(every=-1),

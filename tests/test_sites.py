@@ -22,7 +22,7 @@ from procs import Proc, python_module, read_json, start_server
 from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_mnist
 from mdgan.run import EvaluationOptions
-from mdgan.simulate import simulate
+from mdgan.simulation import simulate
 from mdgan.sites import RunClasses, load_site, map_labels
 from mdgan.images import find_images, load_imagefolder
 from services.common import rpc

@@ -15,7 +15,7 @@ from mdgan.algorithms import dpgan, pwgan
 from mdgan_app.cli import main
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.models import build_discriminator, build_generator
-from mdgan.simulate import simulate
+from mdgan.simulation import simulate
 from services.common.telemetry import Telemetry
 from mdgan_app.traffic import traffic_report
 
