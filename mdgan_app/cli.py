@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, env_prefix=f"MDGAN_{name.upper()}_", **kwargs)
 
     def run_parser(name: str, help_text: str):
-        p = command(name, help=help_text, description=help_text)
+        p = command(name, help=help_text, description=help_text, config_file=True)
         add_algorithm_argument(p, NAMES if name == "simulate" else SERVED)  # a standalone GAN has no workers
         add_training_arguments(p)
         p.set_defaults(workers=None)  # 4, or the number of --site-dirs

@@ -73,3 +73,29 @@ def test_no_progress_bar_where_nobody_watches(tmp_path):
                   "--iterations", "3", "--eval-every", "-1", "--out", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr
     assert "it/s" not in result.stderr and "s/it" not in result.stderr and "\r" not in result.stderr
+
+
+def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path):
+    """--config FILE (TOML, a key per flag) for local, simulate and both services: flag > variable >
+    file > default, printed by --print-config; an unknown key or a wrong type is one line naming it."""
+    config = tmp_path / "run.toml"
+    config.write_text('workers = 2\niterations = 4\nbatch-size = 8\ndataset = "synthetic"\neval-every = -1\n'
+                      'swap-optimizer-state = true\n')
+    printed = run(["mdgan_app.cli", "simulate", "--config", str(config), "--print-config"]).stdout
+    assert "iterations = 4" in printed and "batch-size = 8" in printed and "swap-optimizer-state = true" in printed
+    layered = run(["mdgan_app.cli", "simulate", "--config", str(config), "--batch-size", "5", "--print-config"],
+                  {"MDGAN_SIMULATE_ITERATIONS": "6"}).stdout
+    assert "iterations = 6" in layered and "batch-size = 5" in layered and "workers = 2" in layered
+    out = str(tmp_path / "run")
+    result = run(["mdgan_app.cli", "simulate", "--config", str(config), "--out", out])
+    assert result.returncode == 0 and "4 iterations" in result.stdout, result.stderr
+    assert "worker-" not in run(["services.worker", "--config", str(config), "--print-config"]).stderr
+    for text, message in (("workerz = 2", "unknown key 'workerz'"), ('workers = "two"', "workers = 'two': invalid int"),
+                          ("no-progress = 1", "true or false"), ('dataset = "imagenet"', "choose from"),
+                          ("[training]\nworkers = 2", "unknown key 'training'"), ("workers = ", "not TOML")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text + "\n")
+        result = run(["mdgan_app.cli", "simulate", "--config", str(bad), "--out", str(tmp_path / "never")])
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert not os.path.exists(tmp_path / "never")
+    assert run(["services.server", "--config", str(tmp_path / "missing.toml")]).returncode == 2

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
+import sys
 
 from services.common import allocator, scheduling
 from mdgan.config import (AGGREGATIONS, DATASETS, GAN_KINDS, LOSSES, SPLITS, SYNC_MODES, WIRE_DTYPES, ConfigError,
@@ -89,6 +91,7 @@ def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         elif name.startswith("--") and parser.allow_abbrev:
             matches = {dest for string, dest in options.items() if string.startswith(name)}
             given |= matches if len(matches) == 1 else set()
+    given |= getattr(parser, "config_dests", set())  # a --config file's settings are chosen too
     prefix = getattr(parser, "env_prefix", None)
     if prefix:
         given |= {action.dest for action in parser._actions
@@ -104,11 +107,92 @@ class EnvArgumentParser(argparse.ArgumentParser):
     subcommands get it too.
     """
 
-    def __init__(self, *args, env_prefix: str | None = ENV_PREFIX, **kwargs):
+    def __init__(self, *args, env_prefix: str | None = ENV_PREFIX, config_file: bool = False, **kwargs):
         kwargs.setdefault("epilog", EXIT_CODES)
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
         self.env_prefix = env_prefix
+        self.config_dests: set[str] = set()  # the options a --config file set
+        if config_file:
+            self.add_argument("--config", metavar="FILE", default=None,
+                              help="a TOML file of settings, one key per flag (batch-size = 10, insecure = true); "
+                                   "a flag, then a variable, then the file, then the default")
+            self.add_argument("--print-config", action="store_true",
+                              help="print every setting as this command would run with it (as TOML) and exit")
+
+    # -- --config FILE ------------------------------------------------------------------------
+    def _options(self) -> dict[str, argparse.Action]:
+        return {a.dest: a for a in self._actions if a.option_strings and a.dest not in ("help", "version", "config",
+                                                                                        "print_config")}
+
+    def _config_path(self, argv: list[str]) -> str | None:
+        for i, token in enumerate(argv):
+            if token == "--":
+                break
+            if token == "--config" and i + 1 < len(argv):
+                return argv[i + 1]
+            if token.startswith("--config="):
+                return token.split("=", 1)[1]
+        if self.env_prefix and env_name("config", self.env_prefix) in os.environ:
+            return os.environ[env_name("config", self.env_prefix)]
+        return None
+
+    def _apply_config_file(self, path: str) -> None:
+        import tomllib
+
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            self.error(f"--config {path}: {exc.strerror}")
+        except tomllib.TOMLDecodeError as exc:
+            self.error(f"--config {path}: not TOML ({exc})")
+        options = self._options()
+        for key, value in data.items():
+            dest = key.replace("-", "_")
+            action = options.get(dest)
+            where = f"--config {path}: {key} = {value!r}"
+            if action is None:
+                self.error(f"--config {path}: unknown key {key!r}: not an option of {self.prog} (see --help)")
+            if action.nargs == 0:  # store_true / store_false: the key names the option's dest
+                if not isinstance(value, bool):
+                    self.error(f"{where}: true or false")
+                action.default = value
+            else:
+                many = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+")
+                values = value if isinstance(value, list) else [value]
+                if isinstance(value, (dict, bool)) or (isinstance(value, list) and not many) \
+                        or any(isinstance(v, (dict, list, bool)) for v in values):
+                    self.error(f"{where}: a {'list of values' if many else 'single value'} is expected")
+                try:
+                    converted = [self._get_value(action, str(v)) for v in values]
+                except argparse.ArgumentError as exc:
+                    self.error(f"{where}: {exc.message}")
+                if action.choices is not None and any(c not in action.choices for c in converted):
+                    self.error(f"{where}: choose from {', '.join(map(str, action.choices))}")
+                action.default = converted if many else converted[0]
+            self.config_dests.add(dest)
+
+    def _print_config(self, namespace: argparse.Namespace) -> None:
+        """Every setting as TOML (what --config takes); unset ones as comments."""
+        lines = [f"# {self.prog}: every setting, as it would run (flag > variable > --config > default)"]
+        for dest in self._options():
+            value = getattr(namespace, dest, None)
+            key = dest.replace("_", "-")
+            if value is None:
+                lines.append(f"# {key} =  (unset)")
+            elif isinstance(value, bool):
+                lines.append(f"{key} = {str(value).lower()}")
+            elif isinstance(value, (int, float)):
+                lines.append(f"{key} = {value!r}")
+            elif isinstance(value, (list, tuple)):
+                lines.append(f"{key} = {json.dumps([str(v) for v in value])}")
+            else:
+                lines.append(f"{key} = {json.dumps(str(value))}")
+        try:
+            print("\n".join(lines), flush=True)
+        except BrokenPipeError:  # (| head): the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     def _apply_environment(self) -> None:
         if self.env_prefix is None:
@@ -153,9 +237,16 @@ class EnvArgumentParser(argparse.ArgumentParser):
             raise
 
     def parse_known_args(self, args=None, namespace=None):
+        if "--config" in self._option_string_actions:
+            path = self._config_path(sys.argv[1:] if args is None else list(args))
+            if path:
+                self._apply_config_file(path)
         self._apply_environment()
         namespace, extras = super().parse_known_args(args, namespace)
         self._check_environment_choices(namespace)
+        if getattr(namespace, "print_config", False):
+            self._print_config(namespace)
+            self.exit(0)
         return namespace, extras
 
     def format_help(self) -> str:

@@ -38,7 +38,7 @@ SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
 def build_parser() -> EnvArgumentParser:
-    parser = EnvArgumentParser(prog="mdgan-server", description=__doc__)
+    parser = EnvArgumentParser(prog="mdgan-server", description=__doc__, config_file=True)
     add_version(parser, "mdgan-server")
     parser.add_argument("--listen", type=listen_address, default="0.0.0.0:50051", help="host:port to serve the Coordinator on (port 0: any)")
     parser.add_argument("--out", default="runs/server", help="run directory (summary, history, samples, checkpoint)")

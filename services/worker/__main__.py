@@ -39,7 +39,7 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def build_parser() -> EnvArgumentParser:
-    parser = EnvArgumentParser(prog="mdgan-worker", description=__doc__)
+    parser = EnvArgumentParser(prog="mdgan-worker", description=__doc__, config_file=True)
     add_version(parser, "mdgan-worker")
     parser.add_argument("--server", type=dial_address, default="localhost:50051", help="host:port of the mdgan server")
     parser.add_argument("--listen", type=listen_address, default="0.0.0.0:50052", help="host:port to serve the Peer service on (port 0: any)")
