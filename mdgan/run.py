@@ -71,18 +71,29 @@ class PeriodicEvaluator:
         self._pending: list[tuple[int, Future]] = []
         self._ready: list[dict] = []  # finished, not yet on a history line (carried across a checkpoint)
         self.latest: dict | None = None
+        self.grids = False  # also draw each evaluated G's sample grid (tracking: a picture per evaluation)
+        self._grids: dict[int, bytes] = {}  # eval_iteration -> PNG, until take_grids()
 
-    def _score(self, generator: torch.nn.Module) -> dict:
+    def _score(self, generator: torch.nn.Module, iteration: int | None = None) -> dict:
         z, labels = self.noise
         device = self.generator_side.device
         with torch.no_grad():
             images = generator.eval()(z.to(device), None if labels is None else labels.to(device))
+        if self.grids and iteration is not None:
+            png = sample_grid_png(self.generator_side, generator=generator)
+            if png is not None:
+                self._grids[iteration] = png
         return self.scorer.evaluate(images)
+
+    def take_grids(self) -> dict[int, bytes]:
+        """The sample grids drawn since last asked (eval_iteration -> PNG)."""
+        grids, self._grids = self._grids, {}
+        return grids
 
     def maybe_start(self, iteration: int) -> None:
         if self.every > 0 and iteration % self.every == 0:
             snapshot = copy.deepcopy(self.generator_side.generator)  # training goes on with the original
-            self._pending.append((iteration, self._pool.submit(self._score, snapshot)))
+            self._pending.append((iteration, self._pool.submit(self._score, snapshot, iteration)))
 
     def collect(self) -> list[dict]:
         """Every evaluation ({"eval_iteration", scores...}) finished since last asked, oldest first;
@@ -112,7 +123,7 @@ class PeriodicEvaluator:
         the final one last."""
         wait([future for _, future in self._pending])
         done = self.collect()
-        final = {"eval_iteration": iteration, **self._score(copy.deepcopy(self.generator_side.generator))}
+        final = {"eval_iteration": iteration, **self._score(copy.deepcopy(self.generator_side.generator), iteration)}
         self.latest = final
         self._pool.shutdown()
         return done + [final]
@@ -140,11 +151,14 @@ class RunRecorder:
     """Writes history.jsonl and swaps.jsonl line by line (so `tail -f` works); drives the progress bar."""
 
     def __init__(self, out_dir: str, total: int, progress: bool = True, description: str = "mdgan",
-                 evaluator: PeriodicEvaluator | None = None, resume_at: int | None = None):
+                 evaluator: PeriodicEvaluator | None = None, resume_at: int | None = None, tracking=None):
         """resume_at: continue a run from its checkpoint at this iteration: the lines written after
         it (by the run that was interrupted) are dropped, so history has no gap and no duplicate."""
         os.makedirs(out_dir, exist_ok=True)
         self.evaluator = evaluator
+        self.tracking = tracking  # mdgan.tracking.Tracking: TensorBoard, MLflow (written off the training thread)
+        if tracking is not None and evaluator is not None:
+            evaluator.grids = True
         self.total = total
         self._final_done = False
         self._eval_seconds = 0.0  # the final evaluation runs inline: kept out of the wall time
@@ -171,11 +185,28 @@ class RunRecorder:
             if evaluations:  # the newest flat (for plain readers) and all of them, none lost
                 row.update(evaluations[-1])
                 row["evaluations"] = evaluations
+        if self.tracking is not None:
+            self._track(record, row.get("evaluations") or [])
         _append_line(self._history, json.dumps(row))
         self._bar.update(1)
         if not self._bar.disable:  # (formatting the postfix costs even when no bar is shown)
             self._bar.set_postfix(workers=record.active_workers, g=f"{record.gen_loss:.3f}",
                                   d=f"{record.disc_loss:.3f}", refresh=False)
+
+    def _track(self, record: IterationRecord, evaluations: list[dict]) -> None:
+        values = {"loss/generator": record.gen_loss, "loss/discriminator": record.disc_loss,
+                  "accuracy/real": record.real_accuracy, "accuracy/generated": record.fake_accuracy,
+                  "workers/active": record.active_workers, "workers/answered": record.answered,
+                  "workers/lost": record.lost, "workers/rejected": record.rejected, "time/iteration_s": record.seconds}
+        if record.swap_round is not None:
+            values["swaps/round"] = record.swap_round
+        self.tracking.metrics(record.iteration, {k: v for k, v in values.items() if _finite_or_none(v) is not None})
+        for evaluation in evaluations:
+            scores = {f"score/{k}": v for k, v in evaluation.items() if k != "eval_iteration" and _finite_or_none(v) is not None}
+            self.tracking.metrics(evaluation["eval_iteration"], scores)
+        if self.evaluator is not None:  # the samples of every G that was scored
+            for iteration, png in sorted(self.evaluator.take_grids().items()):
+                self.tracking.image(iteration, "samples", png)
 
     def swap(self, record: dict) -> None:
         """One line per swap round: the plan (sender -> receiver) and what each worker reported."""
@@ -212,8 +243,22 @@ class RunRecorder:
         return None if self.evaluator is None else self.evaluator.latest
 
 
-def save_sample_grid(generator_side: GeneratorSide, path: str, per_class: int = 10) -> None:
-    """A grid of samples from fixed noise: one row per class for ACGAN (class-balanced)."""
+def sample_grid_png(generator_side: GeneratorSide, per_class: int = 10,
+                    generator: torch.nn.Module | None = None) -> bytes | None:
+    """save_sample_grid's picture as PNG bytes (None: the samples are not images)."""
+    import io
+
+    buffer = io.BytesIO()
+    with torch.no_grad():
+        made = save_sample_grid(generator_side, buffer, per_class, generator)
+    return buffer.getvalue() if made else None
+
+
+def save_sample_grid(generator_side: GeneratorSide, path, per_class: int = 10,
+                     generator: torch.nn.Module | None = None) -> bool:
+    """A grid of samples from fixed noise: one row per class for ACGAN (class-balanced); False when
+    the samples are not images (no grid). `path`: a file name, or a binary file object (PNG).
+    generator: a copy of G in eval mode to draw instead of the side's own (an evaluation's snapshot)."""
     from torchvision.utils import save_image
 
     spec = generator_side.spec
@@ -225,17 +270,24 @@ def save_sample_grid(generator_side: GeneratorSide, path: str, per_class: int = 
         labels, nrow = None, 10
     count = spec.num_classes * per_class if spec.conditional else 100
     z = torch.randn(count, spec.latent_dim, generator=rng)
-    images = generator_side.sample(z, labels)
+    if generator is None:
+        images = generator_side.sample(z, labels)
+    else:
+        device = generator_side.device
+        images = generator(z.to(device), None if labels is None else labels.to(device)).cpu()
     try:
         images = images.reshape(count, *image_shape(spec.sample_size))  # (count, C, H, W)
     except ValueError:
-        return  # samples are not images: no grid
-    save_image(images, path, nrow=nrow, normalize=True, value_range=(-1, 1))
+        return False  # samples are not images: no grid
+    save_image(images, path, nrow=nrow, normalize=True, value_range=(-1, 1), format="png")
+    return True
 
 
 def write_outputs(out_dir: str, config: TrainingConfig, generator_side: GeneratorSide, result: RunResult,
-                  wall_seconds: float, mode: str, extra: dict | None = None, scores: dict | None = None) -> dict:
-    """summary.json, samples.png and checkpoint.pt; returns the summary."""
+                  wall_seconds: float, mode: str, extra: dict | None = None, scores: dict | None = None,
+                  tracking=None) -> dict:
+    """summary.json, samples.png and checkpoint.pt; returns the summary. With `tracking`, the run's
+    parameters, its final figures, samples and generator go there too, and the tracking is closed."""
     os.makedirs(out_dir, exist_ok=True)
     last = result.last
     summary = {
@@ -270,7 +322,29 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
                             "config": config.to_dict(), "iterations": result.iterations},
                            os.path.join(out_dir, "checkpoint.pt"))
     checkpoint.atomic_write_json(os.path.join(out_dir, "summary.json"), summary)
+    if tracking is not None:
+        tracking.params({"algorithm": summary.get("algorithm"), "run_id": summary.get("run_id"), "mode": mode,
+                         **_flat(config.to_dict())})
+        final = {f"bytes/{k}": v for k, v in summary["payload_bytes"].items()}
+        final.update({f"score/{k}": v for k, v in (scores or {}).items()
+                      if k != "eval_iteration" and _finite_or_none(v) is not None})
+        tracking.metrics(result.iterations, {**final, "time/wall_s": wall_seconds})
+        for name in ("samples.png", "checkpoint.pt", "summary.json"):
+            if os.path.exists(os.path.join(out_dir, name)):
+                tracking.artifact(os.path.join(out_dir, name))
+        tracking.close()
     return summary
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    """Nested settings as one level (model.architecture, ...), for a tracker's parameters."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
              run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
              site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
-             options=None) -> dict:
+             options=None, tensorboard: str | None = None, mlflow: str | None = None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
@@ -37,6 +37,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     checkpoint_every / resume: as for the server; each worker keeps its state in OUT/workers/worker-K.
     byzantine, attack: MD-GAN, the last `byzantine` workers by rank send wrong feedback
     (mdgan/attacks.py), to measure the robust aggregation rules.
+    tensorboard, mlflow: also track the run there (mdgan/tracking.py).
     options: the algorithm's own options (its registry entry's `options`: PWGANOptions, ...; None: the
     defaults).
     """
@@ -66,7 +67,11 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
                                evaluation.reference)
-    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from)
+    from mdgan.tracking import Tracking
+
+    tracking = Tracking.open(run.run_id or algorithm, tensorboard, mlflow)
+    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from,
+                           tracking=tracking)
     result = None
     try:
         result = entry.run_in_process(InProcessRun(
@@ -79,6 +84,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}
     if options is not None:  # the options its traffic formula (`mdgan traffic`) and its record need
         extra[algorithm] = options.summary(config)
-    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores)
+    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores,
+                         tracking=tracking)
 
 

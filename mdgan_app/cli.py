@@ -70,7 +70,7 @@ def cmd_simulate(args) -> int:
             keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
             run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
             byzantine=args.byzantine, attack=args.attack,
-            options=algorithm_options(args.algorithm, args))
+            options=algorithm_options(args.algorithm, args), tensorboard=args.tensorboard, mlflow=args.mlflow)
     _print_summary(summary, args.out)
     return 0
 
@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
                                           add_data_arguments, add_durable_arguments, add_evaluation_arguments,
                                           add_scheduling_argument, add_site_arguments, add_threads_argument,
-                                          add_training_arguments, add_version, positive_seconds)
+                                          add_tracking_arguments, add_training_arguments, add_version,
+                                          positive_seconds)
 
     # Each command reads its own variables (MDGAN_LOCAL_WORKERS, ...), never the services' MDGAN_<FLAG>:
     # a worker's MDGAN_SERVER must not become `certs issue`'s --server. `certs` reads none.
@@ -334,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_site_arguments(p, launcher=True)
         add_evaluation_arguments(p)
         add_algorithm_options(p)
+        add_tracking_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
         # in-process run and the gRPC cluster agree bit for bit.
         add_threads_argument(p, default=1)

@@ -336,7 +336,9 @@ class LocalCluster:
             *security["server"],
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
             *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a),
-            *algorithm_flags(a.algorithm, a)])
+            *algorithm_flags(a.algorithm, a),
+            *(["--tensorboard", os.path.abspath(a.tensorboard)] if a.tensorboard else []),
+            *(["--mlflow", a.mlflow if "://" in a.mlflow else os.path.abspath(a.mlflow)] if a.mlflow else [])])
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
         workers = []

@@ -302,6 +302,18 @@ def algorithm_flags(name: str, args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the run's scalars, scores and samples go besides its folder (mdgan/tracking.py)."""
+    g = parser.add_argument_group("experiment tracking (pip install 'mdgan[tracking]')")
+    g.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="write TensorBoard event files under DIR/<run id>: losses, accuracies, workers, swaps, "
+                        "scores and a sample grid at every evaluation")
+    g.add_argument("--mlflow", metavar="URI", default=None,
+                   help="log the run to an MLflow tracking store: a folder (./mlruns), file:///path or "
+                        "http(s)://server; parameters, metrics, the final samples and generator. A slow or absent "
+                        "server never slows training: it is said once in the log")
+
+
 def add_durable_arguments(group, *, keep_help: str) -> None:
     """--checkpoint-every and --keep-checkpoints, the same for mdgan simulate/local and mdgan-server."""
     group.add_argument("--checkpoint-every", type=non_negative_int, default=0,

@@ -21,7 +21,7 @@ from mdgan.run import RESUME_MODES, RunRecorder, finished_run_ids, make_evaluato
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common import scheduling
 from services.common.settings import (add_version, EnvArgumentParser, add_affinity_argument, add_algorithm_argument,
-                                      add_algorithm_options, add_durable_arguments, add_evaluation_arguments,
+                                      add_algorithm_options, add_durable_arguments, add_evaluation_arguments, add_tracking_arguments,
                                       add_scheduling_argument, add_site_arguments, add_threads_argument,
                                       add_training_arguments, class_names, configure_compute, listen_address,
                                       log_level, non_negative_seconds, port_number, positive_seconds,
@@ -90,6 +90,7 @@ def build_parser() -> EnvArgumentParser:
     add_site_arguments(parser, launcher=False)
     add_evaluation_arguments(parser)
     add_algorithm_options(parser)
+    add_tracking_arguments(parser)
     return parser
 
 
@@ -131,8 +132,11 @@ async def serve(args) -> dict:
         log.warning("--eval-data-root %s: %s; the generator is not scored (put MNIST/raw there for scores)",
                     args.eval_data_root, exc)
         evaluator = None
+    from mdgan.tracking import Tracking
+
+    tracking = Tracking.open(run.run_id, args.tensorboard, args.mlflow)
     recorder = RunRecorder(args.out, config.iterations, args.progress, "mdgan-server", evaluator,
-                           resume_at=run.resumed_from)
+                           resume_at=run.resumed_from, tracking=tracking)
     saver = ServerCheckpoints(args.out, run.run_id, args.keep_checkpoints)
 
     def on_iteration(record: IterationRecord, alive: int) -> None:
@@ -171,7 +175,8 @@ async def serve(args) -> dict:
             os.replace(args.port_file + ".tmp", args.port_file)
         result, wall = await session.run(coordinator, stopping)
         observe_scores(telemetry, recorder.scores)
-        summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores, extra={
+        summary = write_outputs(args.out, config, generator, result, wall, "grpc", scores=recorder.scores,
+                                tracking=tracking, extra={
             "algorithm": args.algorithm,
             **(session.summary_fields() if hasattr(session, "summary_fields") else {}),  # its options, say
             "run_id": run.run_id,
