@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument("--split", choices=SPLITS, default="iid",
                        help="iid: equal random parts; dirichlet: per class, proportions over the sites ~ Dir(alpha) "
                             "(sites of different sizes and label mixes)")
-    split.add_argument("--alpha", type=float, default=0.5, help="dirichlet concentration (smaller: more skewed)")
+    split.add_argument("--dirichlet-alpha", "--alpha", dest="alpha", type=float, default=0.5,
+                       help="dirichlet concentration (smaller: more skewed); the same name as training's")
     split.add_argument("--split-seed", type=int, default=0, help="seed of the split")
     split.add_argument("--data-root", default="data", help="folder holding MNIST/raw or cifar-10-batches-py")
     split.add_argument("--samples", type=int, default=None, help="use only the dataset's first N images (quick trials)")

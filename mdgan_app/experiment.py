@@ -20,7 +20,7 @@ swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
 every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs), wire_dtype,
 aggregation, trim_fraction, clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper:
-README), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
+docs/GUIDE.md), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
 docs/ALGORITHMS.md), label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a name
 or a list; default: its name without N).
 
@@ -59,7 +59,7 @@ DEFAULTS = {
     "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
     "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
     "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
-    # beyond the paper (README "Beyond the paper")
+    # beyond the paper (docs/GUIDE.md "Beyond the paper")
     "wire_dtype": "float32", "aggregation": "mean", "trim_fraction": 0.2, "clip_norm": 0.0, "byzantine": 0,
     "attack": None, "sync": "all", "quorum": 0, "max_staleness": 4,
 }

@@ -190,7 +190,7 @@ def test_the_cli_runs_both_and_refuses_a_dpgan_threshold_above_the_workers(tmp_p
 
     common = ["--dataset", "synthetic", "--workers", "2", "--iterations", "2", "--batch-size", "4",
               "--eval-every", "-1", "--no-progress"]
-    monkeypatch.setenv("MDGAN_POTENTIAL_ROUNDS", "2")  # every flag is also an MDGAN_ variable
+    monkeypatch.setenv("MDGAN_SIMULATE_POTENTIAL_ROUNDS", "2")  # every flag is also a variable of its command
     assert main(["simulate", "--algorithm", "pwgan", *common, "--out", str(tmp_path / "p")]) == 0
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["algorithm"] == "pwgan"

@@ -152,20 +152,20 @@ def test_help_shows_each_options_default_and_its_variable(monkeypatch):
 
 
 def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkeypatch, capsys):
-    # argparse checks the choices of a value given on the command line only: a variable is checked
-    # here, before `mdgan local` starts any process with it.
+    # argparse checks the choices of a value given on the command line only: a variable (mdgan local's
+    # own, MDGAN_LOCAL_*) is checked here, before `mdgan local` starts any process with it.
     from mdgan_app import cli
 
-    monkeypatch.setenv("MDGAN_CPU_SCHEDULING", "bogus")
+    monkeypatch.setenv("MDGAN_LOCAL_CPU_SCHEDULING", "bogus")
     with pytest.raises(SystemExit) as exit_:
         cli.build_parser().parse_args(["local"])
     assert exit_.value.code == 2
-    assert "MDGAN_CPU_SCHEDULING='bogus': invalid choice (choose from 'batch', 'normal')" in capsys.readouterr().err
+    assert "MDGAN_LOCAL_CPU_SCHEDULING='bogus': invalid choice (choose from 'batch', 'normal')" in capsys.readouterr().err
     # the command line comes first: a flag given overrides the variable, which is then not used
     assert cli.build_parser().parse_args(["local", "--cpu-scheduling", "batch"]).cpu_scheduling == "batch"
-    monkeypatch.setenv("MDGAN_CPU_SCHEDULING", "normal")
-    monkeypatch.setenv("MDGAN_PIN_WORKERS", "off")
-    monkeypatch.setenv("MDGAN_KAPPA", "3")
+    monkeypatch.setenv("MDGAN_LOCAL_CPU_SCHEDULING", "normal")
+    monkeypatch.setenv("MDGAN_LOCAL_PIN_WORKERS", "off")
+    monkeypatch.setenv("MDGAN_LOCAL_KAPPA", "3")
     args = cli.build_parser().parse_args(["local"])
     assert (args.cpu_scheduling, args.pin_workers, args.kappa) == ("normal", "off", 3)
 
