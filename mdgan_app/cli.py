@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "in OUT/workers/)")
         durable.add_argument("--resume", metavar="RUN", default=None,
                              help="continue the run in directory RUN from its last complete checkpoint, with the "
-                                  "settings it was launched with (RUN/launch.json); an option given with --resume "
+                                  "settings it was launched with (RUN/launch.toml); an option given with --resume "
                                   "overrides one of them (a moved --data-root, say), except the training ones")
         durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
         g = p.add_argument_group("emulated Byzantine workers (experiments)")

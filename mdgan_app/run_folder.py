@@ -1,5 +1,5 @@
 """A run folder's bookkeeping on the command line's side: one command at a time in a folder (its lock),
-and the settings it was launched with (RUN/launch.json), which `--resume` takes again."""
+and the settings it was launched with (RUN/launch.toml, a --config file), which `--resume` takes again."""
 
 from __future__ import annotations
 
@@ -33,25 +33,56 @@ def run_dir_lock(out: str, command: str):
         yield  # (the lock goes with the file's closing, or the process's death)
 
 
-LAUNCH_FILE = "launch.json"  # `mdgan local`'s or `simulate`'s settings of the run in a folder, for --resume
+# `mdgan local`'s or `simulate`'s settings of the run in a folder, for --resume: a --config file (TOML)
+LAUNCH_FILE = "launch.toml"
+OLD_LAUNCH_FILE = "launch.json"  # what mdgan wrote before: still read
 _NOT_LAUNCH_SETTINGS = {"command", "func", "given", "out", "resume", "run_id"}
 _PATH_SETTINGS = ("data_root", "site_dirs")  # saved absolute: a resume may start from another folder
 
 
 def save_launch_settings(args) -> None:
-    """RUN/launch.json: every setting of this `mdgan local` or `simulate` but where it writes and whether
-    it resumes."""
-    from mdgan.checkpoint import atomic_write_json
+    """RUN/launch.toml: every setting of this `mdgan local` or `simulate` but where it writes and whether
+    it resumes, as a --config file (`mdgan local --config RUN/launch.toml --out ELSEWHERE` runs it again)."""
+    from mdgan.checkpoint import atomic_write_bytes
+    from services.common.settings import settings_toml
 
-    settings = {key: value for key, value in sorted(vars(args).items()) if key not in _NOT_LAUNCH_SETTINGS}
+    settings = {key: value for key, value in sorted(vars(args).items())
+                if key not in _NOT_LAUNCH_SETTINGS and key not in ("config", "print_config")}
     for key in _PATH_SETTINGS:
         if settings.get(key):
             settings[key] = os.path.abspath(settings[key])
-    atomic_write_json(os.path.join(args.out, LAUNCH_FILE), settings)
+    text = settings_toml(settings, f"mdgan {args.command}: the settings this run was launched with (--resume "
+                                   f"takes them again; --config takes this file)")
+    atomic_write_bytes(os.path.join(args.out, LAUNCH_FILE), text.encode())
 
 
-def _check_launch_setting(args, key: str, value) -> None:
-    """A saved setting must be of its option's kind (an edited launch.json): a number where a number
+def _read_launch_settings(args) -> tuple[dict, str]:
+    """(the run's launch settings keyed like args, the file's name): launch.toml, or an older mdgan's
+    launch.json, or none (an older mdgan still: its training settings are the run's own)."""
+    import tomllib
+
+    from mdgan.checkpoint import read_json
+
+    toml_path = os.path.join(args.resume, LAUNCH_FILE)
+    try:
+        with open(toml_path, "rb") as fh:
+            return {key.replace("-", "_"): value for key, value in tomllib.load(fh).items()}, LAUNCH_FILE
+    except FileNotFoundError:
+        pass
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} is unreadable: {exc}") from None
+    try:
+        return read_json(os.path.join(args.resume, OLD_LAUNCH_FILE)), OLD_LAUNCH_FILE
+    except FileNotFoundError:
+        print(f"mdgan {args.command}: {args.resume} has no {LAUNCH_FILE} (an older mdgan launched it): its training "
+              "settings are its own, the others (data, evaluation, checkpoints) this command's", file=sys.stderr)
+        return {}, LAUNCH_FILE
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume {args.resume}: {OLD_LAUNCH_FILE} is unreadable: {exc}") from None
+
+
+def _check_launch_setting(args, key: str, value, name: str = LAUNCH_FILE) -> None:
+    """A saved setting must be of its option's kind (an edited launch file): a number where a number
     is, and so on; what it may be beyond that, the checks of a fresh launch say."""
     default = getattr(args, key)
     if default is None or value is None:
@@ -61,7 +92,7 @@ def _check_launch_setting(args, key: str, value) -> None:
         return "bool" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else type(v).__name__
 
     if kind(value) != kind(default):
-        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE}: {key} is {value!r}, not a "
+        raise ConfigError(f"--resume {args.resume}: {name}: {key} is {value!r}, not a "
                           f"{kind(default)} like its option's (edit it, or give --{key.replace('_', '-')})")
 
 
@@ -77,20 +108,13 @@ def take_launch_settings(args) -> None:
         saved = read_json(os.path.join(args.resume, RUN_FILE))
     except FileNotFoundError:
         raise ConfigError(f"--resume {args.resume}: no run to resume there (no {RUN_FILE})") from None
-    try:
-        launched = read_json(os.path.join(args.resume, LAUNCH_FILE))
-    except FileNotFoundError:  # launched by an older mdgan
-        launched = {}
-        print(f"mdgan {args.command}: {args.resume} has no {LAUNCH_FILE} (an older mdgan launched it): its training "
-              "settings are its own, the others (data, evaluation, checkpoints) this command's", file=sys.stderr)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} is unreadable: {exc}") from None
+    launched, name = _read_launch_settings(args)
     if not isinstance(launched, dict):
-        raise ConfigError(f"--resume {args.resume}: {LAUNCH_FILE} holds no settings (a JSON object is expected)")
+        raise ConfigError(f"--resume {args.resume}: {name} holds no settings (a JSON object is expected)")
     given = getattr(args, "given", set())
     for key, value in launched.items():
         if key not in given and key not in _NOT_LAUNCH_SETTINGS and hasattr(args, key):
-            _check_launch_setting(args, key, value)
+            _check_launch_setting(args, key, value, name)
             setattr(args, key, value)
     for key in ("workers", "iterations"):  # the run's own: its checkpoints are of that many
         if key in given and getattr(args, key) != saved["config"][key]:

@@ -89,6 +89,13 @@ def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path):
     out = str(tmp_path / "run")
     result = run(["mdgan_app.cli", "simulate", "--config", str(config), "--out", out])
     assert result.returncode == 0 and "4 iterations" in result.stdout, result.stderr
+    # a run's launch.toml is such a file: the same settings, the same generator, in another folder
+    again = str(tmp_path / "again")
+    assert run(["mdgan_app.cli", "simulate", "--config", os.path.join(out, "launch.toml"), "--out", again]).returncode == 0
+    import json
+
+    sha = [json.load(open(os.path.join(d, "summary.json")))["generator_sha256"] for d in (out, again)]
+    assert sha[0] == sha[1]
     assert "worker-" not in run(["services.worker", "--config", str(config), "--print-config"]).stderr
     for text, message in (("workerz = 2", "unknown key 'workerz'"), ('workers = "two"', "workers = 'two': invalid int"),
                           ("no-progress = 1", "true or false"), ('dataset = "imagenet"', "choose from"),

@@ -407,8 +407,10 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     summary = json.loads((run / "summary.json").read_text())
     # From the stop's own checkpoint: the server is stopped before its workers, who write their states to it.
     assert summary["iterations"] == 160 and summary["resumed_from"] == stopped_at
-    launched = json.loads((run / "launch.json").read_text())
-    assert launched["dataset"] == "synthetic" and launched["checkpoint_every"] == 20 and launched["split"] == "dirichlet"
+    import tomllib
+
+    launched = tomllib.loads((run / "launch.toml").read_text())  # a --config file: a key per flag
+    assert launched["dataset"] == "synthetic" and launched["checkpoint-every"] == 20 and launched["split"] == "dirichlet"
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir())[-1] == 160  # checkpointing went on
     [earlier] = (run / "earlier-logs").iterdir()  # the logs of the start before, which say why it stopped
     assert f"stopped at iteration {stopped_at} by a signal" in (earlier / "server.log").read_text()
@@ -421,24 +423,31 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     assert summary["generator_sha256"] == uninterrupted["generator_sha256"]
 
 
-def test_a_launch_json_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_error(tmp_path):
+def test_a_launch_file_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_error(tmp_path):
     from mdgan.config import TrainingConfig
     from mdgan.run import open_run
 
     run = tmp_path / "run"
     open_run(str(run), TrainingConfig(workers=2).validate())
-    for text, says in (('["not", "settings"]', "launch.json holds no settings"),
-                       ('{"threads": "two"}', "launch.json: threads is 'two', not a number"),
-                       ('{"dataset": 5}', "launch.json: dataset is 5, not a str"),
-                       ('{"insecure": "no"}', "launch.json: insecure is 'no', not a bool"),
-                       ('{"threads": ', "launch.json is unreadable"),
-                       ('{}', "")):
-        (run / "launch.json").write_text(text)
+    cases = [("launch.toml", 'threads = "two"', "launch.toml: threads is 'two', not a number"),
+             ("launch.toml", "dataset = 5", "launch.toml: dataset is 5, not a str"),
+             ("launch.toml", 'insecure = "no"', "launch.toml: insecure is 'no', not a bool"),
+             ("launch.toml", "threads = ", "launch.toml is unreadable"),
+             ("launch.toml", "", ""),
+             # what an older mdgan wrote is still read
+             ("launch.json", '["not", "settings"]', "launch.json holds no settings"),
+             ("launch.json", '{"threads": "two"}', "launch.json: threads is 'two', not a number"),
+             ("launch.json", '{"threads": ', "launch.json is unreadable"),
+             ("launch.json", '{}', "")]
+    for name, text, says in cases:
+        for old in ("launch.toml", "launch.json"):
+            (run / old).unlink(missing_ok=True)
+        (run / name).write_text(text)
         resumed = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "local", "--resume", str(run), "--no-progress",
                                   *([] if says else ["--workers", "3"])], cwd=tmp_path, capture_output=True, text=True,
                                  timeout=120)
         says = says or "the run has workers 2; --workers 3 cannot change it"  # a run's size is its own
-        assert resumed.returncode == 2 and says in resumed.stderr, (text, resumed.stderr)
+        assert resumed.returncode == 2 and says in resumed.stderr, (name, text, resumed.stderr)
         assert "Traceback" not in resumed.stderr and not (run / "logs").exists(), resumed.stderr  # nothing started
 
 

@@ -51,6 +51,25 @@ EXIT_CODES = """exit status:
   128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM); a stopped run resumes with --resume"""
 
 
+def settings_toml(settings: dict, header: str) -> str:
+    """Settings (dest -> value) as a TOML file that --config takes: a key per flag (batch-size = 10),
+    unset ones (None: TOML has no null) as comments."""
+    lines = [f"# {header}"]
+    for dest, value in settings.items():
+        key = dest.replace("_", "-")
+        if value is None:
+            lines.append(f"# {key} =  (unset)")
+        elif isinstance(value, bool):
+            lines.append(f"{key} = {str(value).lower()}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{key} = {value!r}")
+        elif isinstance(value, (list, tuple)):
+            lines.append(f"{key} = {json.dumps([str(v) for v in value])}")
+        else:
+            lines.append(f"{key} = {json.dumps(str(value))}")
+    return "\n".join(lines) + "\n"
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """argparse's, but the exit-status table keeps its lines."""
 
@@ -175,22 +194,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def _print_config(self, namespace: argparse.Namespace) -> None:
         """Every setting as TOML (what --config takes); unset ones as comments."""
-        lines = [f"# {self.prog}: every setting, as it would run (flag > variable > --config > default)"]
-        for dest in self._options():
-            value = getattr(namespace, dest, None)
-            key = dest.replace("_", "-")
-            if value is None:
-                lines.append(f"# {key} =  (unset)")
-            elif isinstance(value, bool):
-                lines.append(f"{key} = {str(value).lower()}")
-            elif isinstance(value, (int, float)):
-                lines.append(f"{key} = {value!r}")
-            elif isinstance(value, (list, tuple)):
-                lines.append(f"{key} = {json.dumps([str(v) for v in value])}")
-            else:
-                lines.append(f"{key} = {json.dumps(str(value))}")
+        text = settings_toml({dest: getattr(namespace, dest, None) for dest in self._options()},
+                             f"{self.prog}: every setting, as it would run (flag > variable > --config > default)")
         try:
-            print("\n".join(lines), flush=True)
+            print(text, end="", flush=True)
         except BrokenPipeError:  # (| head): the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
