@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -106,3 +108,13 @@ def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path):
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
         assert not os.path.exists(tmp_path / "never")
     assert run(["services.server", "--config", str(tmp_path / "missing.toml")]).returncode == 2
+
+
+@pytest.mark.slow
+def test_mdgan_local_runs_from_a_config_file(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('workers = 2\niterations = 3\nbatch-size = 8\ndataset = "synthetic"\neval-every = -1\n'
+                      'swap-every = 2\n')
+    result = run(["mdgan_app.cli", "local", "--config", str(config), "--out", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "3 iterations, 2 of 2 workers alive" in result.stdout
