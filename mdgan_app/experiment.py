@@ -92,17 +92,22 @@ def load_config(path: str) -> dict:
     return config
 
 
+def _keys(settings: dict | None) -> dict:
+    """A run's settings with the flags' names accepted too (batch-size as batch_size), as in --config."""
+    return {str(k).replace("-", "_"): v for k, v in (settings or {}).items()}
+
+
 def expand(config: dict) -> list[dict]:
-    """Every run of the experiment, as complete settings."""
-    base = {**DEFAULTS, **(config.get("base") or {})}
-    grid = config.get("grid") or {}
+    """Every run of the experiment, as complete settings (keys: the flags' names, with - or _)."""
+    base = {**DEFAULTS, **_keys(config.get("base"))}
+    grid = _keys(config.get("grid"))
     runs = []
     keys = list(grid)
     for values in itertools.product(*(grid[k] if isinstance(grid[k], list) else [grid[k]] for k in keys)):
         if keys:
             runs.append({**base, **dict(zip(keys, values))})
     for extra in config.get("runs") or []:
-        runs.append({**base, **extra})
+        runs.append({**base, **_keys(extra)})
     for run in runs:
         unknown = set(run) - set(DEFAULTS)
         if unknown:

@@ -199,3 +199,16 @@ def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
     finally:
         for pid in session_processes(command.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_an_experiments_runs_take_the_flags_names_too():
+    """A run's settings may be written as the flags are (batch-size), as in a --config file."""
+    from mdgan.config import ConfigError
+    from mdgan_app.experiment import expand
+
+    runs = expand({"base": {"batch-size": 7, "dataset": "synthetic"}, "grid": {"swap-every": [5, 10]},
+                   "runs": [{"algorithm": "dpgan", "dp-threshold": 1}]})
+    assert [(r["batch_size"], r["swap_every"], r["dp_threshold"]) for r in runs] == [(7, 5, None), (7, 10, None),
+                                                                                     (7, None, 1)]
+    with pytest.raises(ConfigError, match="batch_sise"):
+        expand({"runs": [{"batch-sise": 7}]})
