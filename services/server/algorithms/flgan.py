@@ -1,5 +1,5 @@
 """FL-GAN (FedAvg of whole GANs) on the server: the library's FederatedWorker over a worker's stream,
-and the run around mdgan.baselines.FederatedTrainer. Speaks model parts and local rounds."""
+and the run around mdgan.algorithms.flgan.FederatedTrainer. Speaks model parts and local rounds."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """MD-GAN on the server: the library's WorkerHandle over a worker's stream, and the run around
-mdgan.cluster.Trainer. Speaks batches/feedback, swap orders/reports/cancels, checkpoints."""
+mdgan.algorithms.mdgan.trainer.Trainer. Speaks batches/feedback, swap orders/reports/cancels, checkpoints."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class GrpcWorker(StreamHandle, WorkerHandle):
 
 
 class MDGANServer:
-    """An MD-GAN run on the server: mdgan.cluster.Trainer over the roster's GrpcWorkers."""
+    """An MD-GAN run on the server: mdgan.algorithms.mdgan.trainer.Trainer over the roster's GrpcWorkers."""
 
     handle = GrpcWorker
 
