@@ -190,6 +190,15 @@ def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log: {exc})"
 
 
+def _complete_lines(path: str) -> int:
+    """Complete lines of a file being appended to (0: none yet)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().count(b"\n")
+    except OSError:
+        return 0
+
+
 def _scrape(port: int, *names: str) -> dict[str, float]:
     """Values of a Prometheus exposition (the server's own metrics) by sample name; {} when unreachable."""
     found = {}
@@ -442,6 +451,9 @@ class LocalCluster:
         from tqdm import tqdm
 
         history = os.path.join(self.out, "history.jsonl")
+        # (a resumed run's history holds its earlier lines, cut back to its checkpoint before the server
+        # serves: a line more than now is an iteration of this start)
+        lines_before = _complete_lines(history)
         quiet = self.args.no_progress or not sys.stderr.isatty()  # bars on a terminal only
         with tqdm(total=self.args.workers, desc="workers joined", unit="worker", disable=quiet) as bar:
             joined, last_note = 0, time.monotonic()
@@ -455,9 +467,10 @@ class LocalCluster:
                     self.check_children(started=False)
                 except ServiceFailed:
                     # Started since we looked? Then that worker left a run under way (told below), and
-                    # the run goes on: the run may have started up to a poll before it died.
+                    # the run goes on: the run may have started up to a poll before it died. A server
+                    # killed just after its first iteration answers no scrape: its history says it.
                     if _scrape(self.metrics_ports["server"], "mdgan_iterations_total").get(
-                            "mdgan_iterations_total", 0) > 0:
+                            "mdgan_iterations_total", 0) > 0 or _complete_lines(history) > lines_before:
                         break
                     raise
                 alive = values.get("mdgan_workers_alive")
