@@ -201,10 +201,14 @@ class RunRecorder:
         if record.swap_round is not None:
             values["swaps/round"] = record.swap_round
         self.tracking.metrics(record.iteration, {k: v for k, v in values.items() if _finite_or_none(v) is not None})
+        self._track_evaluations(evaluations)
+
+    def _track_evaluations(self, evaluations: list[dict]) -> None:
+        """Every evaluation's scores at its iteration, and the sample grid of every G that was scored."""
         for evaluation in evaluations:
             scores = {f"score/{k}": v for k, v in evaluation.items() if k != "eval_iteration" and _finite_or_none(v) is not None}
             self.tracking.metrics(evaluation["eval_iteration"], scores)
-        if self.evaluator is not None:  # the samples of every G that was scored
+        if self.evaluator is not None:
             for iteration, png in sorted(self.evaluator.take_grids().items()):
                 self.tracking.image(iteration, "samples", png)
 
@@ -230,7 +234,9 @@ class RunRecorder:
         """Stop the clock; a run cut short still gets its final generator scored (into the summary)."""
         wall = time.perf_counter() - self.started
         if self.evaluator is not None and iteration and not self._final_done:
-            self._finish(iteration)
+            evaluations = self._finish(iteration)
+            if self.tracking is not None:  # (a run cut short: its last scores are on no history line)
+                self._track_evaluations(evaluations)
         wall -= self._eval_seconds
         self._bar.close()
         for fh in (self._history, self._swaps):
@@ -325,9 +331,8 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
     if tracking is not None:
         tracking.params({"algorithm": summary.get("algorithm"), "run_id": summary.get("run_id"), "mode": mode,
                          **_flat(config.to_dict())})
+        # (the scores went with the evaluations: RunRecorder)
         final = {f"bytes/{k}": v for k, v in summary["payload_bytes"].items()}
-        final.update({f"score/{k}": v for k, v in (scores or {}).items()
-                      if k != "eval_iteration" and _finite_or_none(v) is not None})
         tracking.metrics(result.iterations, {**final, "time/wall_s": wall_seconds})
         for name in ("samples.png", "checkpoint.pt", "summary.json"):
             if os.path.exists(os.path.join(out_dir, name)):

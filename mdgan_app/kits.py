@@ -29,6 +29,10 @@ TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kit_templa
 DEPLOY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy")  # a checkout's deploy/
 KITS_FILE = "kits.json"
 DEFAULT_PEER_PORT, DEFAULT_METRICS_PORT, SERVER_METRICS_PORT = 50052, 9101, 9100
+# where a kit's tls/ folder is mounted in its containers, and who runs them (the images' user; .env may
+# change it to the owner of the kit's key)
+TLS_ENV = {"MDGAN_TLS_CA": "/tls/ca.crt", "MDGAN_TLS_CERT": "/tls/tls.crt", "MDGAN_TLS_KEY": "/tls/tls.key"}
+RUN_AS = {"KIT_UID": 10001, "KIT_GID": 10001}
 
 
 def image_tag() -> str:
@@ -157,14 +161,14 @@ def site_kit(pki_dir: str, name: str, server_address: str, advertise: str | None
         "MDGAN_ADVERTISE_ADDRESS": _address(host, port),  # what the other sites dial for the swap
         "MDGAN_SHARD_INDEX": slot,
         "MDGAN_METRICS_PORT": metrics_port,
-        "MDGAN_TLS_CA": "/tls/ca.crt", "MDGAN_TLS_CERT": "/tls/tls.crt", "MDGAN_TLS_KEY": "/tls/tls.key",
+        **TLS_ENV,
         "MDGAN_DATA_ROOT": "/data", "MDGAN_DATASET": "imagefolder",  # this site's own images (mdgan.sites)
         "MDGAN_STATE_DIR": "/state",
         "MDGAN_CONNECT_TIMEOUT": 600, "MDGAN_SERVER_TIMEOUT": 600,
     }))
     _write(os.path.join(kit_dir, ".env"), _env({
         "KIT_PEER_PORT": port, "KIT_METRICS_PORT": metrics_port, "KIT_TAG": tag,
-        "KIT_SITE_DATA": "./data", "KIT_UID": 10001, "KIT_GID": 10001}))
+        "KIT_SITE_DATA": "./data", **RUN_AS}))
     shutil.copyfile(os.path.join(TEMPLATES, "site-compose.yml"), os.path.join(kit_dir, "docker-compose.yml"))
     _write(os.path.join(kit_dir, "README.txt"), f"""mdgan site kit: {name}
 
@@ -214,12 +218,11 @@ def server_kit(pki_dir: str, name: str, server_address: str, *, workers: int | N
         "MDGAN_RESUME": "auto",  # a restarted server continues its unfinished run
         "MDGAN_CHECKPOINT_EVERY": 100,
         "MDGAN_METRICS_PORT": metrics_port,
-        "MDGAN_TLS_CA": "/tls/ca.crt", "MDGAN_TLS_CERT": "/tls/tls.crt", "MDGAN_TLS_KEY": "/tls/tls.key",
+        **TLS_ENV,
         "MDGAN_ALLOWED_WORKERS": ",".join(k.name for k in sites),  # only the sites this PKI made kits for
         "MDGAN_JOIN_TIMEOUT": 3600,
     }))
-    _write(os.path.join(kit_dir, ".env"), _env({"KIT_SERVER_PORT": port, "KIT_TAG": tag, "KIT_UID": 10001,
-                                                 "KIT_GID": 10001}))
+    _write(os.path.join(kit_dir, ".env"), _env({"KIT_SERVER_PORT": port, "KIT_TAG": tag, **RUN_AS}))
     shutil.copyfile(os.path.join(TEMPLATES, "server-compose.yml"), os.path.join(kit_dir, "docker-compose.yml"))
     with open(os.path.join(TEMPLATES, "prometheus.yml"), encoding="utf-8") as fh:
         prometheus = string.Template(fh.read()).substitute(server_metrics_port=metrics_port)
