@@ -44,6 +44,21 @@ def generator_sha256(generator: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def machine() -> dict:
+    """What computed a run: floating-point results agree bit for bit only where torch dispatched the
+    same kernels (the CPU capability level: ATEN_CPU_CAPABILITY pins it), so every summary says so."""
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY")}
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
@@ -62,11 +77,16 @@ class PeriodicEvaluator:
     waits for it; results are picked up by the next history line (all that finished since the line
     before). `finish` waits for those still running and scores the final G."""
 
-    def __init__(self, scorer, generator_side: GeneratorSide, every: int, samples: int = 500):
+    def __init__(self, scorer, generator_side: GeneratorSide, every: int, samples: int = 500,
+                 large_every: int = 0, large_samples: int = 5000):
         self.scorer = scorer  # anything with evaluate(images) -> dict of scores (mdgan.evaluation.ScoreEvaluator)
         self.generator_side = generator_side
         self.every = every
         self.noise = evaluation_samples(generator_side, samples)
+        # every large_every iterations (and at the end) the same G is also scored on large_samples images,
+        # keys *_large: FID on a few hundred samples is biased upward, and this measures by how much
+        self.large_every = large_every
+        self.large_noise = evaluation_samples(generator_side, large_samples) if large_every > 0 else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdgan-eval")
         self._pending: list[tuple[int, Future]] = []
         self._ready: list[dict] = []  # finished, not yet on a history line (carried across a checkpoint)
@@ -74,16 +94,23 @@ class PeriodicEvaluator:
         self.grids = False  # also draw each evaluated G's sample grid (tracking: a picture per evaluation)
         self._grids: dict[int, bytes] = {}  # eval_iteration -> PNG, until take_grids()
 
-    def _score(self, generator: torch.nn.Module, iteration: int | None = None) -> dict:
-        z, labels = self.noise
+    def _images(self, generator: torch.nn.Module, noise) -> torch.Tensor:
+        z, labels = noise
         device = self.generator_side.device
         with torch.no_grad():
-            images = generator.eval()(z.to(device), None if labels is None else labels.to(device))
+            return generator.eval()(z.to(device), None if labels is None else labels.to(device))
+
+    def _score(self, generator: torch.nn.Module, iteration: int | None = None, final: bool = False) -> dict:
         if self.grids and iteration is not None:
             png = sample_grid_png(self.generator_side, generator=generator)
             if png is not None:
                 self._grids[iteration] = png
-        return self.scorer.evaluate(images)
+        scores = self.scorer.evaluate(self._images(generator, self.noise))
+        if self.large_noise is not None and (final or (iteration is not None and iteration % self.large_every == 0)):
+            large = self.scorer.evaluate(self._images(generator, self.large_noise))
+            scores.update({f"{k}_large": v for k, v in large.items()})
+            scores["large_samples"] = len(self.large_noise[0])
+        return scores
 
     def take_grids(self) -> dict[int, bytes]:
         """The sample grids drawn since last asked (eval_iteration -> PNG)."""
@@ -123,21 +150,22 @@ class PeriodicEvaluator:
         the final one last."""
         wait([future for _, future in self._pending])
         done = self.collect()
-        final = {"eval_iteration": iteration, **self._score(copy.deepcopy(self.generator_side.generator), iteration)}
+        final = {"eval_iteration": iteration,
+                 **self._score(copy.deepcopy(self.generator_side.generator), iteration, final=True)}
         self.latest = final
         self._pool.shutdown()
         return done + [final]
 
 
 def make_evaluator(generator_side: GeneratorSide, data_root: str | None, every: int, samples: int,
-                   reference: int) -> PeriodicEvaluator | None:
+                   reference: int, large_every: int = 0, large_samples: int = 5000) -> PeriodicEvaluator | None:
     """MNIST score and FID (the paper's metrics) for runs whose samples are MNIST digits."""
     if data_root is None or generator_side.spec.sample_size != 28 * 28 or every < 0:
         return None
     from mdgan.evaluation import ScoreEvaluator
 
     scorer = ScoreEvaluator.from_mnist_test(data_root, n=reference, seed=0, device=generator_side.device)
-    return PeriodicEvaluator(scorer, generator_side, every, samples)
+    return PeriodicEvaluator(scorer, generator_side, every, samples, large_every, large_samples)
 
 
 def _append_line(fh, line: str) -> None:
@@ -320,6 +348,7 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
         },
         "scores": scores,
         "config": config.to_dict(),
+        "machine": machine(),
     }
     summary.update(extra or {})
     save_sample_grid(generator_side, os.path.join(out_dir, "samples.png"))
@@ -477,3 +506,5 @@ class EvaluationOptions:
     every: int = 1000
     samples: int = 500
     reference: int = 2000
+    large_every: int = 0  # > 0: every this many iterations, and at the end, also scored on large_samples images
+    large_samples: int = 5000

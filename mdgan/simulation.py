@@ -66,7 +66,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
         shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
-                               evaluation.reference)
+                               evaluation.reference, evaluation.large_every, evaluation.large_samples)
     from mdgan.tracking import Tracking
 
     tracking = Tracking.open(run.run_id or algorithm, tensorboard, mlflow)

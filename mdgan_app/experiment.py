@@ -17,7 +17,9 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
 
 Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
-split, dirichlet_alpha, eval_every, eval_samples, eval_reference, device (cpu, cuda), crash ("every I/N": one worker fails
+split, dirichlet_alpha, eval_every, eval_samples, eval_reference, eval_large_every and eval_large_samples
+(scores on that many images too, every so many iterations and at the end: fid_large, mnist_score_large),
+checkpoint_every (durable algorithms: a stopped run resumes from its last checkpoint), device (cpu, cuda), crash ("every I/N": one worker fails
 every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs), wire_dtype,
 aggregation, trim_fraction, clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper:
 docs/GUIDE.md), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
@@ -62,6 +64,9 @@ DEFAULTS = {
     # beyond the paper (docs/GUIDE.md "Beyond the paper")
     "wire_dtype": "float32", "aggregation": "mean", "trim_fraction": 0.2, "clip_norm": 0.0, "byzantine": 0,
     "attack": None, "sync": "all", "quorum": 0, "max_staleness": 4,
+    # long runs: scores on eval_large_samples images too, every eval_large_every iterations and at the end;
+    # a checkpoint every checkpoint_every iterations (durable algorithms), from which a resume continues
+    "eval_large_every": 0, "eval_large_samples": 5000, "checkpoint_every": 0,
 }
 # every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the data-parallel GAN's Q, ...), with their defaults
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
@@ -165,8 +170,12 @@ def run_one(run: dict, out_dir: str, progress: bool) -> dict:
                       dirichlet_alpha=run["dirichlet_alpha"])
     evaluation = EvaluationOptions(data_root=run["data_root"] if run["dataset"] == "mnist" else None,
                                    every=run["eval_every"], samples=run["eval_samples"],
-                                   reference=run["eval_reference"])
+                                   reference=run["eval_reference"], large_every=run["eval_large_every"],
+                                   large_samples=run["eval_large_samples"])
+    # (the algorithms that cannot checkpoint run through: a stop restarts them)
+    durable = run["checkpoint_every"] > 0 and algorithms.get(run["algorithm"]).durable
     return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
+                    checkpoint_every=run["checkpoint_every"] if durable else 0, resume="auto" if durable else "no",
                     crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
                     attack=run["attack"] if run["byzantine"] else None,
                     options=algorithms.get(run["algorithm"]).options_from(run))
@@ -192,7 +201,10 @@ def collect(runs: list[dict], out: str) -> list[dict]:
                                  "attack": f"{run['byzantine']}x {run['attack']}" if run["attack"] and run["byzantine"]
                                  else "", "seed": run["seed"],
                                  "iteration": evaluation["eval_iteration"], "mnist_score": evaluation.get("mnist_score"),
-                                 "fid": evaluation.get("fid"), "active_workers": record.get("active_workers")})
+                                 "fid": evaluation.get("fid"), "active_workers": record.get("active_workers"),
+                                 "large_samples": evaluation.get("large_samples"),
+                                 "mnist_score_large": evaluation.get("mnist_score_large"),
+                                 "fid_large": evaluation.get("fid_large")})
     return rows
 
 
@@ -304,11 +316,13 @@ def plot_samples(runs: list[dict], out: str, title: str, per_row: int = 4) -> st
     return target
 
 
-PRESENTATION_KEYS = ("label", "series")  # how a run is drawn, not what it trained: free to change on resume
+# how a run is drawn or kept, not what it trained: free to change on resume
+PRESENTATION_KEYS = ("label", "series", "checkpoint_every")
 
 
 def _trained(run: dict) -> dict:
-    return {k: v for k, v in run.items() if k not in PRESENTATION_KEYS}
+    """What a run trained; a key its run.json lacks (written before the key existed) had its default."""
+    return {k: v for k, v in {**DEFAULTS, **run}.items() if k not in PRESENTATION_KEYS}
 
 
 def _start_child() -> None:
