@@ -8,6 +8,7 @@ how the two sides talk.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import random
@@ -192,6 +193,16 @@ class DiscriminatorSide:
             shard = dataclasses.replace(shard, images=shard.images.to(self.device), labels=shard.labels.to(self.device))
         self.optimizer = make_adam(self.discriminator, config.discriminator_optimizer)
         self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
+        # the generated samples of the last batch trained on, X_d: (b, *shape), (b,) or None; the
+        # swap check's generated half (mdgan/algorithms/mdgan/swapcheck.py)
+        self.last_discriminated: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._scratch: torch.nn.Module | None = None
+
+    def check_module(self) -> torch.nn.Module:
+        """A scratch copy of D's module (eval mode) to judge an incoming state on, made once."""
+        if self._scratch is None:  # (eval mode: no dropout, no running statistics updated)
+            self._scratch = copy.deepcopy(self.discriminator).eval().requires_grad_(False)
+        return self._scratch
 
     @property
     def shard_index(self) -> int:
@@ -216,6 +227,7 @@ class DiscriminatorSide:
             self.optimizer.step()
             real_acc = (real_logits[:, 0] > 0).float().mean().item()
             fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
+        self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
 
         trained = time.perf_counter()
         generated = batch.generated.detach().clone().requires_grad_(True)

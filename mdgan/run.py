@@ -339,6 +339,7 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
         "swaps": result.swaps,
         "swap_period": result.swap_period,
         "rejections": result.rejections,
+        "swaps_refused": result.swaps_refused,
         "stopped_early": result.stopped_early,
         "final": {
             "gen_loss": _finite_or_none(last.gen_loss) if last else None,

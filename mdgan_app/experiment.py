@@ -332,7 +332,8 @@ def _start_child() -> None:
     it holds (tqdm's lock, a named semaphore) instead of leaving it to the resource tracker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    scheduling.die_with_parent()  # and when the parent dies outright (SIGKILL, the OOM killer), so do we
+    # and when the parent dies outright (SIGKILL, the OOM killer), so do we; it may have died while we imported
+    scheduling.die_with_parent(multiprocessing.parent_process().pid)
     # what stopping leaves: the coroutine of the training step it cut short, never awaited
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 
@@ -393,7 +394,13 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
             bar.update(1)
     elif todo:
         # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
-        pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
+        # The children start with Ctrl-C ignored (an ignored signal stays ignored across exec): one that
+        # came while a child was still importing torch printed its KeyboardInterrupt traceback
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         try:
             for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
                 bar.set_postfix_str(f"finished {name}")  # a failed run raises here

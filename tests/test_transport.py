@@ -11,7 +11,9 @@ import torch
 
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.data import load_shard
-from mdgan.gan import DiscriminatorSide
+from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
+from mdgan.attacks import SWAP_ATTACKS, DiscriminatorAttack
+from mdgan.gan import DiscriminatorSide, GeneratorSide
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
@@ -117,8 +119,9 @@ async def _serve(servicer_adder) -> tuple[grpc.aio.Server, int]:
 async def _join_status(port: int, first: pb.WorkerMessage) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
-        await call.write(first)
         try:
+            # (a server that refuses the stream as it opens can end the call before this write lands)
+            await call.write(first)
             reply = await call.read()
         except grpc.aio.AioRpcError as exc:
             return exc.code()
@@ -325,7 +328,8 @@ def test_peer_service_checks_every_pushed_discriminator():
             results["unexpected round"] = await push(list(codec.state_chunks(state, 9, "worker-1")))
             results["good"] = await push(good)
             results["same round again"] = await push(good)
-            sender, received = await node.algorithm.mailbox.collect(1, timeout=1)
+            sender, received, refused = await node.algorithm.mailbox.collect(1, timeout=1)
+            assert refused == ""
             return results, sender, received
         finally:
             await server.stop(None)
@@ -569,3 +573,66 @@ def test_workers_sharing_a_process_step_together_then_answer_together():
     asyncio.run(iteration())
     assert events == [("step", 0), ("step", 1), ("write", 0), ("write", 1)]
     assert all(w.trained_iteration == 1 for w in workers)
+
+
+@pytest.mark.parametrize("attack", SWAP_ATTACKS)
+def test_a_poisoned_discriminator_from_the_designated_sender_is_refused_and_the_round_closed(attack):
+    """The sender is the one the order names (a member, or its stolen key), and the state is well
+    formed: only the content check can tell. Refused (PERMISSION_DENIED, counted), the receiver keeps
+    its own D, and a second push for that round (say, the member's real one) is a duplicate."""
+    config = TrainingConfig(workers=2, batch_size=B).validate()
+    shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
+    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    donor = DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=2), 1))
+    honest = donor.export_state()
+    poisoned = DiscriminatorAttack(attack, config.seed, 1)(honest)
+
+    async def push(state) -> tuple[grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                await push_discriminator(channel, list(codec.state_chunks(state, 1, "worker-1")), 10)
+                return grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details()
+
+    async def scenario():
+        nonlocal port
+        server, port = await _serve(lambda s: peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), s))
+        try:
+            node.algorithm = MDGANWorker(node, config, shard)
+            own = {k: v.clone() for k, v in node.algorithm.side.discriminator.state_dict().items()}
+            node.algorithm.mailbox.expect(1, "worker-1")
+            results = [await push(poisoned), await push(honest)]
+            return results, await node.algorithm.mailbox.collect(1, timeout=1), own
+        finally:
+            await server.stop(None)
+
+    port = 0
+    before = node.telemetry.rejected.labels("discriminator")._value.get()
+    results, (sender, received, refused), own = asyncio.run(scenario())
+    assert results[0][0] == grpc.StatusCode.PERMISSION_DENIED and results[0][1].startswith("discriminator refused: ")
+    assert results[1][0] == grpc.StatusCode.ALREADY_EXISTS
+    assert (sender, received) == ("worker-1", None) and refused and refused in results[0][1]
+    assert node.telemetry.rejected.labels("discriminator")._value.get() == before + 1
+    after = node.algorithm.side.discriminator.state_dict()
+    assert all(torch.equal(own[k], after[k]) for k in own)  # it kept its own
+
+
+def test_the_swap_check_passes_honest_discriminators_and_refuses_each_attack():
+    """On a D trained a little: its peers' honest states pass, every swap attack and a NaN fail."""
+    config = TrainingConfig(workers=2, batch_size=B, seed=1).validate()
+    sides = [DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=2), i)) for i in range(2)]
+    generator = GeneratorSide(config)
+    for _ in range(30):
+        batches = generator.generate(1)
+        for side in sides:
+            side.step(batches.for_worker(0))
+    check = SwapCheck()
+    assert check_incoming(sides[0], sides[1].export_state(), check).refused == ""
+    assert check_incoming(sides[1], sides[0].export_state(), check).refused == ""
+    for attack in SWAP_ATTACKS:
+        verdict = check_incoming(sides[0], DiscriminatorAttack(attack, 0, 1)(sides[1].export_state()), check)
+        assert verdict.refused, attack
+    broken = sides[1].export_state()
+    next(iter(broken.values()))[0] = float("nan")
+    assert "not finite" in check_incoming(sides[0], broken, check).refused

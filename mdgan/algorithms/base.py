@@ -83,6 +83,7 @@ class RunResult:
     last: IterationRecord | None
     stopped_early: str | None = None
     alive: list[str] | None = None  # worker ids connected at the end
+    swaps_refused: int = 0  # MD-GAN: received discriminators the receivers' checks refused (swapcheck.py)
 
 
 def option(default, flag: str, help: str, short: str = "", **argparse_kwargs):

@@ -396,6 +396,28 @@ def config_from_spec(spec) -> "TrainingConfig":
                           discriminator_optimizer=OptimizerSpec(spec.disc_lr, spec.disc_beta1, spec.disc_beta2)).validate()
 
 
+def swap_check_spec_fields(options) -> dict:
+    """MD-GAN's swap check (mdgan.algorithms.mdgan.swapcheck.MDGANOptions) as TrainingSpec fields 40..44."""
+    return {"swap_check": options.swap_check, "swap_check_norm_ratio": options.swap_check_norm_ratio,
+            "swap_check_loss_ratio": options.swap_check_loss_ratio,
+            "swap_check_min_cosine": options.swap_check_min_cosine, "swap_check_min_cosine_set": True}
+
+
+def swap_check_from_spec(spec, override: str | None = None):
+    """The swap check a worker applies: the run's (the spec; a server that sends none: the defaults),
+    or `override` on/off (the worker's own --swap-check). Raises ConfigError on nonsense."""
+    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+
+    default = MDGANOptions()
+    options = MDGANOptions(
+        swap_check=override or spec.swap_check or default.swap_check,
+        swap_check_norm_ratio=spec.swap_check_norm_ratio or default.swap_check_norm_ratio,
+        swap_check_loss_ratio=spec.swap_check_loss_ratio or default.swap_check_loss_ratio,
+        swap_check_min_cosine=spec.swap_check_min_cosine if spec.swap_check_min_cosine_set
+        else default.swap_check_min_cosine)
+    return options.validate().as_check()
+
+
 def pwgan_spec_fields(options) -> dict:
     """P-WGAN's options (mdgan.algorithms.pwgan.PWGANOptions) as TrainingSpec fields 30..32."""
     return {"potential_rounds": options.potential_rounds, "potential_lr": options.potential_lr,

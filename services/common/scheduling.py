@@ -87,12 +87,17 @@ def usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))  # not on every platform
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Have the kernel send this process SIGTERM when its parent dies, even outright (SIGKILL, the
-    OOM killer), so no child goes on alone; exit now if the parent is already gone (Linux only)."""
+    OOM killer), so no child goes on alone; exit now if the parent is already gone (Linux only).
+    parent: the pid it was started by, when known (a child that calls this late, after its imports,
+    may already have been re-parented: its getppid() is then no longer its parent's)."""
     if sys.platform != "linux":
         return
-    parent = os.getppid()
+    if parent is None:
+        parent = os.getppid()
+    elif os.getppid() != parent:
+        sys.exit(1)
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before prctl took effect
         sys.exit(1)

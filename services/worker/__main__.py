@@ -79,10 +79,15 @@ def build_parser() -> EnvArgumentParser:
     add_scheduling_argument(parser, default="normal")
     add_affinity_argument(parser)
     add_data_arguments(parser)
+    parser.add_argument("--swap-check", choices=("run", "on", "off"), default="run",
+                        help="MD-GAN: check a discriminator pushed to this worker before it replaces ours (norm, "
+                             "direction and loss on our own data; docs/PRIVACY.md): run (as the server's run says), "
+                             "on or off; a refused one is answered PERMISSION_DENIED and we keep our own")
     g = parser.add_argument_group("emulation, for experiments and tests only")
     g.add_argument("--attack", choices=ATTACKS, default=None,
                    help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), both (-10 F), "
-                        "noise (10x F's RMS) or zero (free-ride) feedback instead of F (mdgan/attacks.py)")
+                        "noise (10x F's RMS) or zero (free-ride) feedback instead of F, or (swap-*) push a zeroed, "
+                        "sign-flipped, scaled (10x) or random discriminator at each swap (mdgan/attacks.py)")
     g.add_argument("--slow-factor", type=float, default=1.0,
                    help="behave as a straggler: every iteration takes this many times as long (waits "
                         "(F - 1) x the time its compute took before answering)")
@@ -211,7 +216,8 @@ async def serve(args) -> str:
                       telemetry=telemetry, device=args.device, tls=credentials, identity=identity,
                       server_name=args.tls_server_name, state_dir=args.state_dir,
                       keep_checkpoints=args.keep_checkpoints, run_id=args.run_id, attack=args.attack,
-                      slow_factor=args.slow_factor, **source)
+                      slow_factor=args.slow_factor, swap_check=None if args.swap_check == "run" else args.swap_check,
+                      **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)

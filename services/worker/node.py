@@ -101,7 +101,7 @@ class WorkerNode:
                  telemetry: Telemetry | None = None, device: str = "cpu", tls: TLSConfig | None = None,
                  identity: str = "", server_name: str | None = None, state_dir: str | None = None,
                  keep_checkpoints: int = 3, run_id: str | None = None, reconnect: bool = True,
-                 attack: str | None = None, slow_factor: float = 1.0):
+                 attack: str | None = None, slow_factor: float = 1.0, swap_check: str | None = None):
         if sum(x is not None for x in (shard, dataset, site)) != 1:
             raise ValueError("give a site's data, a shard, or a dataset to take the assigned shard from")
         self.shard = shard
@@ -114,6 +114,7 @@ class WorkerNode:
         # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
         self.attack_kind = attack
         self.slow_factor = slow_factor
+        self.swap_check = swap_check  # this site's own --swap-check on|off; None: as the run says
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout

@@ -15,6 +15,7 @@ from mdgan.gan import DiscriminatorSide
 from services.common import codec, rpc
 from services.common.proto import peer_pb2, peer_pb2_grpc
 from services.common.tls import peer_identity
+from mdgan.algorithms.mdgan.swapcheck import check_incoming
 
 if TYPE_CHECKING:
     from services.worker.node import WorkerNode
@@ -29,9 +30,13 @@ class SwapMailbox:
     Each round's order names the one identity this worker accepts a discriminator from
     (`expect`). A push is checked against that order before it is acknowledged: anyone else gets
     PERMISSION_DENIED. A push that arrives before the order is read ahead only when its sender is a
-    known member of the run; any other sender is held, unread, until the order decides. Only the
-    two rounds after the last completed one are taken, one state per round, so nobody can pile up
-    memory.
+    known member of the run; any other sender is held, unread, until the order decides. Either way
+    nothing is delivered before the order has come, and then the content is checked too
+    (PeerServicer, mdgan/algorithms/mdgan/swapcheck.py): what a member pushed early is judged like
+    any push, so holding it lets through nothing the order and the check would not. A refused push
+    closes the round's box (the receiver keeps its own D; a second push is refused as a duplicate).
+    Only the two rounds after the last completed one are taken, one state per round, so nobody can
+    pile up memory.
     """
 
     def __init__(self) -> None:
@@ -77,15 +82,17 @@ class SwapMailbox:
                                                        f"{swap_round}")
         return self.check(swap_round)
 
-    def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor] | None) -> None:
-        """`state` None: the server says the sender left; nothing will come this round."""
+    def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor] | None, refused: str = "") -> None:
+        """`state` None: the server says the sender left, or (`refused` says why) our check refused
+        what the designated sender pushed; either way nothing more is taken this round."""
         if swap_round <= self.completed_round:
             return
         box = self._box(swap_round)
         if not box.done():
-            box.set_result((sender, state))
+            box.set_result((sender, state, refused))
 
     async def collect(self, swap_round: int, timeout: float):
+        """(sender, state or None, why it was refused or "") of `swap_round`."""
         try:
             return await asyncio.wait_for(self._box(swap_round), timeout)
         finally:
@@ -139,6 +146,17 @@ async def push_discriminator(channel: grpc.aio.Channel, chunks: list[peer_pb2.Di
         # the call's own status (awaited below) says why.
         pass
     return await call
+
+
+REFUSED = "discriminator refused: "  # how a receiver's check refusal starts (PERMISSION_DENIED)
+
+
+class PushRefused(Exception):
+    """A push that arrived whole and was refused by the receiver's swap check."""
+
+    def __init__(self, payload: int, messages: int, details: str):
+        super().__init__(details)
+        self.payload, self.messages, self.details = payload, messages, details
 
 
 MAX_CONCURRENT_PUSHES = 8  # pushes in progress at once; more are refused (RESOURCE_EXHAUSTED)
@@ -245,5 +263,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             telemetry.rejected.labels(exc.reason).inc()
             log.warning("refused a discriminator from %s: %s", context.peer(), exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        check = getattr(inbox, "swap_check", None)
+        if mailbox is inbox.mailbox and check is not None and check.enabled:
+            # after the order (authorize above): our D is the one of this round's boundary, as in simulate
+            verdict = check_incoming(side, state, check)
+            if verdict.refused:
+                telemetry.rejected.labels("discriminator").inc()
+                log.warning("swap %d: refused the discriminator from %s: %s", assembler.header.round, sender,
+                            verdict.refused)
+                mailbox.deliver(assembler.header.round, sender, None, refused=verdict.refused)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, REFUSED + verdict.refused)
         mailbox.deliver(assembler.header.round, sender, state)
         return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)

@@ -7,6 +7,7 @@ swapped peer to peer every ceil(E*m/b) iterations.
 - synchrony.py: --sync quorum|async, an iteration that waits for some of the workers, not all.
 - checkpoints.py: what the server's part of a checkpoint holds.
 - inprocess.py: the in-process worker handle and the whole `mdgan simulate` run.
+- swapcheck.py: a received discriminator is checked before it replaces the receiver's (MD-GAN's options).
 The two sides' math (GeneratorSide, DiscriminatorSide) is mdgan/gan.py, shared by every algorithm.
 """
 
@@ -16,6 +17,7 @@ import math
 
 from mdgan.algorithms.base import DIRECTIONS, Algorithm
 from mdgan.algorithms.mdgan.inprocess import run_in_process
+from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
 from mdgan.algorithms.traffic import discriminator_state_bytes
 from mdgan.config import TrainingConfig
 
@@ -54,4 +56,4 @@ def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
 
 ALGORITHM = Algorithm(
     name="mdgan", title="MD-GAN", run_in_process=run_in_process, per_worker_per_iteration=per_worker_per_iteration,
-    run_traffic=run_traffic, durable=True, attackers=True)
+    run_traffic=run_traffic, options=MDGANOptions, durable=True, attackers=True)

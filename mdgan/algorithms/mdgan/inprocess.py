@@ -15,6 +15,7 @@ import torch
 from mdgan import compression
 from mdgan.algorithms.base import InProcessRun, RunResult, WorkerLost, crashing
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
+from mdgan.algorithms.mdgan.swapcheck import MDGANOptions, SwapCheck, check_incoming
 from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, TrainingConfig
@@ -51,9 +52,13 @@ class InProcessSwapBoard:
 class InProcessWorker(WorkerHandle):
     def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
                  state: CheckpointStore | None = None,
-                 attack: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 attack: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 swap_check: SwapCheck = SwapCheck(),
+                 discriminator_attack: Callable[[dict], dict] | None = None):
         self.side = side
         self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
+        self.discriminator_attack = discriminator_attack  # ... or the discriminator it pushes at a swap
+        self.swap_check = swap_check  # what it installs (mdgan/algorithms/mdgan/swapcheck.py)
         self.board = board
         self.swap_timeout = swap_timeout
         self.shard_index = side.shard_index
@@ -81,7 +86,7 @@ class InProcessWorker(WorkerHandle):
             raise WorkerLost(f"{self.worker_id} crashed")
         if order.kind == COPY:
             return await self._copy(order)
-        state, sent = self._outgoing_state()
+        state, sent = self._outgoing_state(self.discriminator_attack)
         self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
         try:
             sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
@@ -89,14 +94,20 @@ class InProcessWorker(WorkerHandle):
             return SwapReport(order.swap_round, True, False, sent, "no discriminator arrived")
         if sender != order.receive_from or incoming is None:
             return SwapReport(order.swap_round, True, False, sent, f"nothing usable from {sender}")
+        if self.swap_check.enabled:
+            verdict = check_incoming(self.side, incoming, self.swap_check)
+            if verdict.refused:  # we keep our own D for this round
+                return SwapReport(order.swap_round, True, False, sent,
+                                  f"refused the discriminator from {sender}: {verdict.refused}", refused=verdict.refused)
         self.side.import_state(incoming)
         return SwapReport(order.swap_round, True, True, sent)
 
-    def _outgoing_state(self) -> tuple[dict[str, torch.Tensor], int]:
+    def _outgoing_state(self, attack=None) -> tuple[dict[str, torch.Tensor], int]:
         """This worker's D as its receiver gets it (rounded to the wire dtype, as over gRPC), and the
-        payload bytes that travel."""
+        payload bytes that travel; `attack`: an emulated Byzantine worker's replacement of it."""
         wire = self.side.config.wire_dtype
-        packed = compression.pack_state(self.side.export_state(), wire)
+        exported = self.side.export_state()
+        packed = compression.pack_state(exported if attack is None else attack(exported), wire)
         return compression.unpack_state(packed, self.side.state_layout(), wire), compression.state_nbytes(packed)
 
     @staticmethod
@@ -138,17 +149,23 @@ class InProcessWorker(WorkerHandle):
 
 
 def build_in_process_workers(config: TrainingConfig, shards, state_root: str | None = None, keep: int = 3,
-                             byzantine: int = 0, attack: str | None = None) -> list[InProcessWorker]:
+                             byzantine: int = 0, attack: str | None = None,
+                             swap_check: SwapCheck = SwapCheck()) -> list[InProcessWorker]:
     """One in-process worker per shard; with state_root, worker k keeps its state in state_root/worker-k;
-    the last `byzantine` by rank replace their feedback by `attack`."""
-    from mdgan.attacks import FeedbackAttack, attackers
+    the last `byzantine` by rank replace their feedback (or the discriminator they push) by `attack`."""
+    from mdgan.attacks import attackers, make_attacks
 
     bad = set(attackers(len(shards), byzantine)) if attack else set()
     board = InProcessSwapBoard()
-    return [InProcessWorker(DiscriminatorSide(config, shard), board,
-                            state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
-                            attack=FeedbackAttack(attack, config.seed, shard.index) if shard.index in bad else None)
-            for shard in shards]
+    workers = []
+    for shard in shards:
+        feedback_attack, discriminator_attack = make_attacks(attack if shard.index in bad else None, config.seed,
+                                                             shard.index)
+        workers.append(InProcessWorker(
+            DiscriminatorSide(config, shard), board,
+            state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
+            attack=feedback_attack, swap_check=swap_check, discriminator_attack=discriminator_attack))
+    return workers
 
 
 def parse_churn(text: str | None) -> list[tuple[int, str, int]]:
@@ -172,7 +189,8 @@ async def _run(run: InProcessRun) -> RunResult:
     config, shards, generator_side, recorder = run.config, run.shards, run.generator, run.recorder
     keep, checkpoint_every, churn = run.keep_checkpoints, run.checkpoint_every, list(run.churn)
     state_root = os.path.join(run.out_dir, "workers", run.run.run_id)
-    workers = build_in_process_workers(config, shards, state_root, keep, run.byzantine, run.attack)
+    swap_check = (run.options or MDGANOptions()).as_check()
+    workers = build_in_process_workers(config, shards, state_root, keep, run.byzantine, run.attack, swap_check)
     by_slot = {w.shard_index: w for w in workers}
     roster = Roster(config.workers, pause_timeout=0)
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
@@ -209,7 +227,8 @@ async def _run(run: InProcessRun) -> RunResult:
                 log.info("churn: worker-%d leaves at iteration %d", slot, t)
             elif action == "join" and roster.slot_of(current) is None:
                 fresh = type(current)(DiscriminatorSide(config, current.side.sampler.shard), current.board,
-                                      current.swap_timeout, state=current.state, attack=current.attack)
+                                      current.swap_timeout, state=current.state, attack=current.attack,
+                                      swap_check=current.swap_check, discriminator_attack=current.discriminator_attack)
                 by_slot[slot] = fresh
                 arrive(fresh)
                 log.info("churn: worker-%d joins at iteration %d (%s)", slot, t,

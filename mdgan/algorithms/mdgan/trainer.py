@@ -50,6 +50,7 @@ class SwapReport:
     received: bool
     sent_bytes: int  # payload: tensor bytes of the discriminator state sent to the peer
     error: str = ""
+    refused: str = ""  # the receiver's check refused the incoming D (swapcheck.py): why; it kept its own
 
 
 class WorkerHandle(abc.ABC):
@@ -135,6 +136,7 @@ class Trainer:
         self._copy_round = 0
         self._counted_lost: set[WorkerHandle] = set()  # handles whose loss an iteration record counted
         self.rejections = 0
+        self.swaps_refused = 0  # discriminators a receiver's check refused (swapcheck.py)
         self.completed = 0  # iterations done (the boundary the run stands at)
         self.swap_period: int | None = None
         if workers:  # a fixed set: each worker's own m_n is known now (S from the smallest, see swap_period)
@@ -152,12 +154,14 @@ class Trainer:
     # -- durable state -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"completed": self.completed, "swaps": self.swaps, "rejections": self.rejections,
+                "swaps_refused": self.swaps_refused,
                 "swap_period": self.swap_period, "payload_bytes": dict(self.traffic.payload_bytes),
                 "label_bytes": self.traffic.label_bytes, "roster": self.roster.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.completed = self._last_checkpoint = int(state["completed"])
         self.swaps, self.rejections = int(state["swaps"]), int(state["rejections"])
+        self.swaps_refused = int(state.get("swaps_refused", 0))  # (a checkpoint from before the check: none)
         self.swap_period = int(state["swap_period"])
         self.traffic.payload_bytes.update(state["payload_bytes"])
         self.traffic.label_bytes = int(state["label_bytes"])
@@ -343,7 +347,9 @@ class Trainer:
         for worker, report in reports.good:
             self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
             outcome[worker.worker_id] = {"sent": report.sent, "received": report.received,
-                                         "sent_bytes": report.sent_bytes, "error": report.error}
+                                         "sent_bytes": report.sent_bytes, "error": report.error,
+                                         **({"refused": report.refused} if report.refused else {})}
+            self.swaps_refused += bool(report.refused)
             if not (report.sent and report.received):
                 log.warning("swap %d: %s sent=%s received=%s %s", swap_round, worker.worker_id,
                             report.sent, report.received, report.error)
@@ -458,5 +464,5 @@ class Trainer:
             for worker in alive:
                 await tell_to_stop(worker, RUN_FINISHED, 10.0)
         return RunResult(iterations=t, workers=self.roster.slots, workers_alive=len(alive), swaps=self.swaps,
-                         rejections=self.rejections, swap_period=self.swap_period, traffic=self.traffic, last=last,
+                         rejections=self.rejections, swaps_refused=self.swaps_refused, swap_period=self.swap_period, traffic=self.traffic, last=last,
                          stopped_early=stopped, alive=[w.worker_id for w in alive])

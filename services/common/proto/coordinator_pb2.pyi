@@ -95,7 +95,7 @@ class Join(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[int]] = ..., trained_iteration: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "potential_rounds", "potential_lr", "gradient_penalty", "dp_threshold")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "potential_rounds", "potential_lr", "gradient_penalty", "dp_threshold", "swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_check_min_cosine_set")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,11 @@ class TrainingSpec(_message.Message):
     POTENTIAL_LR_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_PENALTY_FIELD_NUMBER: _ClassVar[int]
     DP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_NORM_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_LOSS_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_MIN_COSINE_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_MIN_COSINE_SET_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     gan: str
     loss: str
@@ -146,7 +151,12 @@ class TrainingSpec(_message.Message):
     potential_lr: float
     gradient_penalty: float
     dp_threshold: int
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., potential_rounds: _Optional[int] = ..., potential_lr: _Optional[float] = ..., gradient_penalty: _Optional[float] = ..., dp_threshold: _Optional[int] = ...) -> None: ...
+    swap_check: str
+    swap_check_norm_ratio: float
+    swap_check_loss_ratio: float
+    swap_check_min_cosine: float
+    swap_check_min_cosine_set: bool
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., potential_rounds: _Optional[int] = ..., potential_lr: _Optional[float] = ..., gradient_penalty: _Optional[float] = ..., dp_threshold: _Optional[int] = ..., swap_check: _Optional[str] = ..., swap_check_norm_ratio: _Optional[float] = ..., swap_check_loss_ratio: _Optional[float] = ..., swap_check_min_cosine: _Optional[float] = ..., swap_check_min_cosine_set: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members", "run_id", "swap_round", "restore_iteration", "copy")
@@ -259,20 +269,22 @@ class SwapCancel(_message.Message):
     def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., reason: _Optional[str] = ..., copy: _Optional[bool] = ...) -> None: ...
 
 class SwapReport(_message.Message):
-    __slots__ = ("round", "sent", "received", "sent_payload_bytes", "sent_message_bytes", "error")
+    __slots__ = ("round", "sent", "received", "sent_payload_bytes", "sent_message_bytes", "error", "refused")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SENT_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENT_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     round: int
     sent: bool
     received: bool
     sent_payload_bytes: int
     sent_message_bytes: int
     error: str
-    def __init__(self, round: _Optional[int] = ..., sent: _Optional[bool] = ..., received: _Optional[bool] = ..., sent_payload_bytes: _Optional[int] = ..., sent_message_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    refused: str
+    def __init__(self, round: _Optional[int] = ..., sent: _Optional[bool] = ..., received: _Optional[bool] = ..., sent_payload_bytes: _Optional[int] = ..., sent_message_bytes: _Optional[int] = ..., error: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("iteration", "code", "reason", "message")

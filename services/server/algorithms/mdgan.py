@@ -17,6 +17,7 @@ from services.common.proto import coordinator_pb2 as pb
 from services.common import wire
 from services.server.connection import StreamHandle, WorkerConnection
 from services.server.context import ServerContext, until
+from services.common.settings import algorithm_options
 
 log = logging.getLogger("mdgan.server")
 # Resumed after the run's end: a worker still reconnecting knocks at least every 10 s (its backoff's
@@ -112,7 +113,7 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         if future is not None and not future.done():
             self.run.swap_message_bytes += report.sent_message_bytes
             future.set_result(SwapReport(report.round, report.sent, report.received, report.sent_payload_bytes,
-                                         report.error))
+                                         report.error, report.refused))
 
     async def _on_checkpoint_done(self, done: pb.CheckpointDone) -> None:
         future = self._checkpoints.get(done.iteration)
@@ -134,6 +135,7 @@ class MDGANServer:
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
         args, telemetry, recorder = ctx.args, ctx.telemetry, ctx.recorder
+        self.options = algorithm_options("mdgan", args, ctx.config)  # the swap check its workers apply
 
         def on_swap(record: dict) -> None:
             recorder.swap(record)
@@ -151,6 +153,15 @@ class MDGANServer:
                                save_checkpoint=save_checkpoint)
         if ctx.run.state is not None:
             ServerCheckpoints.restore(ctx.run.state, ctx.generator, self.trainer, recorder)
+
+    def describe(self, spec: pb.TrainingSpec) -> None:
+        """The Welcome's spec carries the swap check to the workers."""
+        for name, value in codec.swap_check_spec_fields(self.options).items():
+            setattr(spec, name, value)
+
+    def summary_fields(self) -> dict:
+        """summary.json's record of MD-GAN's options, as `mdgan simulate` writes it."""
+        return {"mdgan": self.options.summary(self.ctx.config)}
 
     def _on_iteration(self, record: IterationRecord) -> None:
         self.ctx.on_iteration(record, len(self.trainer.active))

@@ -12,7 +12,9 @@ import grpc
 import torch
 
 from mdgan import compression
-from mdgan.attacks import FeedbackAttack
+from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
+from mdgan.attacks import make_attacks
+from mdgan.config import ConfigError
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import DiscriminatorSide, WorkerBatch
@@ -20,7 +22,7 @@ from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire as wire_traffic
 from services.worker.algorithms.base import ServerGone, StreamBroken, WorkerAlgorithm
-from services.worker.peer import CopyMailbox, PeerInbox, SwapMailbox, push_discriminator
+from services.worker.peer import REFUSED, CopyMailbox, PeerInbox, PushRefused, SwapMailbox, push_discriminator
 
 log = logging.getLogger("mdgan.worker")
 
@@ -32,10 +34,11 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         super().__init__(node, config, shard)
         self.side = DiscriminatorSide(config, shard)
         # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
-        self.attack = None
+        self.attack, self.discriminator_attack = make_attacks(node.attack_kind, config.seed, shard.index)
         if node.attack_kind:
-            self.attack = FeedbackAttack(node.attack_kind, config.seed, shard.index)
-            log.warning("emulating a Byzantine worker: %s feedback", node.attack_kind)
+            log.warning("emulating a Byzantine worker: %s %s", node.attack_kind,
+                        "discriminators" if self.discriminator_attack else "feedback")
+        self.swap_check = SwapCheck()  # the run's, from the welcome's spec (or this site's own --swap-check)
         self.slow_factor = node.slow_factor
         self.mailbox = SwapMailbox()
         self.copies = CopyMailbox()
@@ -48,6 +51,10 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
     async def welcome(self, welcome: pb.Welcome) -> None:
         """The swap rounds done, our own saved state or a copy to wait for."""
         node = self.node
+        try:
+            self.swap_check = codec.swap_check_from_spec(welcome.spec, node.swap_check)
+        except ConfigError as exc:
+            raise ServerGone(f"the server's swap check settings are invalid: {exc}") from exc
         self.mailbox = SwapMailbox()
         self.mailbox.completed_round = welcome.swap_round
         self.copies = CopyMailbox()
@@ -192,7 +199,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
                 detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
                 return pb.SwapReport(round=order.round, error=f"copy to {order.send_to_worker} failed: {detail}")
         try:
-            sender, incoming = await self.copies.collect(order.round, self.node.swap_timeout)
+            sender, incoming, _ = await self.copies.collect(order.round, self.node.swap_timeout)
         except asyncio.TimeoutError:
             return pb.SwapReport(round=order.round, error=f"no copy from {order.receive_from_worker}")
         if incoming is None:
@@ -211,19 +218,27 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         started = time.perf_counter()
         swap_timeout = self.node.swap_timeout
         # a snapshot before anything arrives in our place, in its wire form
-        state = compression.pack_state(self.side.export_state(), self.side.config.wire_dtype)
-        sent, sent_payload, sent_messages, errors = False, 0, 0, []
+        exported = self.side.export_state()
+        if self.discriminator_attack is not None:  # an emulated Byzantine worker pushes a poisoned D
+            exported = self.discriminator_attack(exported)
+        state = compression.pack_state(exported, self.side.config.wire_dtype)
+        sent, sent_payload, sent_messages, errors, refused = False, 0, 0, [], ""
         try:
             sent_payload, sent_messages = await self._push(order, state)
             sent = True
+        except PushRefused as exc:  # sent, as in simulate; the receiver kept its own D (its report says why)
+            sent_payload, sent_messages, sent = exc.payload, exc.messages, True
+            errors.append(f"{order.send_to_worker} refused our discriminator: {exc.details}")
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             errors.append(f"push to {order.send_to_worker} failed: {detail}")
         received = False
         try:
-            sender, incoming = await self.mailbox.collect(order.round, swap_timeout)
+            sender, incoming, refused = await self.mailbox.collect(order.round, swap_timeout)
             expected = order.receive_from_identity or order.receive_from_worker
-            if incoming is None:
+            if refused:  # our check refused what it pushed (PeerServicer): we keep our own D this round
+                errors.append(f"refused the discriminator from {sender}: {refused}")
+            elif incoming is None:
                 errors.append(f"{sender} left before sending its discriminator")
             elif sender == expected:
                 self.side.import_state(incoming)
@@ -238,7 +253,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         telemetry.swaps.labels("complete" if sent and received else "incomplete").inc()
         telemetry.phase_seconds.labels("swap").observe(time.perf_counter() - started)
         return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=sent_payload,
-                             sent_message_bytes=sent_messages, error="; ".join(errors))
+                             sent_message_bytes=sent_messages, error="; ".join(errors), refused=refused)
 
     async def _push(self, order: pb.SwapOrder, state: dict[str, torch.Tensor], copy: bool = False) -> tuple[int, int]:
         node = self.node
@@ -250,7 +265,17 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             channel = self._peer_channels[key] = tls_.channel(address, node.tls, rpc.options(),
                                                               order.send_to_identity or None)
         chunks = codec.wire_state_chunks(state, order.round, node.worker_id, node.identity, copy=copy)
-        await push_discriminator(channel, [wire for wire, _ in chunks], node.swap_timeout)
+        try:
+            await push_discriminator(channel, [wire for wire, _ in chunks], node.swap_timeout)
+        except grpc.aio.AioRpcError as exc:
+            if not (exc.code() == grpc.StatusCode.PERMISSION_DENIED and (exc.details() or "").startswith(REFUSED)):
+                raise
+            refused = exc  # it crossed the wire whole and the receiver's check refused it: sent all the same
+        else:
+            refused = None
         for wire, payload in chunks:
             node.telemetry.count("worker_to_worker", "discriminator", "sender", None, payload, len(wire))
-        return sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks)
+        sent = sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks)
+        if refused is not None:
+            raise PushRefused(*sent, refused.details())
+        return sent
