@@ -70,6 +70,33 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True)
+class PrivacySpec:
+    """DP-SGD on every site's real data (mdgan/privacy.py): off unless a noise multiplier or a target
+    epsilon is given. delta 0: min(1e-5, 1/(10 m_n)) per site."""
+
+    noise_multiplier: float = 0.0  # sigma; 0 with no target epsilon: not private
+    max_grad_norm: float = 1.0  # C, the per-sample clipping norm
+    delta: float = 0.0
+    target_epsilon: float = 0.0  # > 0: sigma is computed so that the planned run spends this much
+
+    @property
+    def enabled(self) -> bool:
+        return self.noise_multiplier > 0 or self.target_epsilon > 0
+
+    def validate(self) -> None:
+        for name, value in (("--dp-noise-multiplier", self.noise_multiplier), ("--dp-max-grad-norm", self.max_grad_norm),
+                            ("--dp-delta", self.delta), ("--dp-target-epsilon", self.target_epsilon)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        if self.noise_multiplier and self.target_epsilon:
+            raise ConfigError("give --dp-noise-multiplier or --dp-target-epsilon, not both")
+        if self.enabled and not self.max_grad_norm > 0:
+            raise ConfigError(f"--dp-max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if self.delta >= 1:
+            raise ConfigError(f"--dp-delta must be in (0, 1/m), got {self.delta}")
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """One MD-GAN run, as the server sees it."""
 
@@ -107,6 +134,8 @@ class TrainingConfig:
     sync: str = "all"
     quorum: int = 0
     max_staleness: int = 4
+    # Differentially private discriminators (mdgan/privacy.py, docs/PRIVACY.md); off by default.
+    privacy: PrivacySpec = field(default_factory=PrivacySpec)
 
     def validate(self) -> "TrainingConfig":
         if self.workers < 1:
@@ -147,6 +176,7 @@ class TrainingConfig:
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         self.model.validate()
+        self.privacy.validate()
         self.generator_optimizer.validate()
         self.discriminator_optimizer.validate()
         return self
@@ -176,7 +206,8 @@ class TrainingConfig:
         d = dict(d)
         model = dict(d.pop("model"))
         model["sample_shape"] = tuple(model["sample_shape"])
-        return cls(model=ModelSpec(**model),
+        privacy = PrivacySpec(**d.pop("privacy", {}))  # (a run from before DP: not private)
+        return cls(model=ModelSpec(**model), privacy=privacy,
                    generator_optimizer=OptimizerSpec(**d.pop("generator_optimizer")),
                    discriminator_optimizer=OptimizerSpec(**d.pop("discriminator_optimizer")),
                    **d)

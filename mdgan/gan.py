@@ -8,7 +8,6 @@ how the two sides talk.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import random
@@ -180,6 +179,8 @@ class StepResult:
     fake_accuracy: float  # share of X_d samples D calls generated (last D step)
     disc_seconds: float = 0.0  # wall time of the L discriminator steps
     feedback_seconds: float = 0.0  # wall time of computing F_n
+    epsilon: float = float("nan")  # DP: the epsilon this site has spent so far (nan: not private)
+    delta: float = float("nan")  # DP: the delta it is spent at
 
 
 class DiscriminatorSide:
@@ -197,11 +198,21 @@ class DiscriminatorSide:
         # swap check's generated half (mdgan/algorithms/mdgan/swapcheck.py)
         self.last_discriminated: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._scratch: torch.nn.Module | None = None
+        self.private = None  # DP-SGD on the real data (mdgan/privacy.py), when the run asks for it
+        if config.privacy.enabled:
+            from mdgan import privacy
+
+            privacy.check_module(self.discriminator, self.spec.architecture)
+            site = privacy.resolve(config.privacy, len(shard), config.batch_size, config.iterations, config.disc_steps)
+            self.private = privacy.PrivateSteps(
+                self.discriminator, self.optimizer, site, config.batch_size,
+                sampling_seed=derive_seed(config.seed, "dp-sampling", shard.index),
+                noise_seed=derive_seed(config.seed, "dp-noise", shard.index))
 
     def check_module(self) -> torch.nn.Module:
         """A scratch copy of D's module (eval mode) to judge an incoming state on, made once."""
-        if self._scratch is None:  # (eval mode: no dropout, no running statistics updated)
-            self._scratch = copy.deepcopy(self.discriminator).eval().requires_grad_(False)
+        if self._scratch is None:  # (eval mode: no dropout, no running statistics updated; no DP hooks)
+            self._scratch = build_discriminator(self.spec, 0).to(self.device).eval().requires_grad_(False)
         return self._scratch
 
     @property
@@ -209,6 +220,8 @@ class DiscriminatorSide:
         return self.sampler.shard.index
 
     def step(self, batch: WorkerBatch) -> StepResult:
+        if self.private is not None:
+            return self._private_step(batch)
         spec, disc = self.spec, self.discriminator
         started = time.perf_counter()
         real, real_labels = self.sampler.next_batch()  # X_r: (b, *shape), (b,)
@@ -236,11 +249,67 @@ class DiscriminatorSide:
         return StepResult(feedback, disc_loss.item(), gen_loss.item(), real_acc, fake_acc,
                           trained - started, time.perf_counter() - trained)
 
+    def _private_step(self, batch: WorkerBatch) -> StepResult:
+        """DP-SGD (mdgan/privacy.py): the real part on a Poisson sample, clipped per sample and noised;
+        the generated part (public) added as usual; then the feedback, as without DP."""
+        spec, disc, private = self.spec, self.discriminator, self.private
+        started = time.perf_counter()
+        shard = self.sampler.shard
+        if self.device.type != "cpu":
+            batch = dataclasses.replace(batch, **{k: None if v is None else v.to(self.device) for k, v in (
+                ("generated", batch.generated), ("generated_labels", batch.generated_labels),
+                ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
+        parameters = [p for p in disc.parameters() if p.requires_grad]
+        disc_loss, real_acc, fake_acc = float("nan"), float("nan"), float("nan")
+        for _ in range(self.config.disc_steps):
+            picked = private.sample(len(shard))  # (n,), n ~ Binomial(m, b/m)
+            real, real_labels = shard.images[picked.to(shard.images.device)], shard.labels[picked.to(shard.labels.device)]
+            seen: dict[str, torch.Tensor] = {}
+
+            def per_sample_losses():
+                if len(real) == 0:
+                    return None
+                logits = disc(real)  # (n, 1 [+ C])
+                seen["logits"] = logits.detach()
+                losses = F.binary_cross_entropy_with_logits(logits[:, 0], torch.ones_like(logits[:, 0]),
+                                                            reduction="none")
+                if spec.conditional:
+                    losses = losses + F.cross_entropy(logits[:, 1:], real_labels, reduction="none")
+                return losses  # (n,)
+
+            private.real_step(parameters, per_sample_losses)
+            fake_logits = disc(batch.discriminated)
+            fake_loss = F.binary_cross_entropy_with_logits(fake_logits[:, 0], torch.zeros_like(fake_logits[:, 0]))
+            if spec.conditional:
+                fake_loss = fake_loss + F.cross_entropy(fake_logits[:, 1:], batch.discriminated_labels)
+            fake_loss.backward()  # adds to the private real part's .grad
+            private.step()
+            real_logits = seen.get("logits")
+            real_loss = float("nan")
+            if real_logits is not None:
+                real_loss = F.binary_cross_entropy_with_logits(real_logits[:, 0], torch.ones_like(real_logits[:, 0])).item()
+                if spec.conditional:
+                    real_loss += F.cross_entropy(real_logits[:, 1:], real_labels).item()
+                real_acc = (real_logits[:, 0] > 0).float().mean().item()
+            disc_loss = real_loss + fake_loss.item()
+            fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
+        self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
+        trained = time.perf_counter()
+        generated = batch.generated.detach().clone().requires_grad_(True)
+        gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
+        (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
+        return StepResult(feedback, disc_loss, gen_loss.item(), real_acc, fake_acc, trained - started,
+                          time.perf_counter() - trained, private.epsilon(), private.site.delta)
+
     # -- durable state (a checkpoint, kept on the worker) ------------------------------------------
     def state_dict(self) -> dict:
-        """D, its Adam state and the shard sampler's state."""
-        return {"discriminator": self.discriminator.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "sampler": self.sampler.state_dict(), "shard_index": self.shard_index}
+        """D, its Adam state and the shard sampler's state (and with DP, the accountant and its generators:
+        a worker that rejoins or a run that resumes goes on spending its budget where it stopped)."""
+        state = {"discriminator": self.discriminator.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "sampler": self.sampler.state_dict(), "shard_index": self.shard_index}
+        if self.private is not None:
+            state["privacy"] = self.private.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["shard_index"]) != self.shard_index:
@@ -248,6 +317,10 @@ class DiscriminatorSide:
         self.discriminator.load_state_dict(state["discriminator"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
+        if self.private is not None:
+            if "privacy" not in state:
+                raise ValueError("saved state of a run without DP; this run is private")
+            self.private.load_state_dict(state["privacy"])
 
     def adopt(self, state: dict[str, torch.Tensor]) -> None:
         """Take a copy of a live peer's discriminator (a late joiner, as in the paper): weights only,

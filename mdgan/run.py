@@ -204,6 +204,7 @@ class RunRecorder:
 
     def __call__(self, record: IterationRecord) -> None:
         row = {k: (_finite_or_none(v) if isinstance(v, float) else v) for k, v in asdict(record).items()}
+        privacy = row.pop("privacy", None)
         if self.evaluator is not None:
             if record.iteration == self.total:  # the last line carries the final generator's scores
                 evaluations = self._finish(record.iteration)
@@ -213,6 +214,8 @@ class RunRecorder:
             if evaluations:  # the newest flat (for plain readers) and all of them, none lost
                 row.update(evaluations[-1])
                 row["evaluations"] = evaluations
+        if privacy and ("evaluations" in row or record.swap_round is not None or record.iteration == self.total):
+            row["privacy"] = privacy  # each site's spent (epsilon, delta), as it reported them
         if self.tracking is not None:
             self._track(record, row.get("evaluations") or [])
         _append_line(self._history, json.dumps(row))
@@ -228,6 +231,8 @@ class RunRecorder:
                   "workers/lost": record.lost, "workers/rejected": record.rejected, "time/iteration_s": record.seconds}
         if record.swap_round is not None:
             values["swaps/round"] = record.swap_round
+        if record.privacy:
+            values["privacy/epsilon_max"] = max(p["epsilon"] for p in record.privacy.values())
         self.tracking.metrics(record.iteration, {k: v for k, v in values.items() if _finite_or_none(v) is not None})
         self._track_evaluations(evaluations)
 
@@ -351,6 +356,13 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
         "config": config.to_dict(),
         "machine": machine(),
     }
+    if config.privacy.enabled:  # DP-SGD (mdgan/privacy.py): what each site spent, by its own accountant
+        sites = result.privacy or {}
+        summary["privacy"] = {
+            "sites": sites, "epsilon_max": max((p["epsilon"] for p in sites.values()), default=None),
+            "noise_multiplier": config.privacy.noise_multiplier or None,
+            "target_epsilon": config.privacy.target_epsilon or None, "max_grad_norm": config.privacy.max_grad_norm,
+            "accountant": "rdp", "sampling": "poisson"}
     summary.update(extra or {})
     save_sample_grid(generator_side, os.path.join(out_dir, "samples.png"))
     checkpoint.atomic_save({"generator": generator_side.generator.state_dict(),

@@ -25,7 +25,8 @@ from mdgan_app.run_folder import save_launch_settings
 
 TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
                   "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
-                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm", "sync", "quorum", "max_staleness")
+                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm", "sync", "quorum", "max_staleness",
+                  "dp_noise_multiplier", "dp_target_epsilon", "dp_max_grad_norm", "dp_delta")
 
 
 def _eval_root(args) -> str | None:

@@ -226,6 +226,71 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
         read_json(tmp_path / "sim" / "summary.json")["generator_sha256"]
 
 
+@pytest.mark.slow
+def test_a_members_poisoned_push_ahead_of_its_order_is_checked_and_refused(tmp_path, run_pki):
+    """A member's own key (a malicious site, or a stolen key) pushes a zeroed discriminator to its
+    designated peer for the next round, before the server has ordered it. It is held until the
+    order comes, then its content is checked: refused (PERMISSION_DENIED, counted), the receiver
+    keeps its own D for that round, and the member's real push is a duplicate. Every other round
+    swaps as usual."""
+    pki_dir, _ = run_pki
+    flags = ["--workers", "2", "--iterations", "40", "--swap-every", "2", "--seed", "3", "--gan", "gan"]
+    out = str(tmp_path / "grpc")
+    server, port = start_server(out, *flags, "--swap-timeout", "30", *tls_flags(pki_dir, "mdgan-server"))
+    workers = [start_worker(out, port, i, 2, "--dataset", "synthetic", *tls_flags(pki_dir, f"worker-{i}"),
+                            "--metrics-dump", os.path.join(out, "metrics", f"worker-{i}.prom")) for i in range(2)]
+    stolen = credentials(pki_dir, "worker-1")  # with N = 2, worker-1 is worker-0's sender in every round
+    try:
+        target = peer_port(workers[0].log_path)
+        wait_for_iterations(server, out, 1)
+
+        async def push_ahead() -> tuple[grpc.StatusCode, int]:
+            for _ in range(8):  # aimed again when the run's rounds raced past it before it arrived
+                swap_round = len(read_jsonl(os.path.join(out, "swaps.jsonl"))) + 1
+                chunks = [c.SerializeToString() for c in zeroed_discriminator_chunks(swap_round, "worker-1")]
+                async with open_channel(target, stolen, server_name="worker-0") as channel:
+                    call = channel.stream_unary(PUSH)(timeout=60)
+                    try:
+                        for chunk in chunks:
+                            await call.write(chunk)
+                        await call.done_writing()
+                    except Exception:  # noqa: BLE001 -- refused while writing; the status says why
+                        pass
+                    try:
+                        await call
+                        return grpc.StatusCode.OK, swap_round
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                            assert exc.details().startswith("discriminator refused: "), exc.details()
+                            return exc.code(), swap_round
+                        if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                            return exc.code(), swap_round
+            return grpc.StatusCode.DEADLINE_EXCEEDED, -1
+
+        code, attacked = asyncio.run(push_ahead())
+        assert server.wait(180) == 0, server.log()
+        for w in workers:
+            assert w.wait(60) == 0, w.log()
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    assert code == grpc.StatusCode.PERMISSION_DENIED, code
+    with open(os.path.join(out, "metrics", "worker-0.prom")) as fh:
+        assert re.search(r'mdgan_rejected_inputs_total\{reason="discriminator"\} 1\.0', fh.read())
+    swaps = read_jsonl(os.path.join(out, "swaps.jsonl"))
+    assert len(swaps) == 20
+    for record in swaps:
+        receiver = record["workers"]["worker-0"]
+        if record["round"] == attacked:  # it kept its own D; worker-1's real push came second
+            assert not receiver["received"] and "norm is 0 times ours" in receiver["refused"], record
+            # (a duplicate, or after the round closed: too late)
+            assert re.search("ALREADY_EXISTS|FAILED_PRECONDITION", record["workers"]["worker-1"]["error"]), record
+        else:
+            assert all(w["received"] and not w.get("refused") for w in record["workers"].values()), record
+    summary = read_json(os.path.join(out, "summary.json"))
+    assert summary["swaps_refused"] == 1 and summary["iterations"] == 40
+
+
 # -- 3. a shard belongs to the identity that first held it -----------------------------------------------
 
 def _join(**fields) -> bytes:

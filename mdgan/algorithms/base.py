@@ -69,6 +69,9 @@ class IterationRecord:
     update_seconds: float = 0.0
     swap_seconds: float = 0.0
     late: int = 0  # --sync quorum|async: answers that came too late to count (dropped)
+    # DP: worker id -> {"epsilon", "delta"} each site last reported (None: not private); history.jsonl
+    # carries it on the lines with evaluations, swaps and the last one
+    privacy: dict | None = None
 
 
 @dataclass
@@ -84,6 +87,7 @@ class RunResult:
     stopped_early: str | None = None
     alive: list[str] | None = None  # worker ids connected at the end
     swaps_refused: int = 0  # MD-GAN: received discriminators the receivers' checks refused (swapcheck.py)
+    privacy: dict | None = None  # DP: worker id -> {"epsilon", "delta"} it last reported (mdgan/privacy.py)
 
 
 def option(default, flag: str, help: str, short: str = "", **argparse_kwargs):

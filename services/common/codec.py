@@ -380,16 +380,21 @@ def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.Train
         disc_lr=opt.lr, disc_beta1=opt.beta1, disc_beta2=opt.beta2, seed=config.seed,
         swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers,
         algorithm=algorithm, gen_lr=config.generator_optimizer.lr, gen_beta1=config.generator_optimizer.beta1,
-        gen_beta2=config.generator_optimizer.beta2, wire_dtype=config.wire_dtype)
+        gen_beta2=config.generator_optimizer.beta2, wire_dtype=config.wire_dtype,
+        dp_noise_multiplier=config.privacy.noise_multiplier, dp_max_grad_norm=config.privacy.max_grad_norm,
+        dp_delta=config.privacy.delta, dp_target_epsilon=config.privacy.target_epsilon, iterations=config.iterations)
 
 
 def config_from_spec(spec) -> "TrainingConfig":
     """The worker's view of the run; raises mdgan.config.ConfigError on nonsense."""
-    from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
+    from mdgan.config import ModelSpec, OptimizerSpec, PrivacySpec, TrainingConfig
 
     model = ModelSpec(architecture=spec.architecture, gan=spec.gan, loss=spec.loss, latent_dim=spec.latent_dim,
                       num_classes=spec.num_classes, sample_shape=tuple(spec.sample_shape))
-    return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa,
+    privacy = PrivacySpec(spec.dp_noise_multiplier, spec.dp_max_grad_norm or PrivacySpec.max_grad_norm, spec.dp_delta,
+                          spec.dp_target_epsilon)
+    return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa, privacy=privacy,
+                          iterations=spec.iterations or TrainingConfig.iterations,
                           disc_steps=spec.disc_steps, seed=spec.seed, swap_optimizer_state=spec.swap_optimizer_state,
                           model=model, wire_dtype=spec.wire_dtype or "float32",
                           generator_optimizer=OptimizerSpec(spec.gen_lr or 2e-4, spec.gen_beta1, spec.gen_beta2 or 0.999),

@@ -22,7 +22,7 @@ import sys
 
 from services.common import allocator, scheduling
 from mdgan.config import (AGGREGATIONS, DATASETS, GAN_KINDS, LOSSES, SPLITS, SYNC_MODES, WIRE_DTYPES, ConfigError,
-                          DataConfig, ModelSpec, OptimizerSpec, TrainingConfig)
+                          DataConfig, ModelSpec, OptimizerSpec, PrivacySpec, TrainingConfig)
 
 ENV_PREFIX = "MDGAN_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -373,6 +373,18 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-norm", type=float, default=0.0,
                    help="norm-clip: largest L2 norm of one sample's feedback (0: the median of the norms the "
                         "workers sent for that sample)")
+    g = parser.add_argument_group("privacy: differentially private discriminators (DP-SGD with Opacus; "
+                                  "docs/PRIVACY.md)")
+    g.add_argument("--dp-noise-multiplier", type=float, default=0.0,
+                   help="sigma: Gaussian noise of std sigma x C on every D step's clipped real-data gradients, "
+                        "on every site (0: not private, unless --dp-target-epsilon)")
+    g.add_argument("--dp-target-epsilon", type=float, default=0.0,
+                   help="instead of --dp-noise-multiplier: each site computes the sigma that spends this epsilon "
+                        "over the planned run (I x L steps at sampling rate b / m_n)")
+    g.add_argument("--dp-max-grad-norm", type=float, default=1.0, help="C: every real sample's gradient is "
+                   "clipped to this L2 norm")
+    g.add_argument("--dp-delta", type=float, default=0.0,
+                   help="delta of each site's (epsilon, delta) (0: min(1e-5, 1/(10 m_n)); must be below 1/m_n)")
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -473,6 +485,7 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
         discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),
         wire_dtype=args.wire_dtype, aggregation=args.aggregation, trim_fraction=args.trim_fraction,
         clip_norm=args.clip_norm, sync=args.sync, quorum=args.quorum, max_staleness=args.max_staleness,
+        privacy=PrivacySpec(args.dp_noise_multiplier, args.dp_max_grad_norm, args.dp_delta, args.dp_target_epsilon),
     ).validate()
 
 

@@ -86,6 +86,10 @@ class Telemetry:
                            registry=r)
         self.last_iteration = Gauge("mdgan_last_iteration_timestamp_seconds",
                                     "Unix time of the last completed iteration", registry=r)
+        # (a worker's: each site accounts for its own data)
+        self.privacy_epsilon = Gauge("mdgan_privacy_epsilon", "DP runs: the epsilon this site has spent so far "
+                                     "(its own accountant, at its delta; docs/PRIVACY.md)",
+                                     registry=r if role == "worker" else None)
         self.run_iterations = Gauge("mdgan_run_iterations", "Iterations the run is configured for", registry=r)
         self.run_info = Gauge("mdgan_run_info", "The run this process is in (1, labelled by its id)", ["run_id"],
                               registry=r)

@@ -83,6 +83,9 @@ def build_parser() -> EnvArgumentParser:
                         help="MD-GAN: check a discriminator pushed to this worker before it replaces ours (norm, "
                              "direction and loss on our own data; docs/PRIVACY.md): run (as the server's run says), "
                              "on or off; a refused one is answered PERMISSION_DENIED and we keep our own")
+    parser.add_argument("--dp-max-epsilon", type=float, default=0.0,
+                        help="in a differentially private run (docs/PRIVACY.md): leave the run, saying so, rather "
+                             "than take a step that would spend more than this epsilon (0: no limit of this site's)")
     g = parser.add_argument_group("emulation, for experiments and tests only")
     g.add_argument("--attack", choices=ATTACKS, default=None,
                    help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), both (-10 F), "
@@ -217,7 +220,7 @@ async def serve(args) -> str:
                       server_name=args.tls_server_name, state_dir=args.state_dir,
                       keep_checkpoints=args.keep_checkpoints, run_id=args.run_id, attack=args.attack,
                       slow_factor=args.slow_factor, swap_check=None if args.swap_check == "run" else args.swap_check,
-                      **source)
+                      dp_max_epsilon=args.dp_max_epsilon, **source)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)

@@ -27,6 +27,7 @@ class WorkerContext(Protocol):
     attack_kind: str | None  # an emulated Byzantine worker's attack (mdgan/attacks.py), or None
     slow_factor: float  # an emulated straggler: every step takes this many times as long
     swap_check: str | None  # MD-GAN: this site's own --swap-check (on, off), or None: as the run's spec says
+    dp_max_epsilon: float  # DP: the most epsilon this site spends (0: no limit of its own)
 
     async def write(self, call, message: pb.WorkerMessage) -> None:
         """Send one message to the server on the stream `call` (counted on the wire counters)."""

@@ -31,7 +31,7 @@ from services.common.proto import coordinator_pb2_grpc
 from services.common.telemetry import Telemetry
 from services.common.tls import TLSConfig
 from services.worker.algorithms import ALGORITHMS
-from services.worker.algorithms.base import ServerGone, StreamBroken, WorkerAlgorithm
+from services.worker.algorithms.base import BudgetSpent, ServerGone, StreamBroken, WorkerAlgorithm
 
 log = logging.getLogger("mdgan.worker")
 
@@ -101,7 +101,8 @@ class WorkerNode:
                  telemetry: Telemetry | None = None, device: str = "cpu", tls: TLSConfig | None = None,
                  identity: str = "", server_name: str | None = None, state_dir: str | None = None,
                  keep_checkpoints: int = 3, run_id: str | None = None, reconnect: bool = True,
-                 attack: str | None = None, slow_factor: float = 1.0, swap_check: str | None = None):
+                 attack: str | None = None, slow_factor: float = 1.0, swap_check: str | None = None,
+                 dp_max_epsilon: float = 0.0):
         if sum(x is not None for x in (shard, dataset, site)) != 1:
             raise ValueError("give a site's data, a shard, or a dataset to take the assigned shard from")
         self.shard = shard
@@ -115,6 +116,7 @@ class WorkerNode:
         self.attack_kind = attack
         self.slow_factor = slow_factor
         self.swap_check = swap_check  # this site's own --swap-check on|off; None: as the run says
+        self.dp_max_epsilon = dp_max_epsilon  # > 0: leave the run rather than spend more (DP runs)
         self.server_address = server_address
         self.advertise_address = advertise_address
         self.connect_timeout = connect_timeout
@@ -252,6 +254,9 @@ class WorkerNode:
                 return await self._session(deadline)
             except JoinRefused:
                 raise
+            except BudgetSpent as spent:  # (the stream closes with the session: the server sees us leave)
+                log.warning("leaving the run: %s", spent)
+                return f"privacy budget: {spent}"
             except RunEnded as ended:
                 if self.pinned_run:  # this worker joins that run only: its end is ours
                     log.info("run %s ended while we were away (the server says so): done", ended.run_id)

@@ -68,6 +68,8 @@ class SwapMailbox:
     async def authorize(self, swap_round: int, identity: str, timeout: float) -> tuple[grpc.StatusCode, str] | None:
         """None when `identity` is the designated sender of `swap_round` (waiting for the order if
         it has not come yet); a refusal otherwise."""
+        if swap_round <= self.completed_round:  # (its order was dropped with the round: none would ever come)
+            return grpc.StatusCode.FAILED_PRECONDITION, f"round {swap_round} is over"
         order = self._order(swap_round)
         try:
             expected = await asyncio.wait_for(asyncio.shield(order), timeout)

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mdgan.algorithms.base import option
 from mdgan.config import ConfigError, TrainingConfig
@@ -116,30 +117,40 @@ def _flat(state: dict[str, torch.Tensor], names) -> torch.Tensor:
 
 
 def _check_set(side: DiscriminatorSide, samples: int):
-    shard = side.sampler.shard
-    real = shard.images[:samples].to(side.device)  # (n, *shape)
-    real_labels = shard.labels[:samples].to(side.device)  # (n,)
+    """(real, real labels, generated, generated labels), any of them None. A private site (DP-SGD) judges
+    on generated samples only: a verdict computed on its real images would be a release the accountant
+    does not count."""
+    real = real_labels = None
+    if side.private is None:
+        shard = side.sampler.shard
+        real = shard.images[:samples].to(side.device)  # (n, *shape)
+        real_labels = shard.labels[:samples].to(side.device)  # (n,)
     fake, fake_labels = side.last_discriminated if side.last_discriminated is not None else (None, None)
     return real, real_labels, fake, fake_labels
 
 
+def _half_loss(spec, logits: torch.Tensor, labels: torch.Tensor | None, target: float) -> torch.Tensor:
+    """One half of the discriminator's loss: real (target 1) or generated (target 0) samples."""
+    loss = F.binary_cross_entropy_with_logits(logits[:, 0], torch.full_like(logits[:, 0], target))
+    if spec.conditional:
+        loss = loss + F.cross_entropy(logits[:, 1:], labels)
+    return loss
+
+
 def _loss(side: DiscriminatorSide, module: torch.nn.Module | None, check_set) -> float:
+    """D's loss on the check set (module None: a D that outputs zeros); nan when the set is empty."""
     real, real_labels, fake, fake_labels = check_set
     spec = side.spec
+    outputs = 1 + (spec.num_classes if spec.conditional else 0)
+    loss = torch.zeros(())
     with torch.no_grad():
-        if module is None:  # a D that outputs zeros
-            real_logits = torch.zeros(len(real), 1 + (spec.num_classes if spec.conditional else 0))
-            fake_logits = None if fake is None else torch.zeros(len(fake), real_logits.shape[1])
-        else:
-            real_logits = module(real)
-            fake_logits = None if fake is None else module(fake)
-        if fake_logits is not None:
-            loss = discriminator_loss(spec, real_logits, real_labels, fake_logits, fake_labels)
-        else:  # no batch trained on yet (a worker just restored): the real half alone
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                real_logits[:, 0], torch.ones_like(real_logits[:, 0]))
-            if spec.conditional:
-                loss = loss + torch.nn.functional.cross_entropy(real_logits[:, 1:], real_labels)
+        for samples, labels, target in ((real, real_labels, 1.0), (fake, fake_labels, 0.0)):
+            if samples is None:
+                continue
+            logits = torch.zeros(len(samples), outputs) if module is None else module(samples)
+            loss = loss + _half_loss(spec, logits, labels, target).cpu()
+    if real is None and fake is None:
+        return math.nan
     return float(loss)
 
 
@@ -169,7 +180,7 @@ def check_incoming(side: DiscriminatorSide, state: dict[str, torch.Tensor], chec
     elif not cosine >= check.min_cosine:
         refused = (f"its weights point away from ours: cosine {cosine:.3g}, below {check.min_cosine:g} "
                    "(sign-flipped: -1, random: about 0)")
-    elif not loss <= check.loss_ratio * max(own_loss, zero_loss):
+    elif not (check_set[0] is None and check_set[2] is None) and not loss <= check.loss_ratio * max(own_loss, zero_loss):
         refused = (f"its loss on our check set is {loss:.4g}, more than {check.loss_ratio:g} x max(our D's "
                    f"{own_loss:.4g}, an all-zero D's {zero_loss:.4g})")
     return Verdict(refused, ratio, loss, own_loss, zero_loss, cosine)

@@ -100,7 +100,7 @@ class PartialSync:
         stats, late, lost = [], 0, 0
         for worker, reply in replies.good:
             issued = issued_to[worker]
-            trainer.count_feedback(reply)
+            trainer.count_feedback(reply, worker)
             staleness = t - issued.iteration
             if (self.mode == "quorum" and staleness > 0) or staleness > self.config.max_staleness:
                 late += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import math
 import logging
 import time
 from dataclasses import dataclass
@@ -137,6 +138,7 @@ class Trainer:
         self._counted_lost: set[WorkerHandle] = set()  # handles whose loss an iteration record counted
         self.rejections = 0
         self.swaps_refused = 0  # discriminators a receiver's check refused (swapcheck.py)
+        self.privacy: dict[str, dict] = {}  # DP: worker id -> the (epsilon, delta) it last reported
         self.completed = 0  # iterations done (the boundary the run stands at)
         self.swap_period: int | None = None
         if workers:  # a fixed set: each worker's own m_n is known now (S from the smallest, see swap_period)
@@ -154,7 +156,7 @@ class Trainer:
     # -- durable state -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"completed": self.completed, "swaps": self.swaps, "rejections": self.rejections,
-                "swaps_refused": self.swaps_refused,
+                "swaps_refused": self.swaps_refused, "privacy": dict(self.privacy),
                 "swap_period": self.swap_period, "payload_bytes": dict(self.traffic.payload_bytes),
                 "label_bytes": self.traffic.label_bytes, "roster": self.roster.state_dict()}
 
@@ -162,6 +164,7 @@ class Trainer:
         self.completed = self._last_checkpoint = int(state["completed"])
         self.swaps, self.rejections = int(state["swaps"]), int(state["rejections"])
         self.swaps_refused = int(state.get("swaps_refused", 0))  # (a checkpoint from before the check: none)
+        self.privacy = dict(state.get("privacy", {}))
         self.swap_period = int(state["swap_period"])
         self.traffic.payload_bytes.update(state["payload_bytes"])
         self.traffic.label_bytes = int(state["label_bytes"])
@@ -188,8 +191,10 @@ class Trainer:
                                                            + _wire_nbytes(batch.discriminated, wire))
         self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
 
-    def count_feedback(self, reply: StepResult) -> None:
+    def count_feedback(self, reply: StepResult, worker: WorkerHandle | None = None) -> None:
         self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
+        if worker is not None and math.isfinite(reply.epsilon):  # DP: what that site says it has spent
+            self.privacy[worker.worker_id] = {"epsilon": reply.epsilon, "delta": reply.delta}
 
     async def _drop(self, worker: WorkerHandle, why: str) -> None:
         if self.roster.depart(worker):
@@ -278,7 +283,7 @@ class Trainer:
             self.count_batch(batch)
         feedback, stats, lost = [], replies.answers, 0
         for worker, reply in replies.good:
-            self.count_feedback(reply)
+            self.count_feedback(reply, worker)
             feedback.append((batch_of[worker].generated_index, reply.feedback))
         for worker, why in replies.rejected:
             log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, why)
@@ -300,7 +305,8 @@ class Trainer:
             gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
             real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
             swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
-            wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated)
+            wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated,
+            privacy=dict(self.privacy) or None)
 
     async def _partial_iteration(self, t: int) -> IterationRecord:
         """--sync quorum|async (mdgan/algorithms/mdgan/synchrony.py): wait for some of the workers, not all."""
@@ -319,7 +325,7 @@ class Trainer:
             real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
             swap_round=swap_round, seconds=finished - started, wait_seconds=waited, update_seconds=updating,
             generate_seconds=max(0.0, updated - started - waited - updating), swap_seconds=finished - updated,
-            late=late)
+            late=late, privacy=dict(self.privacy) or None)
 
     async def swap(self, t: int) -> tuple[int, int]:
         """One swap round over the active workers, along a random derangement; (round, workers lost)."""
@@ -464,5 +470,6 @@ class Trainer:
             for worker in alive:
                 await tell_to_stop(worker, RUN_FINISHED, 10.0)
         return RunResult(iterations=t, workers=self.roster.slots, workers_alive=len(alive), swaps=self.swaps,
-                         rejections=self.rejections, swaps_refused=self.swaps_refused, swap_period=self.swap_period, traffic=self.traffic, last=last,
+                         rejections=self.rejections, swaps_refused=self.swaps_refused,
+                         privacy=dict(self.privacy), swap_period=self.swap_period, traffic=self.traffic, last=last,
                          stopped_early=stopped, alive=[w.worker_id for w in alive])

@@ -95,7 +95,7 @@ class Join(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[int]] = ..., trained_iteration: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "potential_rounds", "potential_lr", "gradient_penalty", "dp_threshold", "swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_check_min_cosine_set")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "potential_rounds", "potential_lr", "gradient_penalty", "dp_threshold", "swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_check_min_cosine_set", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon", "iterations")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,11 @@ class TrainingSpec(_message.Message):
     SWAP_CHECK_LOSS_RATIO_FIELD_NUMBER: _ClassVar[int]
     SWAP_CHECK_MIN_COSINE_FIELD_NUMBER: _ClassVar[int]
     SWAP_CHECK_MIN_COSINE_SET_FIELD_NUMBER: _ClassVar[int]
+    DP_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    DP_MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    DP_DELTA_FIELD_NUMBER: _ClassVar[int]
+    DP_TARGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     gan: str
     loss: str
@@ -156,7 +161,12 @@ class TrainingSpec(_message.Message):
     swap_check_loss_ratio: float
     swap_check_min_cosine: float
     swap_check_min_cosine_set: bool
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., potential_rounds: _Optional[int] = ..., potential_lr: _Optional[float] = ..., gradient_penalty: _Optional[float] = ..., dp_threshold: _Optional[int] = ..., swap_check: _Optional[str] = ..., swap_check_norm_ratio: _Optional[float] = ..., swap_check_loss_ratio: _Optional[float] = ..., swap_check_min_cosine: _Optional[float] = ..., swap_check_min_cosine_set: _Optional[bool] = ...) -> None: ...
+    dp_noise_multiplier: float
+    dp_max_grad_norm: float
+    dp_delta: float
+    dp_target_epsilon: float
+    iterations: int
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., potential_rounds: _Optional[int] = ..., potential_lr: _Optional[float] = ..., gradient_penalty: _Optional[float] = ..., dp_threshold: _Optional[int] = ..., swap_check: _Optional[str] = ..., swap_check_norm_ratio: _Optional[float] = ..., swap_check_loss_ratio: _Optional[float] = ..., swap_check_min_cosine: _Optional[float] = ..., swap_check_min_cosine_set: _Optional[bool] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ..., dp_target_epsilon: _Optional[float] = ..., iterations: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members", "run_id", "swap_round", "restore_iteration", "copy")
@@ -199,16 +209,20 @@ class Batches(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., generated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generated_labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., discriminated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., discriminated_labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy")
+    __slots__ = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy", "epsilon", "delta")
     DISC_LOSS_FIELD_NUMBER: _ClassVar[int]
     GEN_LOSS_FIELD_NUMBER: _ClassVar[int]
     REAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     FAKE_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     disc_loss: float
     gen_loss: float
     real_accuracy: float
     fake_accuracy: float
-    def __init__(self, disc_loss: _Optional[float] = ..., gen_loss: _Optional[float] = ..., real_accuracy: _Optional[float] = ..., fake_accuracy: _Optional[float] = ...) -> None: ...
+    epsilon: float
+    delta: float
+    def __init__(self, disc_loss: _Optional[float] = ..., gen_loss: _Optional[float] = ..., real_accuracy: _Optional[float] = ..., fake_accuracy: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
 
 class Feedback(_message.Message):
     __slots__ = ("iteration", "gradient", "stats")

@@ -106,7 +106,10 @@ class GrpcWorker(StreamHandle, WorkerHandle):
             future.set_exception(InputRejected(exc.reason, str(exc)))
             return
         s = feedback.stats
-        future.set_result(StepResult(gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy))
+        private = self.config.privacy.enabled and s.delta > 0  # (a site's spent budget, by its own accountant)
+        future.set_result(StepResult(gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy,
+                                     epsilon=s.epsilon if private else float("nan"),
+                                     delta=s.delta if private else float("nan")))
 
     async def _on_swap_report(self, report: pb.SwapReport) -> None:
         future = self._swaps.get(report.round)

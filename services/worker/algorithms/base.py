@@ -15,6 +15,10 @@ class ServerGone(Exception):
     stream broke and reconnecting did not bring it back within --server-timeout."""
 
 
+class BudgetSpent(Exception):
+    """This site's next step would spend more privacy than its --dp-max-epsilon: it leaves the run."""
+
+
 class StreamBroken(ServerGone):
     """The stream ended without a stop (the server restarted, the network blipped): reconnect."""
 

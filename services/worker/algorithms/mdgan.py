@@ -21,10 +21,15 @@ from mdgan.gan import DiscriminatorSide, WorkerBatch
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire as wire_traffic
-from services.worker.algorithms.base import ServerGone, StreamBroken, WorkerAlgorithm
+from services.worker.algorithms.base import BudgetSpent, ServerGone, StreamBroken, WorkerAlgorithm
 from services.worker.peer import REFUSED, CopyMailbox, PeerInbox, PushRefused, SwapMailbox, push_discriminator
 
 log = logging.getLogger("mdgan.worker")
+
+
+def privacy_stats(result) -> dict:
+    """StepStats' epsilon and delta: what this site has spent (0, 0 when not private)."""
+    return {"epsilon": result.epsilon, "delta": result.delta} if result.delta == result.delta else {}
 
 
 class MDGANWorker(WorkerAlgorithm, PeerInbox):
@@ -113,6 +118,13 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         # (a peer's push, a late swap) is as if done before this batch (the decoded batch does not
         # depend on our D) or after this feedback (computed before the second yield).
         await asyncio.sleep(0)
+        private = self.side.private
+        if private is not None and self.node.dp_max_epsilon > 0:
+            ahead = private.epsilon_after(config.disc_steps)
+            if ahead > self.node.dp_max_epsilon:
+                raise BudgetSpent(f"iteration {batches.iteration} would bring this site's epsilon to {ahead:.3f}, "
+                                  f"past --dp-max-epsilon {self.node.dp_max_epsilon:g} (spent: {private.epsilon():.3f}, "
+                                  f"delta {private.site.delta:g})")
         started = time.perf_counter()
         # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
         # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
@@ -126,7 +138,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         await self.node.write(call, pb.WorkerMessage(feedback=pb.Feedback(
             iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(feedback, wire)),
             stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
-                               real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy))))
+                               real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy,
+                               **privacy_stats(result)))))
         t = self.node.telemetry
         t.iterations.inc()
         t.iteration_seconds.observe(time.perf_counter() - started)
@@ -136,6 +149,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         t.discriminator_loss.set(result.disc_loss)
         t.discriminator_accuracy.labels("real").set(result.real_accuracy)
         t.discriminator_accuracy.labels("generated").set(result.fake_accuracy)
+        if private is not None:
+            t.privacy_epsilon.set(result.epsilon)
         t.last_iteration.set_to_current_time()
 
     # -- checkpoints -------------------------------------------------------------------------

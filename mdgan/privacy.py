@@ -1,0 +1,191 @@
+"""Differentially private discriminators: DP-SGD with Opacus on each site's real data.
+
+What is private, and why the rest follows (docs/PRIVACY.md has the argument in full):
+
+- Each discriminator step's *real-data* part is computed on a Poisson sample of the site's shard
+  (each of its m_n images taken independently with probability q = b / m_n, the sampling the
+  accountant's guarantee assumes), every real sample's gradient is clipped to L2 norm C
+  (`max_grad_norm`), the clipped gradients are summed, Gaussian noise N(0, (sigma C)^2) is added
+  and the sum is divided by b (Opacus's GradSampleModule computes the per-sample gradients, its
+  DPOptimizer clips, noises and scales them).
+- The generated part of the step (X_d, from the server's G, which never saw the site's data) is
+  added without noise: it holds no private data.
+- Opacus's RDP accountant composes every step the site took (L per iteration it took part in,
+  rejoins included; the accountant is in the site's checkpoint) into (epsilon, delta) for the site.
+- Everything that leaves the site is computed from the private D and public inputs only: the
+  feedback F_n (a gradient of D's output on generated samples), the discriminator pushed at a swap,
+  and so the generator. That is post-processing, which spends nothing more. The swap check of a
+  private site looks at generated samples only (mdgan/algorithms/mdgan/swapcheck.py), for the same
+  reason.
+
+The noise and the Poisson draws come from the site's own generators, seeded by (run seed, shard):
+a private run is as deterministic as any (mdgan local == mdgan simulate, bit for bit). That makes the
+noise predictable to whoever knows the seed: for a guarantee against such an observer, keep the seed
+secret (a production deployment would use Opacus's secure_mode, which this project does not).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mdgan.config import ConfigError, PrivacySpec
+
+ACCOUNTANT = "rdp"  # Opacus's Renyi-DP accountant (Mironov 2017; Mironov, Talwar, Zhang 2019)
+
+
+def default_delta(shard_size: int) -> float:
+    """1e-5, or smaller for a site of more than 10^4 images: delta below 1 / (10 m_n)."""
+    return min(1e-5, 1.0 / (10 * shard_size))
+
+
+@dataclass(frozen=True)
+class SitePrivacy:
+    """The DP-SGD parameters of one site, resolved from the run's PrivacySpec and the site's size."""
+
+    noise_multiplier: float  # sigma
+    max_grad_norm: float  # C
+    delta: float
+    sample_rate: float  # q = b / m_n
+    planned_steps: int  # L x I: the steps the noise was calibrated for (target epsilon)
+    target_epsilon: float | None = None
+
+    def summary(self) -> dict:
+        return {"noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm,
+                "delta": self.delta, "sample_rate": self.sample_rate, "planned_steps": self.planned_steps,
+                "target_epsilon": self.target_epsilon, "accountant": ACCOUNTANT, "sampling": "poisson"}
+
+
+def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int, disc_steps: int) -> SitePrivacy:
+    """The site's sigma, C, delta and q; one clear line (ConfigError) for a budget or setting it cannot have."""
+    if shard_size < batch_size:
+        raise ConfigError(f"DP-SGD: a site of {shard_size} samples cannot have an expected batch of {batch_size}")
+    delta = spec.delta or default_delta(shard_size)
+    if not 0 < delta < 1.0 / shard_size:
+        raise ConfigError(f"--dp-delta {delta:g} must be in (0, 1/m) = (0, {1.0 / shard_size:.3g}) for a site of "
+                          f"{shard_size} samples (delta >= 1/m lets a mechanism publish a whole record)")
+    q = batch_size / shard_size
+    steps = max(1, iterations * disc_steps)
+    sigma = spec.noise_multiplier
+    if spec.target_epsilon:
+        from opacus.accountants.utils import get_noise_multiplier
+
+        try:
+            sigma = get_noise_multiplier(target_epsilon=spec.target_epsilon, target_delta=delta, sample_rate=q,
+                                         steps=steps, accountant=ACCOUNTANT, epsilon_tolerance=0.01)
+        except ValueError as exc:
+            raise ConfigError(f"--dp-target-epsilon {spec.target_epsilon:g}: no noise reaches it over {steps} steps "
+                              f"at sampling rate {q:.3g} and delta {delta:g} ({exc})") from None
+    return SitePrivacy(sigma, spec.max_grad_norm, delta, q, steps, spec.target_epsilon or None)
+
+
+def check_module(module: torch.nn.Module, architecture: str) -> None:
+    """One clear line when per-sample gradients cannot be computed for this discriminator."""
+    from opacus.grad_sample import GradSampleModule
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(module, strict=False)
+    unsupported = [type(m).__name__ for m in module.modules()
+                   if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))
+                   and type(m) not in GradSampleModule.GRAD_SAMPLERS]
+    if errors or unsupported:
+        why = "; ".join([str(e).splitlines()[0] for e in errors] + [f"{n} has no per-sample gradient in Opacus"
+                                                                   for n in sorted(set(unsupported))])
+        raise ConfigError(f"DP-SGD cannot train the discriminator of --architecture {architecture}: {why}; "
+                          "use --architecture mlp")
+
+
+class PrivateSteps:
+    """DP-SGD for one discriminator: Poisson sampling, per-sample clipping, noise, and the accountant.
+
+    `real_step(real_loss_per_sample)` is called with a function that computes the per-sample losses of
+    the sampled real images; it leaves the clipped, noised and scaled gradient in every parameter's
+    .grad. The caller then adds the generated part's gradient and steps the (wrapped) Adam.
+    """
+
+    def __init__(self, discriminator: torch.nn.Module, optimizer: torch.optim.Optimizer, site: SitePrivacy,
+                 batch_size: int, sampling_seed: int, noise_seed: int):
+        from opacus.accountants import RDPAccountant
+        from opacus.grad_sample import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.site = site
+        self.batch_size = batch_size
+        # hooks on D's own layers: its forward passes record per-sample gradients only while enabled
+        self.module = GradSampleModule(discriminator, batch_first=True, loss_reduction="sum")
+        self.module.disable_hooks()
+        self.noise = torch.Generator().manual_seed(noise_seed)  # drawn on the CPU: the same on any device
+        self.sampling = torch.Generator().manual_seed(sampling_seed)
+        self.optimizer = DPOptimizer(optimizer, noise_multiplier=site.noise_multiplier,
+                                     max_grad_norm=site.max_grad_norm, expected_batch_size=batch_size,
+                                     loss_reduction="mean", generator=self.noise)
+        self.accountant = RDPAccountant()
+
+    def sample(self, shard_size: int) -> torch.Tensor:
+        """Poisson sampling: each index in with probability q (the batch size varies, may be 0): (n,)."""
+        return torch.nonzero(torch.rand(shard_size, generator=self.sampling) < self.site.sample_rate).flatten()
+
+    def real_step(self, parameters: list[torch.nn.Parameter], per_sample_losses) -> None:
+        """Clip, sum, noise and scale the real part's per-sample gradients into .grad (Opacus's DPOptimizer)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.enable_hooks()
+        try:
+            losses = per_sample_losses()  # (n,)
+            if losses is not None and losses.numel():
+                losses.sum().backward()
+            else:  # an empty Poisson sample: no gradient, the noise alone
+                for p in parameters:
+                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        finally:
+            self.module.disable_hooks()
+        if self.noise.device.type != "cpu":  # (noise is drawn where the parameters live)
+            raise RuntimeError("DP noise must be drawn on the CPU")
+        if parameters[0].device.type != "cpu":
+            self._noise_on_cpu(parameters)
+        else:
+            self.optimizer.pre_step()  # clip per sample, sum, add N(0, (sigma C)^2), divide by b
+        for p in parameters:  # the generated part's gradient is added to .grad from here on
+            p.grad_sample = None
+            p.summed_grad = None
+        self.accountant.step(noise_multiplier=self.site.noise_multiplier, sample_rate=self.site.sample_rate)
+
+    def _noise_on_cpu(self, parameters) -> None:
+        """DPOptimizer's steps with the noise drawn on the CPU and moved (a CUDA D: same draws as on a CPU)."""
+        self.optimizer.clip_and_accumulate()
+        sigma_c = self.site.noise_multiplier * self.site.max_grad_norm
+        for p in self.optimizer.params:
+            noise = torch.normal(0.0, sigma_c, size=p.summed_grad.shape, generator=self.noise)
+            p.grad = ((p.summed_grad + noise.to(p.device, p.dtype)) / self.batch_size).view_as(p)
+
+    def step(self) -> None:
+        self.optimizer.original_optimizer.step()
+
+    def epsilon(self) -> float:
+        if not self.accountant.history:
+            return 0.0
+        return float(self.accountant.get_epsilon(self.site.delta))
+
+    def epsilon_after(self, more_steps: int) -> float:
+        """The epsilon this site would have spent after `more_steps` more steps (--dp-max-epsilon)."""
+        from opacus.accountants import RDPAccountant
+
+        ahead = RDPAccountant()
+        ahead.history = list(self.accountant.history)
+        for _ in range(more_steps):
+            ahead.step(noise_multiplier=self.site.noise_multiplier, sample_rate=self.site.sample_rate)
+        return float(ahead.get_epsilon(self.site.delta))
+
+    def state_dict(self) -> dict:
+        return {"accountant": [list(h) for h in self.accountant.history], "noise": self.noise.get_state(),
+                "sampling": self.sampling.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accountant.history = [tuple(h) for h in state["accountant"]]
+        self.noise.set_state(state["noise"])
+        self.sampling.set_state(state["sampling"])
+
+
+def epsilon_is_finite(value: float) -> bool:
+    return value is not None and math.isfinite(value)
