@@ -27,6 +27,7 @@ secret (a production deployment would use Opacus's secure_mode, which this proje
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,10 @@ def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int
         from opacus.accountants.utils import get_noise_multiplier
 
         try:
-            sigma = get_noise_multiplier(target_epsilon=spec.target_epsilon, target_delta=delta, sample_rate=q,
-                                         steps=steps, accountant=ACCOUNTANT, epsilon_tolerance=0.01)
+            with warnings.catch_warnings():  # (its search tries tiny sigmas, whose best RDP order is the largest)
+                warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+                sigma = get_noise_multiplier(target_epsilon=spec.target_epsilon, target_delta=delta, sample_rate=q,
+                                             steps=steps, accountant=ACCOUNTANT, epsilon_tolerance=0.01)
         except ValueError as exc:
             raise ConfigError(f"--dp-target-epsilon {spec.target_epsilon:g}: no noise reaches it over {steps} steps "
                               f"at sampling rate {q:.3g} and delta {delta:g} ({exc})") from None

@@ -43,7 +43,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     """
     entry = algorithms.get(algorithm)
     algorithms.refuse(entry, checkpoint_every=checkpoint_every, resume=resume != "no", churn=bool(churn),
-                      byzantine=byzantine, crash_every=crash_every, site_dirs=site_dirs)
+                      byzantine=byzantine, crash_every=crash_every, site_dirs=site_dirs,
+                      private=config.privacy.enabled)
     if bool(byzantine) != bool(attack):
         raise ConfigError("--byzantine K and --attack go together")
     if byzantine:

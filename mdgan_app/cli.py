@@ -98,6 +98,21 @@ def _resolve_workers(args) -> None:
         args.workers = 4
 
 
+def _check_site_privacy(args, config) -> None:
+    """A DP budget no site can have (a target epsilon reached before the first step, delta >= 1/m):
+    refused here in one line, before any process starts (each worker checks its own again at its
+    welcome; sites with their own data, --site-dirs, check theirs there)."""
+    if not config.privacy.enabled or getattr(args, "site_dirs", None) or args.split != "iid":
+        return
+    from mdgan import privacy
+    from mdgan.data import SYNTHETIC_SIZE, shard_sizes
+
+    size = {"mnist": 60000, "cifar10": 50000, "synthetic": SYNTHETIC_SIZE}.get(args.dataset)
+    if size:
+        privacy.resolve(config.privacy, min(shard_sizes(size, config.workers)), config.batch_size,
+                        config.iterations, config.disc_steps)
+
+
 def cmd_local(args) -> int:
     from mdgan import algorithms
     from services.common.settings import algorithm_options, training_config
@@ -106,6 +121,7 @@ def cmd_local(args) -> int:
         take_launch_settings(args)
     _resolve_workers(args)
     config = training_config(args)  # fail here, with a clear message, rather than in a child process
+    _check_site_privacy(args, config)
     if bool(args.byzantine) != bool(args.attack):
         raise ConfigError("--byzantine K and --attack go together")
     if args.byzantine:
@@ -114,7 +130,8 @@ def cmd_local(args) -> int:
         attackers(args.workers, args.byzantine)
     # refused here, with a clear message, rather than in the server
     algorithms.refuse(algorithms.get(args.algorithm), checkpoint_every=args.checkpoint_every,
-                      resume=bool(args.resume), byzantine=args.byzantine, in_process=False)
+                      resume=bool(args.resume), byzantine=args.byzantine, in_process=False,
+                      private=config.privacy.enabled)
     algorithm_options(args.algorithm, args, config)
     workers_per_process(args.workers, args.workers_per_process)  # a bad value fails here
     needed = 2 * args.workers + 2  # each service's /metrics, each worker's Peer service, the server's gRPC

@@ -22,7 +22,7 @@ split, dirichlet_alpha, eval_every, eval_samples, eval_reference, eval_large_eve
 checkpoint_every (durable algorithms: a stopped run resumes from its last checkpoint), device (cpu, cuda), crash ("every I/N": one worker fails
 every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs), wire_dtype,
 aggregation, trim_fraction, clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper:
-docs/GUIDE.md), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
+docs/GUIDE.md), dp_noise_multiplier, dp_target_epsilon, dp_max_grad_norm, dp_delta (docs/PRIVACY.md), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
 docs/ALGORITHMS.md), label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a name
 or a list; default: its name without N).
 
@@ -50,6 +50,7 @@ import yaml
 from tqdm import tqdm
 
 from services.common import scheduling
+from services.common.settings import privacy_spec
 from mdgan import algorithms
 from mdgan.algorithms import ALGORITHMS
 from mdgan.algorithms.base import option_key
@@ -67,6 +68,8 @@ DEFAULTS = {
     # long runs: scores on eval_large_samples images too, every eval_large_every iterations and at the end;
     # a checkpoint every checkpoint_every iterations (durable algorithms), from which a resume continues
     "eval_large_every": 0, "eval_large_samples": 5000, "checkpoint_every": 0,
+    # differentially private discriminators (docs/PRIVACY.md): None, None: not private
+    "dp_noise_multiplier": None, "dp_target_epsilon": None, "dp_max_grad_norm": 1.0, "dp_delta": 0.0,
 }
 # every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the data-parallel GAN's Q, ...), with their defaults
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
@@ -74,12 +77,13 @@ DEFAULTS.update({option_key(f): f.default for f in OPTION_FIELDS})
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
              "architecture", "gan", "loss", "split", "iterations", "wire_dtype", "aggregation", "trim_fraction",
-             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness",
-             *(option_key(f) for f in OPTION_FIELDS), "seed")
+             "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "dp_noise_multiplier",
+             "dp_target_epsilon", "dp_max_grad_norm", *(option_key(f) for f in OPTION_FIELDS), "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
          "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
          "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
+         "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C",
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS}}
 
 
@@ -148,6 +152,8 @@ def training_config(run: dict) -> TrainingConfig:
         discriminator_optimizer=OptimizerSpec(run["disc_lr"], run["beta1"], run["beta2"]),
         wire_dtype=run["wire_dtype"], aggregation=run["aggregation"], trim_fraction=run["trim_fraction"],
         clip_norm=run["clip_norm"], sync=run["sync"], quorum=run["quorum"], max_staleness=run["max_staleness"],
+        privacy=privacy_spec(run["dp_noise_multiplier"], run["dp_max_grad_norm"], run["dp_delta"],
+                             run["dp_target_epsilon"]),
     ).validate()
 
 
@@ -228,7 +234,9 @@ def summarize(runs: list[dict], out: str) -> list[dict]:
                         for d in ("server_to_worker", "worker_to_server", "worker_to_worker")},
                      "seconds_per_iteration": summary.get("seconds_per_iteration"),
                      "wall_seconds": summary.get("wall_seconds"), "workers_alive": summary.get("workers_alive"),
-                     "stopped_early": summary.get("stopped_early") or ""})
+                     "stopped_early": summary.get("stopped_early") or "",
+                     "epsilon": (summary.get("privacy") or {}).get("epsilon_max"),
+                     "fid_large": scores.get("fid_large"), "mnist_score_large": scores.get("mnist_score_large")})
     return rows
 
 

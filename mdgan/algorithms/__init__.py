@@ -53,7 +53,8 @@ def get(name: str, served: bool = False) -> Algorithm:
 
 
 def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = False, churn: bool = False, byzantine: int = 0,
-           crash_every: int | None = None, site_dirs: str | None = None, in_process: bool = True) -> None:
+           crash_every: int | None = None, site_dirs: str | None = None, in_process: bool = True,
+           private: bool = False) -> None:
     """One clear line (ConfigError) for the first thing asked of `algorithm` that it cannot do: the one place
     that says which algorithm refuses what (simulate, mdgan local, experiments and mdgan-server ask it)."""
     if not (in_process or algorithm.served):
@@ -67,5 +68,9 @@ def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = Fa
     if not algorithm.crashes and crash_every:
         raise ConfigError(f"crash schedules apply to {_names(lambda a: a.crashes)} runs, not --algorithm "
                           f"{algorithm.name}")
+    if private and not algorithm.private:
+        raise ConfigError(f"differential privacy (--dp-*) is implemented for {_names(lambda a: a.private)} only, "
+                          f"not --algorithm {algorithm.name} (its workers' real-data steps are not clipped and "
+                          "noised yet): run --algorithm mdgan, or drop the --dp-* flags")
     if algorithm.whole_dataset and site_dirs:
         raise ConfigError(f"{algorithm.title} trains on one dataset: give it --data-root, not --site-dirs")

@@ -375,10 +375,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         "workers sent for that sample)")
     g = parser.add_argument_group("privacy: differentially private discriminators (DP-SGD with Opacus; "
                                   "docs/PRIVACY.md)")
-    g.add_argument("--dp-noise-multiplier", type=float, default=0.0,
-                   help="sigma: Gaussian noise of std sigma x C on every D step's clipped real-data gradients, "
-                        "on every site (0: not private, unless --dp-target-epsilon)")
-    g.add_argument("--dp-target-epsilon", type=float, default=0.0,
+    g.add_argument("--dp-noise-multiplier", type=float, default=None,
+                   help="sigma > 0: Gaussian noise of std sigma x C on every D step's clipped real-data gradients, "
+                        "on every site (default: not private, unless --dp-target-epsilon)")
+    g.add_argument("--dp-target-epsilon", type=float, default=None,
                    help="instead of --dp-noise-multiplier: each site computes the sigma that spends this epsilon "
                         "over the planned run (I x L steps at sampling rate b / m_n)")
     g.add_argument("--dp-max-grad-norm", type=float, default=1.0, help="C: every real sample's gradient is "
@@ -485,8 +485,17 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
         discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),
         wire_dtype=args.wire_dtype, aggregation=args.aggregation, trim_fraction=args.trim_fraction,
         clip_norm=args.clip_norm, sync=args.sync, quorum=args.quorum, max_staleness=args.max_staleness,
-        privacy=PrivacySpec(args.dp_noise_multiplier, args.dp_max_grad_norm, args.dp_delta, args.dp_target_epsilon),
+        privacy=privacy_spec(args.dp_noise_multiplier, args.dp_max_grad_norm, args.dp_delta, args.dp_target_epsilon),
     ).validate()
+
+
+def privacy_spec(noise_multiplier: float | None, max_grad_norm: float, delta: float,
+                 target_epsilon: float | None) -> PrivacySpec:
+    """The run's DP settings; a sigma or target given must be > 0 (leave the flag out for a run without DP)."""
+    for flag, value in (("--dp-noise-multiplier", noise_multiplier), ("--dp-target-epsilon", target_epsilon)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value} (leave it out for a run without differential privacy)")
+    return PrivacySpec(noise_multiplier or 0.0, max_grad_norm, delta, target_epsilon or 0.0)
 
 
 def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> None:

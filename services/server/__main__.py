@@ -111,7 +111,7 @@ async def serve(args) -> dict:
     log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
     algorithm = ALGORITHMS[args.algorithm]
     algorithms.refuse(algorithms.get(args.algorithm, served=True), checkpoint_every=args.checkpoint_every,
-                      resume=run.state is not None, in_process=False)
+                      resume=run.state is not None, in_process=False, private=config.privacy.enabled)
     algorithm.check(args, run)
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")
