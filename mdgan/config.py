@@ -228,6 +228,9 @@ class DataConfig:
     split_seed: int = 0
     split: str = "iid"
     dirichlet_alpha: float = 0.5
+    # > 0: only this many images of the dataset take part (a seeded choice, before the split): small
+    # runs, and the memorisation experiment of docs/PRIVACY.md (a few dozen images per site)
+    max_samples: int = 0
 
     def validate(self) -> "DataConfig":
         if self.dataset not in DATASETS:
@@ -238,4 +241,6 @@ class DataConfig:
             raise ConfigError(f"unknown split {self.split!r}; choose from {SPLITS}")
         if not (math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0):
             raise ConfigError(f"--dirichlet-alpha must be a positive number, got {self.dirichlet_alpha}")
+        if self.max_samples < 0:
+            raise ConfigError(f"--max-samples must be >= 0, got {self.max_samples}")
         return self

@@ -354,10 +354,18 @@ def _rebalance(shards: list[np.ndarray], min_size: int, rng: np.random.Generator
 
 
 def shard_indices(labels: torch.Tensor, config: DataConfig) -> list[torch.Tensor]:
-    """The indices of every shard of the dataset, by config.split (seeded by config.split_seed)."""
+    """The indices of every shard of the dataset, by config.split (seeded by config.split_seed); with
+    config.max_samples, of a seeded choice of that many images only."""
+    pool = None
+    if config.max_samples and config.max_samples < labels.shape[0]:
+        chooser = torch.Generator().manual_seed(config.split_seed + 7919)  # (not the split's own stream)
+        pool = torch.randperm(labels.shape[0], generator=chooser)[:config.max_samples].sort().values
+        labels = labels[pool]
     if config.split == "dirichlet":
-        return dirichlet_shard_indices(labels, config.num_shards, config.dirichlet_alpha, config.split_seed)
-    return iid_shard_indices(labels.shape[0], config.num_shards, config.split_seed)
+        pieces = dirichlet_shard_indices(labels, config.num_shards, config.dirichlet_alpha, config.split_seed)
+    else:
+        pieces = iid_shard_indices(labels.shape[0], config.num_shards, config.split_seed)
+    return pieces if pool is None else [pool[p] for p in pieces]
 
 
 def _cut(images: torch.Tensor, labels: torch.Tensor, picked: torch.Tensor, index: int, config: DataConfig,

@@ -5,15 +5,19 @@ outputs every algorithm shares (mdgan/run.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import replace
 
-from mdgan import algorithms
+from mdgan import algorithms, checkpoint
 from mdgan.algorithms.base import InProcessRun
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
 from mdgan.run import EvaluationOptions, RunRecorder, RunStart, make_evaluator, open_run, write_outputs
 from mdgan.sites import RunClasses, site_shards
+
+DISCRIMINATORS_FILE = "discriminators.pt"  # --save-discriminators: worker id -> its final D (mdgan audit)
 
 
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
@@ -22,7 +26,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
              run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
              site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
-             options=None, tensorboard: str | None = None, mlflow: str | None = None) -> dict:
+             options=None, tensorboard: str | None = None, mlflow: str | None = None,
+             save_discriminators: bool = False) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
@@ -38,6 +43,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     byzantine, attack: MD-GAN, the last `byzantine` workers by rank send wrong feedback
     (mdgan/attacks.py), to measure the robust aggregation rules.
     tensorboard, mlflow: also track the run there (mdgan/tracking.py).
+    save_discriminators: also write OUT/discriminators.pt, every worker's final discriminator (what
+    `mdgan audit` attacks; MD-GAN, FL-GAN and the standalone GAN).
     options: the algorithm's own options (its registry entry's `options`: PWGANOptions, ...; None: the
     defaults).
     """
@@ -65,6 +72,10 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
                              bad_images)
     else:
         shards = load_all_shards(replace(data, num_shards=config.workers).validate(), config.model.sample_shape)
+    if config.privacy.enabled:  # (before anything is written or spent)
+        from mdgan import privacy
+
+        privacy.check_run(config, [len(s) for s in shards])
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
                                evaluation.reference, evaluation.large_every, evaluation.large_samples)
@@ -74,15 +85,22 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from,
                            tracking=tracking)
     result = None
+    discriminators = {} if save_discriminators else None
     try:
         result = entry.run_in_process(InProcessRun(
             config, shards, generator_side, recorder, out_dir, run, options, crash_every, churn or [],
-            checkpoint_every, keep_checkpoints, byzantine, attack))
+            checkpoint_every, keep_checkpoints, byzantine, attack, discriminators))
     finally:
         wall = recorder.close(result.iterations if result else None)
+    if discriminators:
+        checkpoint.atomic_save({"discriminators": discriminators, "config": config.to_dict()},
+                               os.path.join(out_dir, DISCRIMINATORS_FILE))
     extra = {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
              "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
-             "worker_sizes": {f"worker-{s.index}": len(s) for s in shards}}
+             "worker_sizes": {f"worker-{s.index}": len(s) for s in shards},
+             # what `mdgan audit` needs to recover each worker's members
+             "data": None if site_dirs else dataclasses.asdict(replace(data, num_shards=config.workers)),
+             "site_dirs": site_dirs}
     if options is not None:  # the options its traffic formula (`mdgan traffic`) and its record need
         extra[algorithm] = options.summary(config)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores,

@@ -70,7 +70,8 @@ def cmd_simulate(args) -> int:
             keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
             run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
             byzantine=args.byzantine, attack=args.attack,
-            options=algorithm_options(args.algorithm, args), tensorboard=args.tensorboard, mlflow=args.mlflow)
+            options=algorithm_options(args.algorithm, args), tensorboard=args.tensorboard, mlflow=args.mlflow,
+            save_discriminators=args.save_discriminators)
     _print_summary(summary, args.out)
     return 0
 
@@ -102,15 +103,17 @@ def _check_site_privacy(args, config) -> None:
     """A DP budget no site can have (a target epsilon reached before the first step, delta >= 1/m):
     refused here in one line, before any process starts (each worker checks its own again at its
     welcome; sites with their own data, --site-dirs, check theirs there)."""
-    if not config.privacy.enabled or getattr(args, "site_dirs", None) or args.split != "iid":
+    if not config.privacy.enabled:
         return
     from mdgan import privacy
     from mdgan.data import SYNTHETIC_SIZE, shard_sizes
 
     size = {"mnist": 60000, "cifar10": 50000, "synthetic": SYNTHETIC_SIZE}.get(args.dataset)
-    if size:
-        privacy.resolve(config.privacy, min(shard_sizes(size, config.workers)), config.batch_size,
-                        config.iterations, config.disc_steps)
+    if getattr(args, "site_dirs", None) or args.split != "iid" or not size:
+        privacy.check_run(config, [])  # the layers only: the sites' sizes are theirs to check
+        return
+    size = min(size, args.max_samples or size)
+    privacy.check_run(config, [min(shard_sizes(size, config.workers))])
 
 
 def cmd_local(args) -> int:
@@ -324,6 +327,23 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_audit(args) -> int:
+    from mdgan.audit import AuditSettings, audit, table, write_report
+
+    for flag in ("members", "nonmembers", "generated"):
+        if getattr(args, flag) < 2:
+            raise ConfigError(f"--{flag} must be at least 2, got {getattr(args, flag)}")
+    if args.bootstrap < 0:
+        raise ConfigError(f"--bootstrap must be >= 0, got {args.bootstrap}")
+    report = audit(args.run, AuditSettings(args.members, args.nonmembers, args.generated, args.bootstrap, args.seed))
+    written = write_report(report, args.out or os.path.join(args.run, "audit"))
+    print(table(report))
+    if not report["discriminators"]:
+        print("(no discriminators in the run folder: run `mdgan simulate --save-discriminators` for the D attacks)")
+    print("wrote " + ", ".join(written))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.algorithms import NAMES, SERVED
     from mdgan.attacks import ATTACKS
@@ -379,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
                                "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
                                "state or a copy of a live peer's discriminator)")
+    simulate.add_argument("--save-discriminators", action="store_true",
+                          help="also write OUT/discriminators.pt, every worker's final discriminator (what `mdgan "
+                               "audit OUT` attacks; MD-GAN, FL-GAN and the standalone GAN)")
     simulate.set_defaults(func=cmd_simulate)
     local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
     local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
@@ -522,6 +545,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "for ACGAN) or FILE.png (a grid)")
     sample.add_argument("--seed", type=int, default=0, help="noise seed")
     sample.set_defaults(func=cmd_sample)
+    audit = command("audit", help="Membership inference against a run's discriminators and generator, per site "
+                                  "(docs/PRIVACY.md): AUC and TPR at low FPR with bootstrap intervals.")
+    audit.add_argument("run", help="run directory of `mdgan simulate` (summary.json, checkpoint.pt; the "
+                                   "discriminators from --save-discriminators or the workers' checkpoints)")
+    audit.add_argument("--members", type=int, default=500, help="each site's training images attacked (at most)")
+    audit.add_argument("--nonmembers", type=int, default=1000, help="held-out images attacked")
+    audit.add_argument("--generated", type=int, default=5000,
+                       help="samples of the generator the distance attack (GAN-Leaks) compares with")
+    audit.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (0: none)")
+    audit.add_argument("--seed", type=int, default=0, help="which images and noise the audit draws")
+    audit.add_argument("--out", default=None, help="where audit.json and roc.png go (default: RUN/audit)")
+    audit.set_defaults(func=cmd_audit)
     return parser
 
 

@@ -165,6 +165,9 @@ def site_kit(pki_dir: str, name: str, server_address: str, advertise: str | None
         "MDGAN_DATA_ROOT": "/data", "MDGAN_DATASET": "imagefolder",  # this site's own images (mdgan.sites)
         "MDGAN_STATE_DIR": "/state",
         "MDGAN_CONNECT_TIMEOUT": 600, "MDGAN_SERVER_TIMEOUT": 600,
+        # this site's own integrity and privacy limits (docs/PRIVACY.md): it checks every discriminator
+        # pushed to it whatever the server says; MDGAN_DP_MAX_EPSILON empty: no budget of its own
+        "MDGAN_SWAP_CHECK": "on", "MDGAN_DP_MAX_EPSILON": "",
     }))
     _write(os.path.join(kit_dir, ".env"), _env({
         "KIT_PEER_PORT": port, "KIT_METRICS_PORT": metrics_port, "KIT_TAG": tag,

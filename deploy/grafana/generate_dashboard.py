@@ -241,6 +241,20 @@ def build() -> dict:
         [target("A", "sum by (job, instance, reason) (mdgan_rejected_inputs_total)", "{{job}} {{instance}} {{reason}}")],
         "none", min_value=0), 24, 7)
 
+    # --- Privacy and integrity (docs/PRIVACY.md) -----------------------------------------------
+    lay.row("Privacy and integrity")
+    lay.add(timeseries(
+        "Privacy spent (epsilon) per site",
+        "Differentially private runs: the epsilon each site has spent so far, by its own RDP accountant at "
+        "its delta (mdgan_privacy_epsilon). A site with --dp-max-epsilon leaves before going past it.",
+        [target("A", "max by (instance) (mdgan_privacy_epsilon)", "{{instance}}")], "none", min_value=0), 12, 7)
+    lay.add(timeseries(
+        "Discriminators refused at swaps",
+        "Received discriminators a worker's swap check refused (not finite, wrong norm or direction, or a "
+        "loss worse than knowing nothing on its own data): the worker kept its own for the round.",
+        [target("A", 'sum by (instance) (mdgan_rejected_inputs_total{reason="discriminator"})', "{{instance}}")],
+        "none", min_value=0), 12, 7)
+
     # --- Wire ----------------------------------------------------------------------------------
     lay.row("Wire")
     lay.add(timeseries(

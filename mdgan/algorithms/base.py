@@ -210,6 +210,9 @@ class InProcessRun:
     keep_checkpoints: int = 3
     byzantine: int = 0
     attack: str | None = None
+    # when given, filled at the end with worker id -> the discriminator each worker last held (MD-GAN,
+    # the standalone GAN) or last sent to be averaged (FL-GAN): what `mdgan audit` attacks
+    discriminators: dict | None = None
 
 
 @dataclass(frozen=True)

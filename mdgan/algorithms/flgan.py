@@ -104,6 +104,7 @@ class FederatedTrainer:
         self.period = config.swap_period(min(w.shard_size for w in self.workers))
         self.traffic = Traffic()
         self.rejections = 0
+        self.last_sent: dict[str, dict] = {}  # worker id -> the local D it sent at its last round (mdgan audit)
 
     async def run(self) -> RunResult:
         done, rounds, last, stopped = 0, 0, None, None
@@ -124,6 +125,8 @@ class FederatedTrainer:
             weights = [float(worker.shard_size) for worker, _ in replies.good]
             for reply in results:
                 self.traffic.payload_bytes["worker_to_server"] += reply.sent_bytes
+            for worker, reply in replies.good:
+                self.last_sent[f"worker-{worker.shard_index}"] = reply.discriminator
             self.rejections += len(replies.rejected)  # this round goes on without them, as in MD-GAN
             for worker, error in replies.lost:
                 self.active.remove(worker)
@@ -152,17 +155,21 @@ class FederatedTrainer:
 
 def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard],
               on_iteration: Callable[[IterationRecord], None] | None = None,
-              on_round: Callable[[dict], None] | None = None) -> RunResult:
+              on_round: Callable[[dict], None] | None = None, discriminators: dict | None = None) -> RunResult:
     """FL-GAN in one process; `server` ends with the federation's averaged G."""
     workers = [InProcessFederatedWorker(config, shard) for shard in shards]
     initial = workers[0].gan.d.discriminator.state_dict()
     trainer = FederatedTrainer(config, server, workers, initial, on_iteration=on_iteration, on_round=on_round)
-    return asyncio.run(trainer.run())
+    result = asyncio.run(trainer.run())
+    if discriminators is not None:
+        discriminators.update(trainer.last_sent)
+    return result
 
 
 def run_in_process(run: InProcessRun) -> RunResult:
     """FL-GAN in `mdgan simulate`: its rounds are the run's swaps.jsonl lines."""
-    return run_flgan(run.config, run.generator, run.shards, on_iteration=run.recorder, on_round=run.recorder.swap)
+    return run_flgan(run.config, run.generator, run.shards, on_iteration=run.recorder, on_round=run.recorder.swap,
+                     discriminators=run.discriminators)
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:

@@ -61,7 +61,8 @@ def iteration_record(t: int, workers: int, answered: int, stats: list[dict], sec
 
 
 def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
-                   on_iteration: Callable[[IterationRecord], None] | None = None) -> RunResult:
+                   on_iteration: Callable[[IterationRecord], None] | None = None,
+                   discriminators: dict | None = None) -> RunResult:
     gan = LocalGAN(config, dataset, generator)
     last = None
     for t in range(1, config.iterations + 1):
@@ -70,6 +71,8 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
         last = iteration_record(t, 1, 1, [stats], time.perf_counter() - started, None)
         if on_iteration:
             on_iteration(last)
+    if discriminators is not None:
+        discriminators["worker-0"] = {k: v.detach().clone() for k, v in gan.d.discriminator.state_dict().items()}
     return RunResult(iterations=config.iterations, workers=1, workers_alive=1, swaps=0, rejections=0,
                      swap_period=0, traffic=Traffic(), last=last)
 
@@ -77,7 +80,8 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
 def run_in_process(run: InProcessRun) -> RunResult:
     """The standalone GAN (`mdgan simulate --algorithm standalone`): run.config has one worker, whose
     shard is the whole dataset."""
-    return run_standalone(run.config, run.generator, run.shards[0], on_iteration=run.recorder)
+    return run_standalone(run.config, run.generator, run.shards[0], on_iteration=run.recorder,
+                          discriminators=run.discriminators)
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:

@@ -211,7 +211,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
             action._env_applied = True
             name = env_name(action.dest, self.env_prefix)
             action.help = f"{action.help or ''}{_shown_default(action)} [env {name}]".strip()
-            if name not in os.environ:
+            if not os.environ.get(name):  # unset, or set empty (a compose file's ${VAR:-}): the default
                 continue
             raw = os.environ[name]
             if action.nargs == 0:  # store_true / store_false
@@ -400,6 +400,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                         "aspect ratio), stops the load with its name (refuse) or is left out with a warning (skip)")
     g.add_argument("--split-seed", type=int, default=0,
                    help="emulation (a shared dataset cut into shards): seed of the split (the same on every worker)")
+    g.add_argument("--max-samples", type=int, default=0,
+                   help="use only this many images of the dataset (a seeded choice, before the split; 0: all): "
+                        "small runs, and the memorisation experiment of docs/PRIVACY.md")
     g.add_argument("--split", choices=SPLITS, default="iid",
                    help="iid: equal random shards (the paper); dirichlet: non-i.i.d. shards, per class "
                         "proportions ~ Dir(alpha) (workers then need an explicit --shard-index)")
@@ -596,7 +599,8 @@ def _whole_number(text: str, low: int, high: int | None, expected: str) -> int:
 
 def data_config(args: argparse.Namespace, num_shards: int) -> DataConfig:
     return DataConfig(args.dataset, args.data_root, num_shards, args.split_seed,
-                      split=args.split, dirichlet_alpha=args.dirichlet_alpha).validate()
+                      split=args.split, dirichlet_alpha=args.dirichlet_alpha,
+                      max_samples=getattr(args, "max_samples", 0)).validate()
 
 
 def configure_compute(threads: int, pinned_cpus=None) -> None:

@@ -236,4 +236,9 @@ async def _run(run: InProcessRun) -> RunResult:
 
     trainer.on_iteration = on_iteration
     trainer.on_boundary = on_boundary
-    return await trainer.run()
+    result = await trainer.run()
+    if run.discriminators is not None:
+        for slot, worker in sorted(by_slot.items()):
+            run.discriminators[worker.worker_id] = {k: v.detach().clone()
+                                                    for k, v in worker.side.discriminator.state_dict().items()}
+    return result

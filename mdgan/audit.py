@@ -1,0 +1,287 @@
+"""`mdgan audit RUN`: membership inference against what a run exposed, per site.
+
+Members are each site's own training images (recovered from the run's record of its data split);
+non-members are held-out images of the same distribution: the MNIST test set, or, for a run on a
+subset (--max-samples), training images no site held. Each attack scores every image (higher: "was
+in the training data"); its ROC AUC and its TPR at 1% and 0.1% FPR are reported with bootstrap
+confidence intervals (members and non-members resampled).
+
+Attacks:
+- `d_output` (white-box on a discriminator, as the peer that receives it at a swap holds it, or the
+  server that receives an FL-GAN worker's model): D's real/fake logit on the image (LOGAN, Hayes et
+  al. 2019: a D trained on an image calls it real more confidently);
+- `d_class_loss` (ACGAN): minus D's class cross-entropy on the image's true label;
+- `g_distance` (GAN-Leaks full black-box, Chen et al. 2020): minus the distance from the image to
+  the nearest of n generated samples, for anyone holding the generator (or its samples).
+
+The discriminator attacked for site k is the one site k held last (MD-GAN: trained on k's data since
+the last swap; the standalone GAN: its only D; FL-GAN: the local D it sent to be averaged at the
+last round).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mdgan.config import ConfigError, DataConfig, TrainingConfig
+
+ATTACKS = ("d_output", "d_class_loss", "g_distance")
+FPRS = (0.01, 0.001)
+
+
+# -- the statistics ----------------------------------------------------------------------------
+
+def roc_auc(members: np.ndarray, nonmembers: np.ndarray) -> float:
+    """P(score of a member > score of a non-member) + 1/2 P(tie): the Mann-Whitney form of the AUC."""
+    scores = np.concatenate([members, nonmembers])
+    order = scores.argsort(kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    i = 0
+    while i < len(scores):  # average ranks over ties
+        j = i
+        while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    m, n = len(members), len(nonmembers)
+    return float((ranks[:m].sum() - m * (m + 1) / 2) / (m * n))
+
+
+def roc_curve(members: np.ndarray, nonmembers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(FPR, TPR) at every threshold, from (0, 0) to (1, 1)."""
+    thresholds = np.unique(np.concatenate([members, nonmembers]))[::-1]
+    fpr = np.array([0.0] + [float((nonmembers >= t).mean()) for t in thresholds])
+    tpr = np.array([0.0] + [float((members >= t).mean()) for t in thresholds])
+    return fpr, tpr
+
+
+def tpr_at_fpr(members: np.ndarray, nonmembers: np.ndarray, fpr: float) -> float:
+    """The largest TPR over thresholds whose FPR is at most `fpr` (strictly above the threshold)."""
+    threshold = np.quantile(nonmembers, 1 - fpr, method="higher")  # at most fpr of non-members above it
+    return float((members > threshold).mean())
+
+
+def attack_statistics(members: np.ndarray, nonmembers: np.ndarray, bootstrap: int, seed: int) -> dict:
+    """AUC and TPR at each FPR, each with a 95% bootstrap interval."""
+    def stats(m, n):
+        return [roc_auc(m, n), *(tpr_at_fpr(m, n, f) for f in FPRS)]
+
+    point = stats(members, nonmembers)
+    rng = np.random.default_rng(seed)
+    draws = np.array([stats(members[rng.integers(0, len(members), len(members))],
+                            nonmembers[rng.integers(0, len(nonmembers), len(nonmembers))])
+                      for _ in range(bootstrap)]) if bootstrap else None
+    names = ["auc", *(f"tpr_at_{f:g}_fpr" for f in FPRS)]
+    out = {}
+    for k, name in enumerate(names):
+        out[name] = point[k]
+        if draws is not None:
+            out[f"{name}_ci"] = [float(np.percentile(draws[:, k], 2.5)), float(np.percentile(draws[:, k], 97.5))]
+    return out
+
+
+# -- the scores --------------------------------------------------------------------------------
+
+def discriminator_scores(discriminator: torch.nn.Module, conditional: bool, images: torch.Tensor,
+                         labels: torch.Tensor) -> dict[str, np.ndarray]:
+    """images (n, *shape), labels (n,) -> each D attack's score per image (higher: member)."""
+    discriminator.eval()
+    with torch.no_grad():
+        logits = torch.cat([discriminator(chunk) for chunk in images.split(1024)])  # (n, 1 [+ C])
+    scores = {"d_output": logits[:, 0].double().numpy()}
+    if conditional:
+        scores["d_class_loss"] = (-F.cross_entropy(logits[:, 1:], labels, reduction="none")).double().numpy()
+    return scores
+
+
+def generator_distance_scores(generated: torch.Tensor, images: torch.Tensor) -> np.ndarray:
+    """GAN-Leaks: minus the L2 distance to the nearest generated sample; generated (g, d), images (n, d)."""
+    generated, images = generated.reshape(len(generated), -1).double(), images.reshape(len(images), -1).double()
+    nearest = torch.cat([torch.cdist(chunk, generated).min(dim=1).values for chunk in images.split(512)])
+    return (-nearest).numpy()
+
+
+# -- a run -------------------------------------------------------------------------------------
+
+@dataclass
+class AuditSettings:
+    members: int = 500  # per site (fewer when a site holds fewer)
+    nonmembers: int = 1000
+    generated: int = 5000
+    bootstrap: int = 200
+    seed: int = 0
+
+
+def _pick(count: int, size: int, seed: int) -> torch.Tensor:
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:count].sort().values
+
+
+def recover_sites(summary: dict, config: TrainingConfig):
+    """Each site's shard and the held-out images, from the run's record of its data; one clear line
+    (ConfigError) when the split cannot be recovered."""
+    from mdgan.data import load_all_shards, load_stored_dataset, shard_indices, to_unit_range
+
+    data = summary.get("data")
+    if not data:
+        if summary.get("site_dirs"):
+            raise ConfigError("this run trained on its sites' own folders (--site-dirs): the audit recovers "
+                              "emulated splits only (give the sites' folders to a run of `mdgan simulate "
+                              "--dataset ...` to audit them)")
+        raise ConfigError("this run's summary.json does not record its data split (runs of `mdgan simulate` record "
+                          "it; `mdgan local` and the services do not yet): nothing to audit against")
+    data = DataConfig(**data)
+    try:
+        shards = load_all_shards(data, config.model.sample_shape)
+    except (OSError, ConfigError) as exc:
+        raise ConfigError(f"the run's data ({data.dataset} under {data.data_root}) cannot be loaded: {exc}") from None
+    sizes = summary.get("worker_sizes") or {}
+    for shard in shards:
+        recorded = sizes.get(f"worker-{shard.index}")
+        if recorded is not None and recorded != len(shard):
+            raise ConfigError(f"the split recovered gives worker-{shard.index} {len(shard)} samples, the run had "
+                              f"{recorded}: the data under {data.data_root} is not the run's")
+    images, labels = load_stored_dataset(data)
+    if data.max_samples and data.max_samples < len(labels):  # held out: the training images no site held
+        used = torch.cat(shard_indices(labels, data))
+        mask = torch.ones(len(labels), dtype=torch.bool)
+        mask[used] = False
+        held_images, held_labels = to_unit_range(images[mask]), labels[mask]
+    elif data.dataset == "mnist":
+        from mdgan.data import load_mnist
+
+        held_images, held_labels = load_mnist(data.data_root, train=False)
+    else:
+        raise ConfigError(f"no held-out images of {data.dataset}: audit a run on MNIST, or on a subset "
+                          "(--max-samples) whose other images serve as non-members")
+    return shards, held_images.reshape(-1, *config.model.sample_shape), held_labels
+
+
+def load_discriminators(run_dir: str, config: TrainingConfig) -> dict[str, dict] | None:
+    """worker id -> its final D: discriminators.pt (simulate --save-discriminators), else each worker's
+    latest checkpoint (OUT/workers/RUN/worker-K); None when neither exists."""
+    from mdgan import checkpoint
+
+    path = os.path.join(run_dir, "discriminators.pt")
+    if os.path.exists(path):
+        return checkpoint.load(path)["discriminators"]
+    root = os.path.join(run_dir, "workers")
+    found = {}
+    if os.path.isdir(root):
+        for run_id in os.listdir(root):
+            for name in sorted(os.listdir(os.path.join(root, run_id))):
+                store = checkpoint.CheckpointStore(os.path.join(root, run_id, name))
+                held = store.holding("worker")
+                if held:
+                    found[name] = store.load(max(held), "worker")["discriminator"]
+    return found or None
+
+
+def audit(run_dir: str, settings: AuditSettings = AuditSettings()) -> dict:
+    """Every attack on every site of the run in run_dir: the report that audit.json holds."""
+    from mdgan.models import build_discriminator
+    from mdgan.sampling import load_run
+
+    run = load_run(run_dir)
+    config, summary = run.config, run.summary
+    algorithm = summary.get("algorithm", "mdgan")
+    shards, held_images, held_labels = recover_sites(summary, config)
+    discriminators = load_discriminators(run_dir, config)
+    nonmember_pick = _pick(settings.nonmembers, len(held_labels), settings.seed + 1)
+    non_images, non_labels = held_images[nonmember_pick], held_labels[nonmember_pick]
+    spec = run.generator.spec
+    noise = torch.Generator().manual_seed(settings.seed + 2)
+    z = torch.randn(settings.generated, spec.latent_dim, generator=noise)
+    fake_labels = torch.arange(settings.generated) % spec.num_classes if spec.conditional else None
+    with torch.no_grad():
+        generated = run.generator(z, fake_labels)  # (g, d)
+    non_g = generator_distance_scores(generated, non_images)
+    report = {"run": os.path.abspath(run_dir), "algorithm": algorithm, "iterations": summary.get("iterations"),
+              "privacy": summary.get("privacy"), "settings": settings.__dict__,
+              "nonmember_source": "unused training images" if (summary["data"] or {}).get("max_samples")
+              else "MNIST test set", "discriminators": discriminators is not None, "sites": {}}
+    curves = {}
+    for shard in shards:
+        worker = f"worker-{shard.index}"
+        pick = _pick(min(settings.members, len(shard)), len(shard), settings.seed + 3 + shard.index)
+        images, labels = shard.images[pick], shard.labels[pick]
+        site = {"members": len(pick), "nonmembers": len(nonmember_pick), "attacks": {}}
+        member_scores = {"g_distance": generator_distance_scores(generated, images)}
+        nonmember_scores = {"g_distance": non_g}
+        if discriminators is not None and worker in discriminators:
+            disc = build_discriminator(spec, 0)
+            disc.load_state_dict(discriminators[worker])
+            member_scores.update(discriminator_scores(disc, spec.conditional, images, labels))
+            nonmember_scores.update(discriminator_scores(disc, spec.conditional, non_images, non_labels))
+        for attack in ATTACKS:
+            if attack in member_scores:
+                site["attacks"][attack] = attack_statistics(member_scores[attack], nonmember_scores[attack],
+                                                            settings.bootstrap, settings.seed + shard.index)
+                curves.setdefault(attack, []).append((member_scores[attack], nonmember_scores[attack]))
+        report["sites"][worker] = site
+    report["summary"] = {attack: {"auc_mean": float(np.mean([s["attacks"][attack]["auc"] for s in report["sites"].values()
+                                                             if attack in s["attacks"]])),
+                                  "auc_max": float(np.max([s["attacks"][attack]["auc"] for s in report["sites"].values()
+                                                           if attack in s["attacks"]]))}
+                         for attack in curves}
+    report["_curves"] = curves  # (for the plot; not written to audit.json)
+    return report
+
+
+def write_report(report: dict, out_dir: str) -> list[str]:
+    """audit.json and roc.png in out_dir; their paths."""
+    from mdgan import checkpoint
+
+    os.makedirs(out_dir, exist_ok=True)
+    curves = report.pop("_curves", {})
+    path = os.path.join(out_dir, "audit.json")
+    checkpoint.atomic_write_json(path, report)
+    written = [path]
+    if curves:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 4), squeeze=False)
+        for ax, (attack, pairs) in zip(axes[0], sorted(curves.items())):
+            for k, (members, nonmembers) in enumerate(pairs):
+                fpr, tpr = roc_curve(members, nonmembers)
+                ax.plot(fpr, tpr, lw=1, alpha=0.7, label=f"worker-{k}" if len(pairs) <= 10 else None)
+            ax.plot([1e-4, 1], [1e-4, 1], "k--", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlim(1e-3, 1)
+            ax.set_ylim(1e-3, 1.02)
+            ax.set_title(f"{attack}: mean AUC {report['summary'][attack]['auc_mean']:.3f}")
+            ax.set_xlabel("false positive rate")
+            ax.set_ylabel("true positive rate")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        if handles:
+            axes[0][-1].legend(fontsize=7, loc="lower right")
+        fig.suptitle(f"membership inference: {report['algorithm']}, {report['iterations']} iterations"
+                     + (f", epsilon {report['privacy']['epsilon_max']:.2f}" if report.get("privacy") else ""))
+        fig.tight_layout()
+        png = os.path.join(out_dir, "roc.png")
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        written.append(png)
+    return written
+
+
+def table(report: dict) -> str:
+    """The console table: one row per site and attack."""
+    lines = [f"{'site':10} {'attack':13} {'AUC':>6} {'95% CI':>15} {'TPR@1%':>7} {'TPR@0.1%':>8}"]
+    for worker, site in report["sites"].items():
+        for attack, s in site["attacks"].items():
+            ci = s.get("auc_ci")
+            lines.append(f"{worker:10} {attack:13} {s['auc']:6.3f} "
+                         f"{(f'[{ci[0]:.3f}, {ci[1]:.3f}]' if ci else ''):>15} "
+                         f"{s['tpr_at_0.01_fpr']:7.3f} {s['tpr_at_0.001_fpr']:8.3f}")
+    return "\n".join(lines)
+

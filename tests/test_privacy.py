@@ -1,0 +1,237 @@
+"""Differentially private discriminators (mdgan/privacy.py), the membership-inference audit
+(mdgan/audit.py) and their refusals: what a site that cares about its data sees."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
+from mdgan.data import load_shard
+from mdgan.gan import DiscriminatorSide, GeneratorSide
+
+from procs import read_json, read_jsonl, start_server, start_worker
+
+
+def _side(privacy: PrivacySpec, seed: int = 0, iterations: int = 100) -> DiscriminatorSide:
+    config = TrainingConfig(workers=2, batch_size=8, iterations=iterations, seed=seed, privacy=privacy).validate()
+    return DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=2), 0))
+
+
+def _batch(seed: int = 0):
+    config = TrainingConfig(workers=2, batch_size=8, seed=seed).validate()
+    return GeneratorSide(config).generate(1).for_worker(0)
+
+
+def test_a_private_step_clips_noises_and_accounts_and_is_repeatable():
+    batch = _batch()
+    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.5)) for _ in range(2)]
+    results = [[side.step(batch) for _ in range(5)] for side in sides]
+    # the same seeds, the same noise and Poisson draws: bit for bit
+    for a, b in zip(*(s.discriminator.state_dict().values() for s in sides)):
+        assert torch.equal(a, b)
+    eps = [r.epsilon for r in results[0]]
+    assert all(e2 > e1 > 0 for e1, e2 in zip(eps, eps[1:]))  # every step spends
+    assert results[0][-1].delta == pytest.approx(min(1e-5, 1 / (10 * len(sides[0].sampler.shard))))
+    from opacus.accountants import RDPAccountant
+
+    reference = RDPAccountant()  # Opacus's own accountant, stepped as many times, agrees
+    for _ in range(5):
+        reference.step(noise_multiplier=1.1, sample_rate=8 / len(sides[0].sampler.shard))
+    assert eps[-1] == pytest.approx(reference.get_epsilon(results[0][-1].delta), rel=1e-12)
+    plain = _side(PrivacySpec())
+    plain.step(batch)
+    assert plain.private is None and np.isnan(plain.step(batch).epsilon)
+
+
+def test_the_noise_is_the_privacy_a_clipped_noiseless_step_would_not_have():
+    """With sigma tiny the private step follows the clipped gradient; with sigma large the noise
+    dominates: the noise really reaches the weights."""
+    batch = _batch()
+    before = _side(PrivacySpec(noise_multiplier=1e-6)).discriminator.state_dict()
+    quiet, loud = _side(PrivacySpec(noise_multiplier=1e-6)), _side(PrivacySpec(noise_multiplier=50.0))
+    quiet.step(batch)
+    loud.step(batch)
+    moved = {name: float((loud.discriminator.state_dict()[name] - quiet.discriminator.state_dict()[name]).abs().max())
+             for name in before}
+    assert max(moved.values()) > 0  # different noise, different weights (Adam normalises the size)
+
+
+def test_the_accountant_is_in_the_state_a_rejoin_or_resume_restores():
+    batch = _batch()
+    first = _side(PrivacySpec(noise_multiplier=1.0))
+    for _ in range(4):
+        first.step(batch)
+    buffer = io.BytesIO()  # as a checkpoint on disk holds it (state_dict() shares the live tensors)
+    torch.save(first.state_dict(), buffer)
+    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    spent = first.private.epsilon()
+    again = _side(PrivacySpec(noise_multiplier=1.0))
+    again.load_state_dict(saved)
+    assert again.private.epsilon() == spent  # continues from the saved budget, never from zero
+    a, b = first.step(batch), again.step(batch)
+    assert a.epsilon == b.epsilon > spent
+    assert torch.equal(a.feedback, b.feedback)  # and with the same noise and draws
+    with pytest.raises(ValueError, match="without DP"):
+        _side(PrivacySpec(noise_multiplier=1.0)).load_state_dict(_side(PrivacySpec()).state_dict())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dp-target-epsilon", "0.01"], r"--dp-target-epsilon 0.01: no noise reaches it"),
+    (["--dp-noise-multiplier", "1", "--dp-delta", "0.01"], r"--dp-delta 0.01 must be in \(0, 1/m\)"),
+    (["--dp-noise-multiplier", "0"], r"--dp-noise-multiplier must be > 0"),
+    (["--dp-noise-multiplier", "-2"], r"--dp-noise-multiplier must be > 0"),
+    (["--dp-noise-multiplier", "1", "--algorithm", "flgan"], r"implemented for mdgan only, not --algorithm flgan"),
+    (["--dp-noise-multiplier", "1", "--architecture", "cnn-mnist", "--dataset", "mnist"],
+     r"MinibatchDiscrimination has no per-sample gradient"),
+    (["--dp-noise-multiplier", "1", "--dp-target-epsilon", "2"], r"not both"),
+])
+@pytest.mark.parametrize("command", ["simulate", pytest.param("local", marks=pytest.mark.slow)])
+def test_a_budget_or_setting_dp_cannot_have_is_one_line_before_anything_runs(tmp_path, command, flags, message):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", command, "--workers", "2", "--iterations", "20",
+                           "--dataset", "synthetic", "--data-root", os.path.join(REPO, "..", "shared", "data"),
+                           "--no-progress", "--out", str(out), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and re.search(message, lines[0]), done.stderr
+    assert not (out / "history.jsonl").exists() and not (out / "logs").exists()  # nothing ran
+
+
+def test_a_private_site_judges_an_incoming_discriminator_on_generated_samples_only():
+    from mdgan.algorithms.mdgan import swapcheck
+
+    side = _side(PrivacySpec(noise_multiplier=1.0))
+    side.step(_batch())
+    real, real_labels, fake, _ = swapcheck._check_set(side, 64)
+    assert real is None and real_labels is None and fake is not None
+    assert swapcheck.check_incoming(side, side.export_state(), swapcheck.SwapCheck()).refused == ""
+
+
+# -- over the services --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path):
+    flags = ["--workers", "2", "--iterations", "12", "--swap-every", "4", "--seed", "5", "--batch-size", "8",
+             "--dataset", "synthetic", "--dp-noise-multiplier", "1.3", "--dp-max-grad-norm", "0.7", "--no-progress"]
+    runs = {}
+    for mode in ("simulate", "local"):
+        out = tmp_path / mode
+        done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", mode, *flags, "--out", str(out)], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs[mode] = read_json(out / "summary.json")
+    assert runs["local"]["generator_sha256"] == runs["simulate"]["generator_sha256"]
+    for summary in runs.values():
+        privacy = summary["privacy"]
+        assert set(privacy["sites"]) == {"worker-0", "worker-1"}
+        assert privacy["epsilon_max"] > 0 and privacy["noise_multiplier"] == 1.3 and privacy["sampling"] == "poisson"
+    assert runs["local"]["privacy"]["sites"] == runs["simulate"]["privacy"]["sites"]
+    history = read_jsonl(tmp_path / "local" / "history.jsonl")
+    assert history[-1]["privacy"] == runs["local"]["privacy"]["sites"]
+    assert [r["iteration"] for r in history if "privacy" in r] == [4, 8, 12]  # swap lines and the last
+    for worker in ("worker-0", "worker-1"):
+        with open(tmp_path / "local" / "metrics" / f"{worker}.prom") as fh:
+            gauge = float(re.search(r"^mdgan_privacy_epsilon (\S+)$", fh.read(), re.M).group(1))
+        assert gauge == pytest.approx(runs["local"]["privacy"]["sites"][worker]["epsilon"])
+
+
+@pytest.mark.slow
+def test_a_site_leaves_rather_than_spend_past_its_own_budget(tmp_path):
+    out = str(tmp_path / "grpc")
+    flags = ["--workers", "2", "--iterations", "60", "--seed", "2", "--batch-size", "8", "--dp-noise-multiplier", "0.8",
+             "--min-workers", "1", "--insecure"]
+    server, port = start_server(out, *flags)
+    budget = 0.05
+    workers = [start_worker(out, port, 0, 2, "--dataset", "synthetic", "--insecure"),
+               start_worker(out, port, 1, 2, "--dataset", "synthetic", "--insecure", "--dp-max-epsilon", str(budget),
+                            "--metrics-dump", os.path.join(out, "worker-1.prom"))]
+    try:
+        assert workers[1].wait(180) == 0, workers[1].log()
+        assert server.wait(180) == 0, server.log()
+        assert workers[0].wait(60) == 0, workers[0].log()
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    log = workers[1].log()
+    assert re.search(r"leaving the run: iteration \d+ would bring this site's epsilon to [\d.]+, past "
+                     r"--dp-max-epsilon 0.05", log), log
+    with open(os.path.join(out, "worker-1.prom")) as fh:
+        spent = float(re.search(r"^mdgan_privacy_epsilon (\S+)$", fh.read(), re.M).group(1))
+    assert 0 < spent <= budget  # it stopped before, not after, going past
+    summary = read_json(os.path.join(out, "summary.json"))
+    assert summary["iterations"] == 60 and summary["workers_alive"] == 1
+    assert summary["privacy"]["sites"]["worker-1"]["epsilon"] <= budget
+
+
+# -- the audit ----------------------------------------------------------------------------------------
+
+def test_the_statistics_of_the_audit():
+    from mdgan.audit import attack_statistics, roc_auc, tpr_at_fpr
+
+    assert roc_auc(np.array([3.0, 4.0]), np.array([1.0, 2.0])) == 1.0
+    assert roc_auc(np.array([1.0, 2.0]), np.array([3.0, 4.0])) == 0.0
+    assert roc_auc(np.array([1.0, 1.0]), np.array([1.0, 1.0])) == 0.5  # ties count half
+    rng = np.random.default_rng(0)
+    same = attack_statistics(rng.normal(size=2000), rng.normal(size=2000), 100, 0)
+    assert 0.45 < same["auc"] < 0.55 and same["auc_ci"][0] < 0.5 < same["auc_ci"][1]
+    apart = rng.normal(3, 1, size=2000)
+    assert tpr_at_fpr(apart, rng.normal(size=2000), 0.01) > 0.5
+
+
+def test_an_audit_of_a_run_whose_split_cannot_be_recovered_is_one_line(tmp_path):
+    from mdgan.audit import audit
+
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ConfigError, match="no summary.json"):
+        audit(str(tmp_path / "run"))
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "simulate", "--workers", "2", "--iterations", "2",
+                           "--dataset", "synthetic", "--no-progress", "--out", str(tmp_path / "syn")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    summary = read_json(tmp_path / "syn" / "summary.json")
+    summary.pop("data")  # as a run of `mdgan local` records it
+    with open(tmp_path / "syn" / "summary.json", "w") as fh:
+        json.dump(summary, fh)
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "audit", str(tmp_path / "syn")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "does not record its data split" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
+    """Two sites of 16 images each, trained far past memorisation: the discriminator attack reads
+    membership off D clearly; with DP at epsilon 1 it does much worse (docs/PRIVACY.md has the numbers)."""
+    from mdgan.audit import AuditSettings, audit
+    from mdgan.run import EvaluationOptions
+    from mdgan.simulation import simulate
+
+    data = DataConfig("mnist", os.path.join(REPO, "..", "shared", "data"), max_samples=32)
+    if not os.path.isdir(os.path.join(data.data_root, "MNIST")):
+        pytest.skip("MNIST is not beside the repository")
+    aucs = {}
+    for name, privacy in (("plain", PrivacySpec()), ("private", PrivacySpec(target_epsilon=1.0))):
+        config = TrainingConfig(workers=2, iterations=MEMORISE_ITERATIONS, batch_size=8, disc_steps=2, seed=1,
+                                privacy=privacy).validate()
+        simulate(config, data, str(tmp_path / name), progress=False, evaluation=EvaluationOptions(every=-1),
+                 save_discriminators=True)
+        report = audit(str(tmp_path / name), AuditSettings(members=16, nonmembers=500, generated=1000, bootstrap=50))
+        aucs[name] = report["summary"]["d_class_loss"]["auc_mean"]
+        if privacy.enabled:
+            assert report["privacy"]["epsilon_max"] <= 1.0 + 1e-6
+    assert aucs["plain"] >= 0.75, aucs
+    assert aucs["private"] <= aucs["plain"] - 0.1, aucs
+
+
+MEMORISE_ITERATIONS = 1000
