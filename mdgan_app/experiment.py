@@ -19,7 +19,8 @@ Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_e
 swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, eval_large_every and eval_large_samples
 (scores on that many images too, every so many iterations and at the end: fid_large, mnist_score_large),
-checkpoint_every (durable algorithms: a stopped run resumes from its last checkpoint), device (cpu, cuda), crash ("every I/N": one worker fails
+checkpoint_every (durable algorithms: a stopped run resumes from its last checkpoint), save_discriminators
+(for `mdgan audit`), device (cpu, cuda), crash ("every I/N": one worker fails
 every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs), wire_dtype,
 aggregation, trim_fraction, clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper:
 docs/GUIDE.md), dp_noise_multiplier, dp_target_epsilon, dp_max_grad_norm, dp_delta (docs/PRIVACY.md), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
@@ -70,6 +71,7 @@ DEFAULTS = {
     "eval_large_every": 0, "eval_large_samples": 5000, "checkpoint_every": 0,
     # differentially private discriminators (docs/PRIVACY.md): None, None: not private
     "dp_noise_multiplier": None, "dp_target_epsilon": None, "dp_max_grad_norm": 1.0, "dp_delta": 0.0,
+    "save_discriminators": False,  # each run's final discriminators, for `mdgan audit` (docs/PRIVACY.md)
 }
 # every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the data-parallel GAN's Q, ...), with their defaults
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
@@ -184,7 +186,8 @@ def run_one(run: dict, out_dir: str, progress: bool) -> dict:
                     checkpoint_every=run["checkpoint_every"] if durable else 0, resume="auto" if durable else "no",
                     crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
                     attack=run["attack"] if run["byzantine"] else None,
-                    options=algorithms.get(run["algorithm"]).options_from(run))
+                    options=algorithms.get(run["algorithm"]).options_from(run),
+                    save_discriminators=bool(run["save_discriminators"]))
 
 
 def collect(runs: list[dict], out: str) -> list[dict]:
@@ -325,7 +328,7 @@ def plot_samples(runs: list[dict], out: str, title: str, per_row: int = 4) -> st
 
 
 # how a run is drawn or kept, not what it trained: free to change on resume
-PRESENTATION_KEYS = ("label", "series", "checkpoint_every")
+PRESENTATION_KEYS = ("label", "series", "checkpoint_every", "save_discriminators")
 
 
 def _trained(run: dict) -> dict:

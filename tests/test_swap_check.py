@@ -1,0 +1,71 @@
+"""The swap check (mdgan/algorithms/mdgan/swapcheck.py) in whole runs: every poisoned discriminator a
+member pushes is refused, no honest one is, and refusals are recorded where an operator looks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mdgan.attacks import SWAP_ATTACKS
+from mdgan.config import ConfigError, DataConfig, TrainingConfig
+from mdgan.run import EvaluationOptions
+from mdgan.simulation import simulate
+
+
+def _run(tmp_path, name: str, **kwargs) -> tuple[dict, list[dict]]:
+    config = TrainingConfig(workers=4, iterations=40, batch_size=8, swap_every=5, seed=3).validate()
+    summary = simulate(config, DataConfig("synthetic"), str(tmp_path / name), progress=False,
+                       evaluation=EvaluationOptions(every=-1), **kwargs)
+    with open(tmp_path / name / "swaps.jsonl") as fh:
+        return summary, [json.loads(line) for line in fh]
+
+
+@pytest.mark.parametrize("attack", SWAP_ATTACKS)
+def test_every_poisoned_push_is_refused_and_no_honest_one(tmp_path, attack):
+    summary, swaps = _run(tmp_path, attack, byzantine=1, attack=attack)
+    attacker = "worker-3"
+    poisoned = honest = 0
+    for record in swaps:
+        for sender, receiver in record["plan"].items():
+            outcome = record["workers"][receiver]
+            if sender == attacker:
+                poisoned += 1
+                assert not outcome["received"] and outcome["refused"], record
+                assert outcome["error"].startswith(f"refused the discriminator from {attacker}: "), record
+            else:
+                honest += 1
+                assert outcome["received"] and "refused" not in outcome, record
+    assert poisoned == len(swaps) == 8 and honest == 3 * len(swaps)
+    assert summary["swaps_refused"] == poisoned
+
+
+def test_an_honest_run_refuses_nothing_and_the_check_changes_nothing(tmp_path):
+    checked, swaps = _run(tmp_path, "checked")
+    assert checked["swaps_refused"] == 0 and all(w["received"] for s in swaps for w in s["workers"].values())
+    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+
+    unchecked, _ = _run(tmp_path, "unchecked", options=MDGANOptions(swap_check="off"))
+    assert checked["generator_sha256"] == unchecked["generator_sha256"]  # a pass installs exactly what came
+    assert checked["mdgan"]["swap_check"] == "on" and unchecked["mdgan"]["swap_check"] == "off"
+
+
+def test_with_the_check_off_a_poisoned_push_is_installed(tmp_path):
+    """(what the check is for: the same attack, unchecked, changes the run)"""
+    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+
+    attacked, swaps = _run(tmp_path, "off", byzantine=1, attack="swap-zero", options=MDGANOptions(swap_check="off"))
+    assert attacked["swaps_refused"] == 0 and all(w["received"] for s in swaps for w in s["workers"].values())
+    clean, _ = _run(tmp_path, "clean")
+    assert attacked["generator_sha256"] != clean["generator_sha256"]
+
+
+def test_bad_check_settings_are_one_line(tmp_path):
+    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+
+    for options, message in ((MDGANOptions(swap_check_norm_ratio=1.0), "norm-ratio must be a number > 1"),
+                             (MDGANOptions(swap_check_min_cosine=2.0), "min-cosine must be in"),
+                             (MDGANOptions(swap_check_loss_ratio=0.5), "loss-ratio must be a number >= 1"),
+                             (MDGANOptions(swap_check="maybe"), "--swap-check must be one of")):
+        with pytest.raises(ConfigError, match=message):
+            _run(tmp_path, "bad", options=options)
