@@ -27,8 +27,12 @@ def main() -> None:
     parser.add_argument("config", nargs="?", default="experiments/privacy-utility-mlp.yaml")
     parser.add_argument("--members", type=int, default=500)
     parser.add_argument("--generated", type=int, default=5000)
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (each in its own process, one thread)")
     args = parser.parse_args()
-    result = run_experiment(args.config, progress=False)
+    from services.common.settings import configure_compute
+
+    configure_compute(1)  # one torch thread, as `mdgan experiment` (more oversubscribe a busy machine badly)
+    result = run_experiment(args.config, progress=False, jobs=args.jobs, threads=1)
     out = result["out"]
     with open(os.path.join(out, "experiment.json")) as fh:
         runs = json.load(fh)["runs"]

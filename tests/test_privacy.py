@@ -149,10 +149,10 @@ def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites
 @pytest.mark.slow
 def test_a_site_leaves_rather_than_spend_past_its_own_budget(tmp_path):
     out = str(tmp_path / "grpc")
-    flags = ["--workers", "2", "--iterations", "60", "--seed", "2", "--batch-size", "8", "--dp-noise-multiplier", "0.8",
+    flags = ["--workers", "2", "--iterations", "60", "--seed", "2", "--batch-size", "8", "--dp-noise-multiplier", "2.0",
              "--min-workers", "1", "--insecure"]
     server, port = start_server(out, *flags)
-    budget = 0.05
+    budget = 0.2  # (at sigma 2 and q = 8/1000 about the 35th step's: RDP spends 0.18 at the first)
     workers = [start_worker(out, port, 0, 2, "--dataset", "synthetic", "--insecure"),
                start_worker(out, port, 1, 2, "--dataset", "synthetic", "--insecure", "--dp-max-epsilon", str(budget),
                             "--metrics-dump", os.path.join(out, "worker-1.prom"))]
@@ -165,7 +165,7 @@ def test_a_site_leaves_rather_than_spend_past_its_own_budget(tmp_path):
             p.kill()
     log = workers[1].log()
     assert re.search(r"leaving the run: iteration \d+ would bring this site's epsilon to [\d.]+, past "
-                     r"--dp-max-epsilon 0.05", log), log
+                     r"--dp-max-epsilon 0.2", log), log
     with open(os.path.join(out, "worker-1.prom")) as fh:
         spent = float(re.search(r"^mdgan_privacy_epsilon (\S+)$", fh.read(), re.M).group(1))
     assert 0 < spent <= budget  # it stopped before, not after, going past
@@ -234,4 +234,4 @@ def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
     assert aucs["private"] <= aucs["plain"] - 0.1, aucs
 
 
-MEMORISE_ITERATIONS = 1000
+MEMORISE_ITERATIONS = 500
