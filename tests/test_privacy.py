@@ -235,3 +235,28 @@ def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
 
 
 MEMORISE_ITERATIONS = 500
+
+
+def test_a_site_that_leaves_and_rejoins_keeps_spending_from_its_saved_budget(tmp_path):
+    """Churn in one process: worker-1 leaves after iteration 10 and comes back after 20 with its saved
+    state (checkpoints every 5): its accountant counts the steps it took, before and after, no more."""
+    from opacus.accountants import RDPAccountant
+
+    from mdgan.run import EvaluationOptions
+    from mdgan.simulation import simulate
+
+    config = TrainingConfig(workers=2, iterations=30, batch_size=8, swap_every=5, seed=4,
+                            privacy=PrivacySpec(noise_multiplier=1.5)).validate()
+    summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "run"), progress=False,
+                       evaluation=EvaluationOptions(every=-1), checkpoint_every=5,
+                       churn=[(10, "leave", 1), (20, "join", 1)])
+    sites = summary["privacy"]["sites"]
+    history = read_jsonl(tmp_path / "run" / "history.jsonl")
+    steps = {"worker-0": 30, "worker-1": sum(1 for r in history if r["active_workers"] == 2)}
+    assert 10 <= steps["worker-1"] < 30
+    for worker, count in steps.items():
+        accountant = RDPAccountant()
+        for _ in range(count):
+            accountant.step(noise_multiplier=1.5, sample_rate=8 / summary["worker_sizes"][worker])
+        assert sites[worker]["epsilon"] == pytest.approx(accountant.get_epsilon(sites[worker]["delta"]), rel=1e-9)
+    assert sites["worker-1"]["epsilon"] < sites["worker-0"]["epsilon"]

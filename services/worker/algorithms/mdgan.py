@@ -38,6 +38,14 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
     def __init__(self, node, config: TrainingConfig, shard: Shard):
         super().__init__(node, config, shard)
         self.side = DiscriminatorSide(config, shard)
+        if self.side.private is not None:
+            site = self.side.private.site
+            log.info("differentially private: sigma %.4g, C %g, q %.4g, delta %g%s", site.noise_multiplier,
+                     site.max_grad_norm, site.sample_rate, site.delta,
+                     f", budget {node.dp_max_epsilon:g}" if node.dp_max_epsilon else "")
+            if not node.state_dir:  # the accountant lives in the state: without one a restart forgets what was spent
+                log.warning("differentially private run without --state-dir: if this process restarts, its "
+                            "privacy accountant starts again from zero and undercounts what this site spent")
         # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
         self.attack, self.discriminator_attack = make_attacks(node.attack_kind, config.seed, shard.index)
         if node.attack_kind:
