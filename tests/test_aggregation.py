@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mdgan import aggregation
-from mdgan.attacks import ATTACKS, NOISE_FACTOR, SCALE_FACTOR, FeedbackAttack, attackers
+from mdgan.attacks import ATTACKS, FEEDBACK_ATTACKS, NOISE_FACTOR, SCALE_FACTOR, SWAP_ATTACKS, FeedbackAttack, attackers
 from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
@@ -140,7 +140,9 @@ def test_attacks_do_what_they_say():
     assert list(attackers(10, 2)) == [8, 9]
     with pytest.raises(ConfigError):
         attackers(3, 3)
-    assert set(ATTACKS) == {"sign-flip", "scale", "sign-flip-scale", "noise", "free-ride"}
+    assert set(FEEDBACK_ATTACKS) == {"sign-flip", "scale", "sign-flip-scale", "noise", "free-ride"}
+    assert set(ATTACKS) == set(FEEDBACK_ATTACKS) | set(SWAP_ATTACKS)
+    assert torch.equal(FeedbackAttack("swap-zero")(f), f)  # a swap attacker's feedback is honest
 
 
 def test_in_process_attackers_send_what_the_attack_says():
