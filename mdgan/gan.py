@@ -254,11 +254,26 @@ class DiscriminatorSide:
         the generated part (public) added as usual; then the feedback, as without DP."""
         spec, disc, private = self.spec, self.discriminator, self.private
         started = time.perf_counter()
-        shard = self.sampler.shard
         if self.device.type != "cpu":
             batch = dataclasses.replace(batch, **{k: None if v is None else v.to(self.device) for k, v in (
                 ("generated", batch.generated), ("generated_labels", batch.generated_labels),
                 ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
+        disc_loss, real_acc, fake_acc = self.private_disc_steps(batch.discriminated, batch.discriminated_labels)
+        self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
+        trained = time.perf_counter()
+        generated = batch.generated.detach().clone().requires_grad_(True)
+        gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
+        (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
+        return StepResult(feedback, disc_loss, gen_loss.item(), real_acc, fake_acc, trained - started,
+                          time.perf_counter() - trained, private.epsilon(), private.site.delta)
+
+    def private_disc_steps(self, fake: torch.Tensor, fake_labels: torch.Tensor | None) -> tuple[float, float, float]:
+        """The L DP-SGD steps of D against the generated batch `fake` (b, *shape) (public) and Poisson
+        samples of the shard (private): (loss, real accuracy, generated accuracy) of the last step.
+        MD-GAN's worker step and the FL-GAN/standalone local GAN (mdgan/algorithms/standalone.py) both train
+        their D with it."""
+        spec, disc, private = self.spec, self.discriminator, self.private
+        shard = self.sampler.shard
         parameters = [p for p in disc.parameters() if p.requires_grad]
         disc_loss, real_acc, fake_acc = float("nan"), float("nan"), float("nan")
         for _ in range(self.config.disc_steps):
@@ -278,10 +293,10 @@ class DiscriminatorSide:
                 return losses  # (n,)
 
             private.real_step(parameters, per_sample_losses)
-            fake_logits = disc(batch.discriminated)
+            fake_logits = disc(fake)
             fake_loss = F.binary_cross_entropy_with_logits(fake_logits[:, 0], torch.zeros_like(fake_logits[:, 0]))
             if spec.conditional:
-                fake_loss = fake_loss + F.cross_entropy(fake_logits[:, 1:], batch.discriminated_labels)
+                fake_loss = fake_loss + F.cross_entropy(fake_logits[:, 1:], fake_labels)
             fake_loss.backward()  # adds to the private real part's .grad
             private.step()
             real_logits = seen.get("logits")
@@ -293,13 +308,7 @@ class DiscriminatorSide:
                 real_acc = (real_logits[:, 0] > 0).float().mean().item()
             disc_loss = real_loss + fake_loss.item()
             fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
-        self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
-        trained = time.perf_counter()
-        generated = batch.generated.detach().clone().requires_grad_(True)
-        gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
-        (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
-        return StepResult(feedback, disc_loss, gen_loss.item(), real_acc, fake_acc, trained - started,
-                          time.perf_counter() - trained, private.epsilon(), private.site.delta)
+        return disc_loss, real_acc, fake_acc
 
     # -- durable state (a checkpoint, kept on the worker) ------------------------------------------
     def state_dict(self) -> dict:

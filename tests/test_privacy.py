@@ -90,7 +90,8 @@ def test_the_accountant_is_in_the_state_a_rejoin_or_resume_restores():
     (["--dp-noise-multiplier", "1", "--dp-delta", "0.01"], r"--dp-delta 0.01 must be in \(0, 1/m\)"),
     (["--dp-noise-multiplier", "0"], r"--dp-noise-multiplier must be > 0"),
     (["--dp-noise-multiplier", "-2"], r"--dp-noise-multiplier must be > 0"),
-    (["--dp-noise-multiplier", "1", "--algorithm", "flgan"], r"implemented for mdgan only, not --algorithm flgan"),
+    (["--dp-noise-multiplier", "1", "--algorithm", "pwgan"], r"implemented for mdgan, flgan, standalone only, not "
+                                                              r"--algorithm pwgan"),
     (["--dp-noise-multiplier", "1", "--architecture", "cnn-mnist", "--dataset", "mnist"],
      r"MinibatchDiscrimination has no per-sample gradient"),
     (["--dp-noise-multiplier", "1", "--dp-target-epsilon", "2"], r"not both"),
@@ -121,9 +122,11 @@ def test_a_private_site_judges_an_incoming_discriminator_on_generated_samples_on
 # -- over the services --------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path):
+@pytest.mark.parametrize("algorithm", ["mdgan", "flgan"])
+def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path, algorithm):
     flags = ["--workers", "2", "--iterations", "12", "--swap-every", "4", "--seed", "5", "--batch-size", "8",
-             "--dataset", "synthetic", "--dp-noise-multiplier", "1.3", "--dp-max-grad-norm", "0.7", "--no-progress"]
+             "--dataset", "synthetic", "--dp-noise-multiplier", "1.3", "--dp-max-grad-norm", "0.7", "--no-progress",
+             "--algorithm", algorithm]
     runs = {}
     for mode in ("simulate", "local"):
         out = tmp_path / mode
@@ -260,3 +263,25 @@ def test_a_site_that_leaves_and_rejoins_keeps_spending_from_its_saved_budget(tmp
             accountant.step(noise_multiplier=1.5, sample_rate=8 / summary["worker_sizes"][worker])
         assert sites[worker]["epsilon"] == pytest.approx(accountant.get_epsilon(sites[worker]["delta"]), rel=1e-9)
     assert sites["worker-1"]["epsilon"] < sites["worker-0"]["epsilon"]
+
+
+def test_the_baselines_train_their_discriminators_privately_too(tmp_path):
+    """FL-GAN's workers and the standalone GAN train their D by the same DP-SGD (each site's accountant
+    counts its own steps); P-WGAN and the data-parallel GAN are refused (above)."""
+    from opacus.accountants import RDPAccountant
+
+    from mdgan.run import EvaluationOptions
+    from mdgan.simulation import simulate
+
+    for algorithm, steps in (("standalone", 6), ("flgan", 6)):
+        config = TrainingConfig(workers=2, iterations=6, batch_size=8, swap_every=3, seed=2,
+                                privacy=PrivacySpec(noise_multiplier=1.2)).validate()
+        summary = simulate(config, DataConfig("synthetic"), str(tmp_path / algorithm), progress=False,
+                           evaluation=EvaluationOptions(every=-1), algorithm=algorithm)
+        sites = summary["privacy"]["sites"]
+        assert set(sites) == set(summary["worker_sizes"])
+        for worker, site in sites.items():
+            accountant = RDPAccountant()
+            for _ in range(steps):
+                accountant.step(noise_multiplier=1.2, sample_rate=8 / summary["worker_sizes"][worker])
+            assert site["epsilon"] == pytest.approx(accountant.get_epsilon(site["delta"]), rel=1e-9)

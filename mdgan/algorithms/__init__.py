@@ -71,6 +71,6 @@ def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = Fa
     if private and not algorithm.private:
         raise ConfigError(f"differential privacy (--dp-*) is implemented for {_names(lambda a: a.private)} only, "
                           f"not --algorithm {algorithm.name} (its workers' real-data steps are not clipped and "
-                          "noised yet): run --algorithm mdgan, or drop the --dp-* flags")
+                          "noised): run one of those, or drop the --dp-* flags")
     if algorithm.whole_dataset and site_dirs:
         raise ConfigError(f"{algorithm.title} trains on one dataset: give it --data-root, not --site-dirs")

@@ -17,7 +17,7 @@ import torch
 from mdgan.aggregation import fedavg
 from mdgan.algorithms.base import (RUN_FINISHED, Algorithm, InProcessRun, IterationRecord, RunResult, Traffic,
                                    ask_all, tell_to_stop, why_lost)
-from mdgan.algorithms.standalone import LocalGAN, iteration_record
+from mdgan.algorithms.standalone import PRIVACY_STATS, LocalGAN, iteration_record
 from mdgan.algorithms.traffic import discriminator_state_bytes, generator_state_bytes
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
@@ -105,6 +105,7 @@ class FederatedTrainer:
         self.traffic = Traffic()
         self.rejections = 0
         self.last_sent: dict[str, dict] = {}  # worker id -> the local D it sent at its last round (mdgan audit)
+        self.privacy: dict[str, dict] = {}  # DP: worker id -> the (epsilon, delta) it last reported
 
     async def run(self) -> RunResult:
         done, rounds, last, stopped = 0, 0, None, None
@@ -127,6 +128,8 @@ class FederatedTrainer:
                 self.traffic.payload_bytes["worker_to_server"] += reply.sent_bytes
             for worker, reply in replies.good:
                 self.last_sent[f"worker-{worker.shard_index}"] = reply.discriminator
+                if reply.stats and "epsilon" in reply.stats[-1]:
+                    self.privacy[f"worker-{worker.shard_index}"] = {k: reply.stats[-1][k] for k in PRIVACY_STATS}
             self.rejections += len(replies.rejected)  # this round goes on without them, as in MD-GAN
             for worker, error in replies.lost:
                 self.active.remove(worker)
@@ -141,7 +144,7 @@ class FederatedTrainer:
                 stats = [r.stats[i] for r in results] or [dict.fromkeys(
                     ("gen_loss", "disc_loss", "real_accuracy", "fake_accuracy"), float("nan"))]
                 last = iteration_record(done + i + 1, len(active), len(results), stats, seconds,
-                               rounds if i == count - 1 else None)
+                               rounds if i == count - 1 else None, dict(self.privacy))
                 if self.on_iteration:
                     self.on_iteration(last)
             done += count
@@ -150,7 +153,8 @@ class FederatedTrainer:
         for worker in list(self.active):
             await tell_to_stop(worker, RUN_FINISHED, 10.0)
         return RunResult(iterations=done, workers=len(self.workers), workers_alive=len(self.active), swaps=rounds,
-                         rejections=self.rejections, swap_period=self.period, traffic=self.traffic, last=last, stopped_early=stopped)
+                         rejections=self.rejections, swap_period=self.period, traffic=self.traffic, last=last, stopped_early=stopped,
+                         privacy=dict(self.privacy) or None)
 
 
 def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard],
@@ -190,4 +194,4 @@ def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
 
 ALGORITHM = Algorithm(
     name="flgan", title="FL-GAN (federated averaging of G and D)", run_in_process=run_in_process,
-    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False)
+    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False, private=True)

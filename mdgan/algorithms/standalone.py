@@ -35,6 +35,8 @@ class LocalGAN:
         spec, G, D = self.spec, self.g.generator, self.d.discriminator
         batches = self.g.generate(1)  # the server's noise stream: same z and labels as MD-GAN
         fake, labels = batches.samples[0], None if batches.labels is None else batches.labels[0]  # (b, *shape), (b,)
+        if self.d.private is not None:  # DP-SGD on the real data (mdgan/privacy.py), as an MD-GAN worker's D
+            return self._private_step(fake, labels)
         real, real_labels = self.d.sampler.next_batch()
         disc_loss, real_acc, fake_acc = torch.tensor(float("nan")), float("nan"), float("nan")
         for _ in range(self.config.disc_steps):
@@ -52,12 +54,28 @@ class LocalGAN:
         return {"gen_loss": gen_loss.item(), "disc_loss": disc_loss.item(), "real_accuracy": real_acc,
                 "fake_accuracy": fake_acc}
 
+    def _private_step(self, fake: torch.Tensor, labels: torch.Tensor | None) -> dict:
+        """The same step with D trained by DP-SGD; G's step is post-processing of the private D. The
+        stats carry the spent (epsilon, delta)."""
+        spec, G, D = self.spec, self.g.generator, self.d.discriminator
+        disc_loss, real_acc, fake_acc = self.d.private_disc_steps(fake.detach(), labels)
+        gen_loss = generator_loss(spec, D(fake), labels)
+        self.g.optimizer.zero_grad(set_to_none=True)
+        gen_loss.backward()  # (D's .grad from this is cleared by its next private step)
+        self.g.optimizer.step()
+        private = self.d.private
+        return {"gen_loss": gen_loss.item(), "disc_loss": disc_loss, "real_accuracy": real_acc,
+                "fake_accuracy": fake_acc, "epsilon": private.epsilon(), "delta": private.site.delta}
+
+
+PRIVACY_STATS = ("epsilon", "delta")  # a private step's spent budget: per site, never averaged
+
 
 def iteration_record(t: int, workers: int, answered: int, stats: list[dict], seconds: float,
-            averaged: int | None) -> IterationRecord:
-    mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            averaged: int | None, privacy: dict | None = None) -> IterationRecord:
+    mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0] if k not in PRIVACY_STATS}
     return IterationRecord(iteration=t, active_workers=workers, answered=answered, rejected=0, lost=workers - answered,
-                           swap_round=averaged, seconds=seconds, **mean)
+                           swap_round=averaged, seconds=seconds, privacy=privacy or None, **mean)
 
 
 def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
@@ -68,13 +86,14 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
     for t in range(1, config.iterations + 1):
         started = time.perf_counter()
         stats = gan.step()
-        last = iteration_record(t, 1, 1, [stats], time.perf_counter() - started, None)
+        privacy = {"worker-0": {k: stats[k] for k in PRIVACY_STATS}} if "epsilon" in stats else None
+        last = iteration_record(t, 1, 1, [stats], time.perf_counter() - started, None, privacy)
         if on_iteration:
             on_iteration(last)
     if discriminators is not None:
         discriminators["worker-0"] = {k: v.detach().clone() for k, v in gan.d.discriminator.state_dict().items()}
     return RunResult(iterations=config.iterations, workers=1, workers_alive=1, swaps=0, rejections=0,
-                     swap_period=0, traffic=Traffic(), last=last)
+                     swap_period=0, traffic=Traffic(), last=last, privacy=last.privacy if last else None)
 
 
 def run_in_process(run: InProcessRun) -> RunResult:
@@ -90,4 +109,5 @@ def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=No
 
 ALGORITHM = Algorithm(
     name="standalone", title="a standalone GAN", run_in_process=run_in_process,
-    per_worker_per_iteration=per_worker_per_iteration, served=False, crashes=False, whole_dataset=True)
+    per_worker_per_iteration=per_worker_per_iteration, served=False, crashes=False, whole_dataset=True,
+    private=True)

@@ -93,7 +93,9 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
             await self._fail_round(done.round, getattr(exc, "reason", "protocol"), f"models of round {done.round}: {exc}")
             return
         stats = [{"gen_loss": s.gen_loss, "disc_loss": s.disc_loss, "real_accuracy": s.real_accuracy,
-                  "fake_accuracy": s.fake_accuracy} for s in done.stats]
+                  "fake_accuracy": s.fake_accuracy,
+                  # DP: the budget the site says it spent (delta > 0 only from a private site)
+                  **({"epsilon": s.epsilon, "delta": s.delta} if s.delta > 0 else {})} for s in done.stats]
         sent = sum(t.numel() * t.element_size() for state in states.values() for t in state.values())
         future.set_result(LocalRoundResult(states["generator"], states["discriminator"], stats, sent))
 

@@ -13,7 +13,7 @@ from mdgan.data import Shard
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire
-from services.worker.algorithms.base import ServerGone, WorkerAlgorithm
+from services.worker.algorithms.base import BudgetSpent, ServerGone, WorkerAlgorithm
 
 
 
@@ -48,6 +48,13 @@ class FLGANWorker(WorkerAlgorithm):
         except (KeyError, codec.InvalidTensor) as exc:
             raise ServerGone(f"round {order.round} came without valid models: {exc!r}") from exc
         self._incoming.clear()
+        private = self.gan.d.private
+        if private is not None and self.node.dp_max_epsilon > 0:  # leave rather than spend past this site's budget
+            ahead = private.epsilon_after(order.iterations * self.gan.config.disc_steps)
+            if ahead > self.node.dp_max_epsilon:
+                raise BudgetSpent(f"round {order.round} would bring this site's epsilon to {ahead:.3f}, past "
+                                  f"--dp-max-epsilon {self.node.dp_max_epsilon:g} (spent: {private.epsilon():.3f}, "
+                                  f"delta {private.site.delta:g})")
         started = time.perf_counter()
         result = await asyncio.to_thread(train_local_round, self.gan, states["generator"], states["discriminator"],
                                          order.iterations)
@@ -63,4 +70,6 @@ class FLGANWorker(WorkerAlgorithm):
         if result.stats:
             t.generator_loss.set(result.stats[-1]["gen_loss"])
             t.discriminator_loss.set(result.stats[-1]["disc_loss"])
+            if "epsilon" in result.stats[-1]:
+                t.privacy_epsilon.set(result.stats[-1]["epsilon"])
         t.last_iteration.set_to_current_time()
