@@ -12,7 +12,8 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
     runs:                      # plus these, one by one (base + grid keys they don't set)
       - {algorithm: standalone, batch_size: 10}
       - {algorithm: standalone, batch_size: 100}
-    plot: curves               # scores against iterations (Figures 3 and 5), or
+    plot: curves               # scores against iterations (Figures 3 and 5), bands (the runs sharing a
+                               # label, over seeds: mean +- std, and bands.csv), or
                                # final-vs-workers (Figure 4: final scores against N)
 
 Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
@@ -89,6 +90,33 @@ SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS}}
 
 
+# curves: each run's scores against iterations (Figures 3 and 5); bands: the runs that share a label (the
+# same setting over several seeds) as their mean with a band of +- one standard deviation, and bands.csv;
+# final-vs-workers: final scores against N (Figure 4)
+PLOTS = ("curves", "bands", "final-vs-workers")
+
+
+def band_rows(rows: list[dict], runs: list[dict]) -> list[dict]:
+    """Per label and evaluated iteration: how many seeds, and the mean and standard deviation (n - 1) of
+    each score over them: the tables of a multi-seed experiment."""
+    import statistics
+
+    out = []
+    for label in dict.fromkeys(run["label"] for run in runs):
+        names = {run["name"] for run in runs if run["label"] == label}
+        mine = [r for r in rows if r["run"] in names]
+        for iteration in sorted({r["iteration"] for r in mine}):
+            at = [r for r in mine if r["iteration"] == iteration]
+            row = {"label": label, "iteration": iteration, "seeds": len(at)}
+            for metric in ("mnist_score", "fid", "mnist_score_large", "fid_large"):
+                values = [r[metric] for r in at if r.get(metric) is not None]
+                row[f"{metric}_mean"] = statistics.fmean(values) if values else None
+                row[f"{metric}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
+                row[f"{metric}_values"] = " ".join(f"{v:.4g}" for v in values)
+            out.append(row)
+    return out
+
+
 def load_config(path: str) -> dict:
     with open(path, encoding="utf-8") as fh:
         config = yaml.safe_load(fh) or {}
@@ -98,8 +126,8 @@ def load_config(path: str) -> dict:
     config.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     config.setdefault("out", os.path.join("runs", config["name"]))
     config.setdefault("plot", "curves")
-    if config["plot"] not in ("curves", "final-vs-workers"):
-        raise ConfigError(f"{path}: plot must be curves or final-vs-workers")
+    if config["plot"] not in PLOTS:
+        raise ConfigError(f"{path}: plot must be one of {', '.join(PLOTS)}")
     return config
 
 
@@ -261,7 +289,18 @@ def plot(rows: list[dict], runs: list[dict], kind: str, out: str, title: str) ->
     paths = []
     for metric, better in (("mnist_score", "higher is better"), ("fid", "lower is better")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        if kind == "curves":
+        if kind == "bands":
+            for label in dict.fromkeys(run["label"] for run in runs):
+                points = [(b["iteration"], b[f"{metric}_mean"], b[f"{metric}_std"]) for b in band_rows(rows, runs)
+                          if b["label"] == label and b[f"{metric}_mean"] is not None]
+                if points:
+                    xs, means, stds = zip(*points)
+                    seeds = max(b["seeds"] for b in band_rows(rows, runs) if b["label"] == label)
+                    line, = ax.plot(xs, means, label=f"{label} ({seeds} seed{'s' if seeds > 1 else ''})")
+                    ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                                    color=line.get_color(), alpha=0.2)
+            ax.set_xlabel("iteration")
+        elif kind == "curves":
             for run in runs:
                 points = sorted((r["iteration"], r[metric]) for r in rows if r["run"] == run["name"]
                                 and r[metric] is not None)
@@ -429,6 +468,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
     rows = collect(runs, out)
     write_csv(rows, os.path.join(out, "results.csv"))
     write_csv(summarize(runs, out), os.path.join(out, "runs.csv"))
+    if config["plot"] == "bands":
+        write_csv(band_rows(rows, runs), os.path.join(out, "bands.csv"))
     plots = plot(rows, runs, config["plot"], out, config["name"]) if rows else []
     samples = plot_samples(runs, out, config["name"])
     plots += [samples] if samples else []

@@ -212,3 +212,34 @@ def test_an_experiments_runs_take_the_flags_names_too():
                                                                                      (7, None, 1)]
     with pytest.raises(ConfigError, match="batch_sise"):
         expand({"runs": [{"batch-sise": 7}]})
+
+
+def test_bands_average_the_seeds_of_a_setting(tmp_path):
+    """plot: bands draws each label's mean over its seeds with a band, and bands.csv has the numbers."""
+    import csv
+
+    from mdgan_app.experiment import run_experiment
+
+    path = _write(tmp_path, {
+        "name": "seeds", "out": str(tmp_path / "out"), "plot": "bands",
+        "base": {"dataset": "synthetic", "iterations": 4, "workers": 2, "batch_size": 5, "eval_every": -1},
+        "runs": [{"algorithm": "mdgan", "seed": s, "label": "MD-GAN"} for s in (0, 1)]
+                + [{"algorithm": "standalone", "seed": 0, "label": "standalone"}],
+    })
+    result = run_experiment(path, progress=False)
+    assert result["ran"] == 3
+    from mdgan_app.experiment import band_rows
+
+    rows = [{"run": "a", "iteration": 10, "mnist_score": 2.0, "fid": 100.0},
+            {"run": "b", "iteration": 10, "mnist_score": 4.0, "fid": 300.0}]
+    runs = [{"name": "a", "label": "x"}, {"name": "b", "label": "x"}]
+    band = band_rows(rows, runs)[0]
+    assert band["seeds"] == 2 and band["mnist_score_mean"] == 3.0 and band["fid_mean"] == 200.0
+    assert abs(band["fid_std"] - 141.42135623730951) < 1e-9 and band["fid_values"] == "100 300"
+    assert band["mnist_score_large_mean"] is None
+    from mdgan_app.experiment import plot
+
+    rows += [{"run": "a", "iteration": 20, "mnist_score": 3.0, "fid": 50.0},
+             {"run": "b", "iteration": 20, "mnist_score": 5.0, "fid": 70.0}]
+    for png in plot(rows, runs, "bands", str(tmp_path), "seeds"):
+        assert os.path.getsize(png) > 1000
