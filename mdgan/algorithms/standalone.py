@@ -57,7 +57,7 @@ class LocalGAN:
     def _private_step(self, fake: torch.Tensor, labels: torch.Tensor | None) -> dict:
         """The same step with D trained by DP-SGD; G's step is post-processing of the private D. The
         stats carry the spent (epsilon, delta)."""
-        spec, G, D = self.spec, self.g.generator, self.d.discriminator
+        spec, D = self.spec, self.d.discriminator
         disc_loss, real_acc, fake_acc = self.d.private_disc_steps(fake.detach(), labels)
         gen_loss = generator_loss(spec, D(fake), labels)
         self.g.optimizer.zero_grad(set_to_none=True)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from mdgan.algorithms.base import option
 from mdgan.config import ConfigError, TrainingConfig
-from mdgan.gan import DiscriminatorSide, discriminator_loss
+from mdgan.gan import DiscriminatorSide
 
 SWAP_CHECKS = ("on", "off")
 
@@ -180,7 +180,8 @@ def check_incoming(side: DiscriminatorSide, state: dict[str, torch.Tensor], chec
     elif not cosine >= check.min_cosine:
         refused = (f"its weights point away from ours: cosine {cosine:.3g}, below {check.min_cosine:g} "
                    "(sign-flipped: -1, random: about 0)")
-    elif not (check_set[0] is None and check_set[2] is None) and not loss <= check.loss_ratio * max(own_loss, zero_loss):
+    elif (check_set[0] is not None or check_set[2] is not None) \
+            and not loss <= check.loss_ratio * max(own_loss, zero_loss):  # (an empty check set: nothing to judge)
         refused = (f"its loss on our check set is {loss:.4g}, more than {check.loss_ratio:g} x max(our D's "
                    f"{own_loss:.4g}, an all-zero D's {zero_loss:.4g})")
     return Verdict(refused, ratio, loss, own_loss, zero_loss, cosine)

@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from mdgan import compression
-from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
+from mdgan.algorithms.mdgan.swapcheck import SwapCheck
 from mdgan.attacks import make_attacks
 from mdgan.config import ConfigError
 from mdgan.config import TrainingConfig
