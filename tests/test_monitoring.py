@@ -55,6 +55,7 @@ EXEMPT = {
     ("Joins and departures", "B"): "no worker departs a healthy run",
     # mdgan_rejected_inputs_total{reason} has no series until validation refuses an input.
     ("Rejected inputs", "A"): "no input is refused in a healthy run",
+    ("Discriminators refused at swaps", "A"): "no honest discriminator is refused (docs/PRIVACY.md)",
     # mdgan_evaluation_score{metric} is set only when the server scores the generator, which needs the
     # MNIST test set (MNIST runs only); the synthetic run scores nothing.
     ("Evaluation scores", "A"): "no evaluation on synthetic data (MNIST score)",
@@ -477,8 +478,8 @@ def test_every_metric_and_alert_is_documented_and_the_chart_ships_the_same_rules
 
     with open(os.path.join(REPO, "docs", "MONITORING.md")) as fh:
         doc = fh.read()
-    declared = {m.name + ("_total" if m.type == "counter" else "") for m in Telemetry("server").registry.collect()
-                if m.name.startswith("mdgan_")}
+    declared = {m.name + ("_total" if m.type == "counter" else "") for role in ("server", "worker")
+                for m in Telemetry(role).registry.collect() if m.name.startswith("mdgan_")}
     assert declared and [m for m in sorted(declared) if f"`{m}`" not in doc] == []
     alerts = {rule["alert"] for group in _load_yaml(os.path.join(PROM_DIR, "rules", "mdgan-alerts.yml"))["groups"]
               for rule in group["rules"] if "alert" in rule}
