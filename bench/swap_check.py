@@ -58,14 +58,13 @@ def run(args, out: str, attack: str | None) -> list[dict]:
     return verdicts
 
 
-def describe(verdicts: list[dict], attacker: int | None) -> dict:
-    """Ranges of the honest verdicts; the refusals of the attacker's discriminators (receiver of its D)."""
+def describe(verdicts: list[dict]) -> dict:
+    """How many checks, how many refused, and the range of each figure over them."""
     def span(key):
         values = [v[key] for v in verdicts]
         return [min(values), max(values)] if values else None
 
-    with_sender = verdicts  # (the receiver does not know the sender here; the swaps.jsonl plan does)
-    return {"checks": len(with_sender), "refused": sum(1 for v in with_sender if v["refused"]),
+    return {"checks": len(verdicts), "refused": sum(1 for v in verdicts if v["refused"]),
             "norm_ratio": span("norm_ratio"), "cosine": span("cosine"), "loss_ratio": span("loss_ratio"),
             "check_ms_median": 1000 * statistics.median(v["seconds"] for v in verdicts) if verdicts else None}
 
@@ -81,7 +80,7 @@ def main() -> None:
     parser.add_argument("--attacks", action="store_true", help="also one run per swap attack")
     parser.add_argument("--out", default="/tmp/mdgan-swapcheck")
     args = parser.parse_args()
-    report = {"honest": describe(run(args, os.path.join(args.out, "honest"), None), None)}
+    report = {"honest": describe(run(args, os.path.join(args.out, "honest"), None))}
     if args.attacks:
         for attack in SWAP_ATTACKS:
             out = os.path.join(args.out, attack)

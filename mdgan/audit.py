@@ -38,17 +38,9 @@ FPRS = (0.01, 0.001)
 
 def roc_auc(members: np.ndarray, nonmembers: np.ndarray) -> float:
     """P(score of a member > score of a non-member) + 1/2 P(tie): the Mann-Whitney form of the AUC."""
-    scores = np.concatenate([members, nonmembers])
-    order = scores.argsort(kind="mergesort")
-    ranks = np.empty(len(scores))
-    sorted_scores = scores[order]
-    i = 0
-    while i < len(scores):  # average ranks over ties
-        j = i
-        while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
+    from scipy.stats import rankdata  # (scipy comes with Opacus)
+
+    ranks = rankdata(np.concatenate([members, nonmembers]))  # ties share their average rank
     m, n = len(members), len(nonmembers)
     return float((ranks[:m].sum() - m * (m + 1) / 2) / (m * n))
 
@@ -56,9 +48,9 @@ def roc_auc(members: np.ndarray, nonmembers: np.ndarray) -> float:
 def roc_curve(members: np.ndarray, nonmembers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(FPR, TPR) at every threshold, from (0, 0) to (1, 1)."""
     thresholds = np.unique(np.concatenate([members, nonmembers]))[::-1]
-    fpr = np.array([0.0] + [float((nonmembers >= t).mean()) for t in thresholds])
-    tpr = np.array([0.0] + [float((members >= t).mean()) for t in thresholds])
-    return fpr, tpr
+    def at_or_above(scores):  # share of scores >= each threshold
+        return 1.0 - np.searchsorted(np.sort(scores), thresholds, side="left") / len(scores)
+    return np.concatenate([[0.0], at_or_above(nonmembers)]), np.concatenate([[0.0], at_or_above(members)])
 
 
 def tpr_at_fpr(members: np.ndarray, nonmembers: np.ndarray, fpr: float) -> float:
@@ -224,11 +216,10 @@ def audit(run_dir: str, settings: AuditSettings = AuditSettings()) -> dict:
                                                             settings.bootstrap, settings.seed + shard.index)
                 curves.setdefault(attack, []).append((member_scores[attack], nonmember_scores[attack]))
         report["sites"][worker] = site
-    report["summary"] = {attack: {"auc_mean": float(np.mean([s["attacks"][attack]["auc"] for s in report["sites"].values()
-                                                             if attack in s["attacks"]])),
-                                  "auc_max": float(np.max([s["attacks"][attack]["auc"] for s in report["sites"].values()
-                                                           if attack in s["attacks"]]))}
-                         for attack in curves}
+    report["summary"] = {}
+    for attack in curves:
+        aucs = [s["attacks"][attack]["auc"] for s in report["sites"].values() if attack in s["attacks"]]
+        report["summary"][attack] = {"auc_mean": float(np.mean(aucs)), "auc_max": float(np.max(aucs))}
     report["_curves"] = curves  # (for the plot; not written to audit.json)
     return report
 

@@ -158,8 +158,6 @@ class PrivateSteps:
                     p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
         finally:
             self.module.disable_hooks()
-        if self.noise.device.type != "cpu":  # (noise is drawn where the parameters live)
-            raise RuntimeError("DP noise must be drawn on the CPU")
         if parameters[0].device.type != "cpu":
             self._noise_on_cpu(parameters)
         else:

@@ -54,8 +54,8 @@ def test_a_private_step_clips_noises_and_accounts_and_is_repeatable():
 
 
 def test_the_noise_is_the_privacy_a_clipped_noiseless_step_would_not_have():
-    """With sigma tiny the private step follows the clipped gradient; with sigma large the noise
-    dominates: the noise really reaches the weights."""
+    """The same seeds and draws at two noise levels give different weights: the noise really
+    reaches them (were it dropped, both steps would be the same)."""
     batch = _batch()
     before = _side(PrivacySpec(noise_multiplier=1e-6)).discriminator.state_dict()
     quiet, loud = _side(PrivacySpec(noise_multiplier=1e-6)), _side(PrivacySpec(noise_multiplier=50.0))

@@ -116,6 +116,16 @@ async def _serve(servicer_adder) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
+async def _push(port: int, chunks) -> tuple[grpc.StatusCode, object]:
+    """Push a discriminator's chunks to a Peer service on loopback: (OK, the PushAck), or (the refusal's
+    status, its details)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            return grpc.StatusCode.OK, await push_discriminator(channel, chunks, 10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+
+
 async def _join_status(port: int, first: pb.WorkerMessage) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
@@ -303,11 +313,7 @@ def test_peer_service_checks_every_pushed_discriminator():
     state = donor.export_state()
 
     async def push(chunks) -> tuple[grpc.StatusCode, object]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            try:
-                return grpc.StatusCode.OK, await push_discriminator(channel, chunks, 10)
-            except grpc.aio.AioRpcError as exc:
-                return exc.code(), exc.details()
+        return await _push(port, chunks)
 
     async def scenario():
         nonlocal port
@@ -587,13 +593,8 @@ def test_a_poisoned_discriminator_from_the_designated_sender_is_refused_and_the_
     honest = donor.export_state()
     poisoned = DiscriminatorAttack(attack, config.seed, 1)(honest)
 
-    async def push(state) -> tuple[grpc.StatusCode, str]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            try:
-                await push_discriminator(channel, list(codec.state_chunks(state, 1, "worker-1")), 10)
-                return grpc.StatusCode.OK, ""
-            except grpc.aio.AioRpcError as exc:
-                return exc.code(), exc.details()
+    async def push(state) -> tuple[grpc.StatusCode, object]:
+        return await _push(port, list(codec.state_chunks(state, 1, "worker-1")))
 
     async def scenario():
         nonlocal port

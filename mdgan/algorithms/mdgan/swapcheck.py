@@ -63,9 +63,6 @@ class SwapCheck:
         return self
 
 
-OFF = SwapCheck(enabled=False)
-
-
 @dataclass(frozen=True)
 class MDGANOptions:
     """MD-GAN's own options (flags of simulate, local, experiments and mdgan-server; the server sends

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import grpc
@@ -29,7 +30,7 @@ log = logging.getLogger("mdgan.worker")
 
 def privacy_stats(result) -> dict:
     """StepStats' epsilon and delta: what this site has spent (0, 0 when not private)."""
-    return {"epsilon": result.epsilon, "delta": result.delta} if result.delta == result.delta else {}
+    return {"epsilon": result.epsilon, "delta": result.delta} if math.isfinite(result.delta) else {}
 
 
 class MDGANWorker(WorkerAlgorithm, PeerInbox):
