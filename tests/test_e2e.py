@@ -87,6 +87,36 @@ def test_local_cluster_and_simulation_end_with_the_same_generator(tmp_path, mnis
     assert "C->W" in table and "W->W" in table and "NO" not in table
 
 
+def test_background_swaps_over_grpc_equal_the_in_process_run_refusals_included(tmp_path, mnist_root):
+    """--swap-lag 3: the discriminators of a round leave at its boundary and are installed 3 iterations later,
+    on both transports at the same points; a member pushing a sign-flipped D is refused at the install, by
+    the same check; Table III's bytes are those of the barrier's rounds."""
+    flags = ["--workers", "3", "--iterations", "13", "--batch-size", "10", "--swap-every", "5", "--seed", "4",
+             "--swap-lag", "3", "--byzantine", "1", "--attack", "swap-sign-flip", "--data-root", mnist_root,
+             "--no-progress"]
+    mdgan("local", *flags, "--out", str(tmp_path / "local"))
+    mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
+    local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
+    assert local["generator_sha256"] == simulated["generator_sha256"]
+    assert local["mdgan"]["swap_lag"] == simulated["mdgan"]["swap_lag"] == 3
+    assert local["payload_bytes"] == simulated["payload_bytes"] == table_iii(13, 3, 10, swaps=2)
+    swaps = read_jsonl(tmp_path / "local" / "swaps.jsonl")
+    assert [(s["iteration"], s["installed"]) for s in swaps] == [(5, 8), (10, 13)]
+    for record in swaps:
+        poisoned = record["workers"][record["plan"]["worker-2"]]  # the attacker's receiver
+        assert not poisoned["received"] and poisoned["refused"].startswith("its weights point away")
+        assert sum(w["received"] for w in record["workers"].values()) == 2
+    assert local["swaps_refused"] == simulated["swaps_refused"] == 2
+    receivers = {f"worker-{i}": 0 for i in range(3)}
+    for record in swaps:
+        receivers[record["plan"]["worker-2"]] += 1
+    for name, refused in receivers.items():  # counted by the worker that refused it
+        text = (tmp_path / "local" / "metrics" / f"{name}.prom").read_text()
+        counted = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith('mdgan_rejected_inputs_total{') and 'reason="discriminator"' in line]
+        assert sum(counted) == refused, (name, counted)
+
+
 def test_a_worker_killed_mid_run_costs_at_most_one_deadline(tmp_path):
     out = str(tmp_path)
     step_timeout = 20.0

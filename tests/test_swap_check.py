@@ -21,9 +21,13 @@ def _run(tmp_path, name: str, **kwargs) -> tuple[dict, list[dict]]:
         return summary, [json.loads(line) for line in fh]
 
 
+@pytest.mark.parametrize("lag", (0, 3))
 @pytest.mark.parametrize("attack", SWAP_ATTACKS)
-def test_every_poisoned_push_is_refused_and_no_honest_one(tmp_path, attack):
-    summary, swaps = _run(tmp_path, attack, byzantine=1, attack=attack)
+def test_every_poisoned_push_is_refused_and_no_honest_one(tmp_path, attack, lag):
+    """(lag 3: background swaps, judged when installed)"""
+    from mdgan.algorithms.mdgan.options import MDGANOptions
+
+    summary, swaps = _run(tmp_path, attack, byzantine=1, attack=attack, options=MDGANOptions(swap_lag=lag))
     attacker = "worker-3"
     poisoned = honest = 0
     for record in swaps:
@@ -43,7 +47,7 @@ def test_every_poisoned_push_is_refused_and_no_honest_one(tmp_path, attack):
 def test_an_honest_run_refuses_nothing_and_the_check_changes_nothing(tmp_path):
     checked, swaps = _run(tmp_path, "checked")
     assert checked["swaps_refused"] == 0 and all(w["received"] for s in swaps for w in s["workers"].values())
-    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+    from mdgan.algorithms.mdgan.options import MDGANOptions
 
     unchecked, _ = _run(tmp_path, "unchecked", options=MDGANOptions(swap_check="off"))
     assert checked["generator_sha256"] == unchecked["generator_sha256"]  # a pass installs exactly what came
@@ -52,7 +56,7 @@ def test_an_honest_run_refuses_nothing_and_the_check_changes_nothing(tmp_path):
 
 def test_with_the_check_off_a_poisoned_push_is_installed(tmp_path):
     """(what the check is for: the same attack, unchecked, changes the run)"""
-    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+    from mdgan.algorithms.mdgan.options import MDGANOptions
 
     attacked, swaps = _run(tmp_path, "off", byzantine=1, attack="swap-zero", options=MDGANOptions(swap_check="off"))
     assert attacked["swaps_refused"] == 0 and all(w["received"] for s in swaps for w in s["workers"].values())
@@ -61,7 +65,7 @@ def test_with_the_check_off_a_poisoned_push_is_installed(tmp_path):
 
 
 def test_bad_check_settings_are_one_line(tmp_path):
-    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+    from mdgan.algorithms.mdgan.options import MDGANOptions
 
     for options, message in ((MDGANOptions(swap_check_norm_ratio=1.0), "norm-ratio must be a number > 1"),
                              (MDGANOptions(swap_check_min_cosine=2.0), "min-cosine must be in"),

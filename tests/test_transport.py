@@ -259,7 +259,7 @@ def test_an_answer_to_a_stream_the_server_has_ended_is_a_broken_stream():
                     return pb.SwapReport(round=order.round, sent=True, received=True)
 
                 worker._swap = swapped
-                task = asyncio.create_task(worker._swap_and_report(call, pb.SwapOrder(round=2)))
+                task = asyncio.create_task(worker._report_when_done(call, 2, swapped(pb.SwapOrder(round=2))))
                 await asyncio.wait_for(task, 10)
                 assert task.exception() is None
         finally:

@@ -402,7 +402,7 @@ def config_from_spec(spec) -> "TrainingConfig":
 
 
 def swap_check_spec_fields(options) -> dict:
-    """MD-GAN's swap check (mdgan.algorithms.mdgan.swapcheck.MDGANOptions) as TrainingSpec fields 40..44."""
+    """MD-GAN's swap check (mdgan.algorithms.mdgan.options.MDGANOptions) as TrainingSpec fields 40..44."""
     return {"swap_check": options.swap_check, "swap_check_norm_ratio": options.swap_check_norm_ratio,
             "swap_check_loss_ratio": options.swap_check_loss_ratio,
             "swap_check_min_cosine": options.swap_check_min_cosine, "swap_check_min_cosine_set": True}
@@ -411,7 +411,7 @@ def swap_check_spec_fields(options) -> dict:
 def swap_check_from_spec(spec, override: str | None = None):
     """The swap check a worker applies: the run's (the spec; a server that sends none: the defaults),
     or `override` on/off (the worker's own --swap-check). Raises ConfigError on nonsense."""
-    from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+    from mdgan.algorithms.mdgan.options import MDGANOptions
 
     default = MDGANOptions()
     options = MDGANOptions(

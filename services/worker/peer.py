@@ -44,6 +44,7 @@ class SwapMailbox:
         self.members: set[str] = set()  # identities of the run's workers, as far as this worker knows
         self._boxes: dict[int, asyncio.Future] = {}
         self._orders: dict[int, asyncio.Future] = {}  # round -> identity of the designated sender
+        self.deferred: set[int] = set()  # background rounds (--swap-lag): checked at install, not on arrival
 
     def _box(self, swap_round: int) -> asyncio.Future:
         return self._boxes.setdefault(swap_round, asyncio.get_running_loop().create_future())
@@ -58,9 +59,12 @@ class SwapMailbox:
             return grpc.StatusCode.ALREADY_EXISTS, f"a discriminator for round {swap_round} already arrived"
         return None
 
-    def expect(self, swap_round: int, sender_identity: str) -> None:
-        """This worker's order for `swap_round`: take a discriminator from `sender_identity` only."""
+    def expect(self, swap_round: int, sender_identity: str, deferred: bool = False) -> None:
+        """This worker's order for `swap_round`: take a discriminator from `sender_identity` only;
+        `deferred`: a background round, whose discriminator is checked when it is installed."""
         self.members.add(sender_identity)
+        if deferred:
+            self.deferred.add(swap_round)
         order = self._order(swap_round)
         if not order.done():
             order.set_result(sender_identity)
@@ -99,6 +103,7 @@ class SwapMailbox:
             return await asyncio.wait_for(self._box(swap_round), timeout)
         finally:
             self.completed_round = max(self.completed_round, swap_round)
+            self.deferred = {r for r in self.deferred if r > self.completed_round}
             for book in (self._boxes, self._orders):
                 for r in [r for r in book if r <= self.completed_round]:
                     future = book.pop(r)
@@ -132,7 +137,7 @@ def _chunk_wire(chunk: peer_pb2.DiscriminatorChunk | bytes) -> bytes:
 
 
 async def push_discriminator(channel: grpc.aio.Channel, chunks: list[peer_pb2.DiscriminatorChunk | bytes],
-                             timeout: float) -> peer_pb2.PushAck:
+                             timeout: float | None) -> peer_pb2.PushAck:
     """Stream a state to a peer over `channel`: chunks as messages or as their serialized bytes. A
     peer that refuses it mid-stream ends the call with its own status (INVALID_ARGUMENT, ...),
     raised here as AioRpcError, not as a broken write."""
@@ -147,7 +152,14 @@ async def push_discriminator(channel: grpc.aio.Channel, chunks: list[peer_pb2.Di
         # The peer ended the call while we were writing; the failed write only says "INTERNAL",
         # the call's own status (awaited below) says why.
         pass
-    return await call
+    except asyncio.CancelledError:  # given up (a background push past its install's deadline): end the RPC too
+        call.cancel()
+        raise
+    try:
+        return await call
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
 
 
 REFUSED = "discriminator refused: "  # how a receiver's check refusal starts (PERMISSION_DENIED)
@@ -266,8 +278,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             log.warning("refused a discriminator from %s: %s", context.peer(), exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         check = getattr(inbox, "swap_check", None)
-        if mailbox is inbox.mailbox and check is not None and check.enabled:
+        if mailbox is inbox.mailbox and check is not None and check.enabled and assembler.header.round not in mailbox.deferred:
             # after the order (authorize above): our D is the one of this round's boundary, as in simulate
+            # (a background round's is judged when it is installed, against our D then: the worker's _take)
             verdict = check_incoming(side, state, check)
             if verdict.refused:
                 telemetry.rejected.labels("discriminator").inc()

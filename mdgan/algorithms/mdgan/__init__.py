@@ -7,7 +7,8 @@ swapped peer to peer every ceil(E*m/b) iterations.
 - synchrony.py: --sync quorum|async, an iteration that waits for some of the workers, not all.
 - checkpoints.py: what the server's part of a checkpoint holds.
 - inprocess.py: the in-process worker handle and the whole `mdgan simulate` run.
-- swapcheck.py: a received discriminator is checked before it replaces the receiver's (MD-GAN's options).
+- swapcheck.py: a received discriminator is checked before it replaces the receiver's.
+- options.py: MD-GAN's own options (the swap check's settings, the swap lag).
 The two sides' math (GeneratorSide, DiscriminatorSide) is mdgan/gan.py, shared by every algorithm.
 """
 
@@ -17,7 +18,7 @@ import math
 
 from mdgan.algorithms.base import DIRECTIONS, Algorithm
 from mdgan.algorithms.mdgan.inprocess import run_in_process
-from mdgan.algorithms.mdgan.swapcheck import MDGANOptions
+from mdgan.algorithms.mdgan.options import MDGANOptions
 from mdgan.algorithms.traffic import discriminator_state_bytes
 from mdgan.config import TrainingConfig
 

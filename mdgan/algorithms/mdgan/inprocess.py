@@ -15,7 +15,8 @@ import torch
 from mdgan import compression
 from mdgan.algorithms.base import InProcessRun, RunResult, WorkerLost, crashing
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
-from mdgan.algorithms.mdgan.swapcheck import MDGANOptions, SwapCheck, check_incoming
+from mdgan.algorithms.mdgan.options import MDGANOptions
+from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
 from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, TrainingConfig
@@ -66,6 +67,7 @@ class InProcessWorker(WorkerHandle):
         self.shard_size = len(side.sampler.shard)
         self.crashed = False
         self.state = state  # where this worker saves its checkpoints (its own state dir)
+        self._sent: dict[int, int] = {}  # swap round -> payload bytes sent, until the round is installed
 
     def crash(self) -> None:
         """Emulate the paper's crash experiment: the worker and its data leave the run."""
@@ -86,15 +88,27 @@ class InProcessWorker(WorkerHandle):
             raise WorkerLost(f"{self.worker_id} crashed")
         if order.kind == COPY:
             return await self._copy(order)
+        await self.send_swap(order)
+        return await self.install_swap(order)
+
+    async def send_swap(self, order: SwapOrder) -> None:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
         state, sent = self._outgoing_state(self.discriminator_attack)
         self.board.deliver(order.swap_round, order.send_to, self.worker_id, state)
+        self._sent[order.swap_round] = sent
+
+    async def install_swap(self, order: SwapOrder) -> SwapReport:
+        if self.crashed:
+            raise WorkerLost(f"{self.worker_id} crashed")
+        sent = self._sent.pop(order.swap_round)
         try:
             sender, incoming = await self.board.collect(order.swap_round, self.worker_id, self.swap_timeout)
         except asyncio.TimeoutError:
             return SwapReport(order.swap_round, True, False, sent, "no discriminator arrived")
         if sender != order.receive_from or incoming is None:
             return SwapReport(order.swap_round, True, False, sent, f"nothing usable from {sender}")
-        if self.swap_check.enabled:
+        if self.swap_check.enabled:  # against our D as it is now, about to be replaced (on every transport)
             verdict = check_incoming(self.side, incoming, self.swap_check)
             if verdict.refused:  # we keep our own D for this round
                 return SwapReport(order.swap_round, True, False, sent,
@@ -189,13 +203,15 @@ async def _run(run: InProcessRun) -> RunResult:
     config, shards, generator_side, recorder = run.config, run.shards, run.generator, run.recorder
     keep, checkpoint_every, churn = run.keep_checkpoints, run.checkpoint_every, list(run.churn)
     state_root = os.path.join(run.out_dir, "workers", run.run.run_id)
-    swap_check = (run.options or MDGANOptions()).as_check()
+    options = run.options or MDGANOptions()
+    swap_check = options.as_check()
     workers = build_in_process_workers(config, shards, state_root, keep, run.byzantine, run.attack, swap_check)
     by_slot = {w.shard_index: w for w in workers}
     roster = Roster(config.workers, pause_timeout=0)
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
     trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
-                      save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder))
+                      save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder),
+                      swap_lag=options.swap_lag)
     if run.run.state is not None:
         ServerCheckpoints.restore(run.run.state, generator_side, trainer, recorder)
 

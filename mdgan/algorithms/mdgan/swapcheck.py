@@ -27,15 +27,13 @@ keeps `mdgan local == mdgan simulate` bit for bit.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from mdgan.algorithms.base import option
-from mdgan.config import ConfigError, TrainingConfig
+from mdgan.config import ConfigError
 from mdgan.gan import DiscriminatorSide
 
 SWAP_CHECKS = ("on", "off")
@@ -61,39 +59,6 @@ class SwapCheck:
         if self.samples < 1:
             raise ConfigError(f"--swap-check-samples must be at least 1, got {self.samples}")
         return self
-
-
-@dataclass(frozen=True)
-class MDGANOptions:
-    """MD-GAN's own options (flags of simulate, local, experiments and mdgan-server; the server sends
-    them to its workers, and a worker's own --swap-check overrides them: a site decides what it installs)."""
-
-    swap_check: str = option("on", "--swap-check", "check a received discriminator before it replaces ours "
-                             "(norm and loss on our own data; docs/PRIVACY.md): on or off", choices=SWAP_CHECKS)
-    swap_check_norm_ratio: float = option(SwapCheck.norm_ratio, "--swap-check-norm-ratio",
-                                          "refuse a discriminator whose weights' norm is beyond this factor of ours")
-    swap_check_loss_ratio: float = option(SwapCheck.loss_ratio, "--swap-check-loss-ratio",
-                                          "refuse a discriminator whose loss on our check set exceeds this times "
-                                          "max(ours, an all-zero D's)")
-    swap_check_min_cosine: float = option(SwapCheck.min_cosine, "--swap-check-min-cosine",
-                                          "refuse a discriminator whose weights make an angle with ours whose cosine "
-                                          "is below this (sign-flipped: -1; random: about 0)")
-
-    def as_check(self) -> SwapCheck:
-        return SwapCheck(self.swap_check == "on", self.swap_check_norm_ratio, self.swap_check_loss_ratio,
-                         self.swap_check_min_cosine).validate()
-
-    def validate(self) -> "MDGANOptions":
-        if self.swap_check not in SWAP_CHECKS:
-            raise ConfigError(f"--swap-check must be one of {SWAP_CHECKS}, got {self.swap_check!r}")
-        self.as_check()
-        return self
-
-    def check(self, config: TrainingConfig) -> "MDGANOptions":
-        return self.validate()
-
-    def summary(self, config: TrainingConfig) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

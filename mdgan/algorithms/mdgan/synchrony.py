@@ -58,6 +58,13 @@ class PartialSync:
         self.mode = config.sync
         self.outstanding: dict[object, Issued] = {}  # worker handle -> its unanswered batches
 
+    def abandon(self) -> None:
+        """The run stopped with answers still out (a signal, or too few workers): nobody will read them,
+        and a step that fails meanwhile (its worker told to stop) must not be logged as an error."""
+        for issued in self.outstanding.values():
+            issued.task.add_done_callback(lambda task: task.cancelled() or task.exception())
+        self.outstanding.clear()
+
     def _issue(self, trainer, t: int) -> int:
         """Fresh batches for every idle worker; the number of workers that got some."""
         idle = [w for w in trainer.active if w not in self.outstanding and not getattr(w, "needs_copy", False)]

@@ -13,7 +13,7 @@ import asyncio
 import math
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from mdgan import compression
 from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Traffic, WorkerLost, ask_all, mean,
                                    sort_replies, tell_to_stop, why_lost, with_deadline)
+from mdgan.algorithms.mdgan.options import check_lag
 from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
 from mdgan.gan import GeneratorSide, StepResult, WorkerBatch, derangement
@@ -69,6 +70,16 @@ class WorkerHandle(abc.ABC):
     async def swap(self, order: SwapOrder) -> SwapReport:
         """Send this worker's D to order.send_to and install the one from order.receive_from."""
 
+    async def send_swap(self, order: SwapOrder) -> None:
+        """A background swap (--swap-lag > 0), first half: snapshot this worker's D now and send it to
+        order.send_to while training goes on; returns at once. Raises WorkerLost."""
+        raise NotImplementedError(f"{type(self).__name__} does not swap in the background")
+
+    async def install_swap(self, order: SwapOrder) -> SwapReport:
+        """Its second half, `lag` iterations later: install the D from order.receive_from (waiting for it
+        if it has not arrived, within the swap deadline) and report the round, as swap() does."""
+        raise NotImplementedError(f"{type(self).__name__} does not swap in the background")
+
     @abc.abstractmethod
     async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
         """`sender` left during the swap round (or the copy, kind COPY): stop waiting for its discriminator."""
@@ -85,6 +96,19 @@ class WorkerHandle(abc.ABC):
         """Save D, its Adam state and the sampler's state for `iteration` where this worker keeps its
         state; None when written, else why not. Raises WorkerLost."""
         return "this worker keeps no state"
+
+
+@dataclass
+class PendingSwap:
+    """A background swap round under way: its discriminators left at boundary `started` and are
+    installed at boundary `install_at` (--swap-lag)."""
+
+    swap_round: int
+    started: int
+    install_at: int
+    plan: dict[str, str]  # sender -> receiver
+    orders: dict[WorkerHandle, SwapOrder]  # the participants, in rank order
+    lost: dict[WorkerHandle, str] = field(default_factory=dict)  # lost while sending: why
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -111,7 +135,7 @@ class Trainer:
                  on_swap: Callable[[dict], None] | None = None,
                  on_boundary: Callable[[int], None] | None = None,
                  checkpoint_every: int = 0, checkpoint_timeout: float | None = None,
-                 save_checkpoint: Callable[[int, bool], None] | None = None):
+                 save_checkpoint: Callable[[int, bool], None] | None = None, swap_lag: int = 0):
         self.config = config
         self.generator = generator
         if roster is None:  # a fixed set of workers, all present from the start
@@ -131,6 +155,10 @@ class Trainer:
         self.save_checkpoint = save_checkpoint
         self.traffic = Traffic()
         self.swaps = 0
+        # --swap-lag L: a round's discriminators travel during L iterations (docs/WIDE_AREA.md); 0: a barrier
+        self.swap_lag = swap_lag
+        self.pending: PendingSwap | None = None  # the background round under way
+        self._checkpoint_due = False  # a checkpoint boundary fell inside a background round: taken after it
         # The last copy order's number. A worker's copy mailbox takes each number once, so a copy tried
         # again at the same boundary (its donor left) needs a new one: with the boundary's own number
         # again, the joiner refused every later copy as too old, and the run stood at that boundary.
@@ -143,6 +171,7 @@ class Trainer:
         self.swap_period: int | None = None
         if workers:  # a fixed set: each worker's own m_n is known now (S from the smallest, see swap_period)
             self.swap_period = config.swap_period(min(w.shard_size for w in workers))
+            check_lag(swap_lag, self.swap_period)
         self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
         self._last_checkpoint = 0
         self.checkpoint_started = 0.0  # perf_counter() when the checkpoint under way began
@@ -295,10 +324,8 @@ class Trainer:
             self.generator.update(batches, feedback)
         updated = time.perf_counter()
 
-        swap_round = None
-        if t % self.swap_period == 0 and len(self.roster.members()) >= 2:
-            swap_round, lost_in_swap = await self.swap(t)
-            lost += lost_in_swap
+        swap_round, lost_in_swap = await self._swaps_after(t)
+        lost += lost_in_swap
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
@@ -314,10 +341,8 @@ class Trainer:
         issued, stats, rejected, lost, late, waited, updating = await self.partial.exchange(self, t)
         self.rejections += rejected
         updated = time.perf_counter()
-        swap_round = None
-        if t % self.swap_period == 0 and len(self.active) >= 2:
-            swap_round, lost_in_swap = await self.swap(t)
-            lost += lost_in_swap
+        swap_round, lost_in_swap = await self._swaps_after(t)
+        lost += lost_in_swap
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=issued, answered=len(stats), rejected=rejected, lost=lost,
@@ -327,28 +352,53 @@ class Trainer:
             generate_seconds=max(0.0, updated - started - waited - updating), swap_seconds=finished - updated,
             late=late, privacy=dict(self.privacy) or None)
 
-    async def swap(self, t: int) -> tuple[int, int]:
-        """One swap round over the active workers, along a random derangement; (round, workers lost)."""
-        swap_round = self.swaps + 1
+    async def _swaps_after(self, t: int) -> tuple[int | None, int]:
+        """Boundary t's swaps: install the background round due here, then start the round of t if it
+        is a swap boundary (lag 0: swap at once). (the round started here or None, workers lost)"""
+        lost = 0
+        if self.pending is not None and self.pending.install_at <= t:
+            lost += await self.finish_swap(t)
+        if t % self.swap_period != 0 or len(self.roster.members()) < 2:
+            return None, lost
+        swap_round, lost_in_swap = await (self.begin_swap(t) if self.swap_lag else self.swap(t))
+        return swap_round, lost + lost_in_swap
+
+    def _plan(self, swap_round: int) -> tuple[dict[str, str], dict[WorkerHandle, SwapOrder]]:
+        """The round's random derangement over the active workers: (sender -> receiver, each one's order)."""
         participants = [w for w in self.roster.members() if not w.needs_copy]
         plan = derangement([w.worker_id for w in participants], self.config.seed, swap_round)
         receive_from = {dst: src for src, dst in plan.items()}
-        orders = [SwapOrder(swap_round, plan[w.worker_id], receive_from[w.worker_id]) for w in participants]
-        by_id = {w.worker_id: w for w in participants}
+        return plan, {w: SwapOrder(swap_round, plan[w.worker_id], receive_from[w.worker_id]) for w in participants}
 
-        async def swap_one(worker: WorkerHandle, order: SwapOrder):
+    async def _ask_swap(self, orders: dict[WorkerHandle, SwapOrder], call, swap_round: int):
+        """call(worker, its order) for every participant, each within the swap deadline; a worker lost
+        meanwhile has its receiver told at once, which would otherwise wait a whole deadline for a
+        discriminator that cannot come."""
+        by_id = {w.worker_id: w for w in orders}
+
+        async def one(worker: WorkerHandle):
+            order = orders[worker]
             try:
-                return await with_deadline(worker.swap(order), self.swap_timeout)
+                return await with_deadline(call(worker, order), self.swap_timeout)
             except (WorkerLost, asyncio.TimeoutError) as exc:
-                # Its receiver would wait a whole swap deadline for a discriminator that cannot come.
-                try:
-                    await by_id[order.send_to].cancel_swap(swap_round, worker.worker_id, why_lost(exc, "deadline"))
-                except Exception:  # the receiver may be gone too; its own call reports that
-                    pass
+                await self._cancel(by_id.get(order.send_to), swap_round, worker.worker_id, why_lost(exc, "deadline"))
                 raise
 
-        order_of = dict(zip(participants, orders))
-        reports = await ask_all(participants, lambda w: swap_one(w, order_of[w]), None)
+        return await ask_all(list(orders), one, None)
+
+    @staticmethod
+    async def _cancel(receiver: WorkerHandle | None, swap_round: int, sender: str, why: str) -> None:
+        if receiver is None:
+            return
+        try:
+            await receiver.cancel_swap(swap_round, sender, why)
+        except Exception:  # the receiver may be gone too; its own call reports that
+            pass
+
+    async def _record(self, swap_round: int, t: int, plan: dict, participants: list[WorkerHandle], reports,
+                      gone: dict[WorkerHandle, str] | None = None, installed: int | None = None) -> int:
+        """Count and record a finished round (swaps.jsonl); `gone`: participants lost before it ended
+        (counted as lost already), with why. The workers lost in `reports`."""
         outcome, lost = {}, 0
         for worker, report in reports.good:
             self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
@@ -359,15 +409,61 @@ class Trainer:
             if not (report.sent and report.received):
                 log.warning("swap %d: %s sent=%s received=%s %s", swap_round, worker.worker_id,
                             report.sent, report.received, report.error)
+        for worker, why in (gone or {}).items():
+            outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0, "error": why}
         for worker, error in reports.lost:
             outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0,
                                          "error": why_lost(error, "missed its swap deadline")}
             lost += await self._lose(worker, why_lost(error, "missed its swap deadline"))
         outcome = {w.worker_id: outcome[w.worker_id] for w in participants if w.worker_id in outcome}  # rank order
-        self.swaps = swap_round
         if self.on_swap is not None:
-            self.on_swap({"round": swap_round, "iteration": t, "plan": plan, "workers": outcome})
+            self.on_swap({"round": swap_round, "iteration": t, **({"installed": installed} if installed else {}),
+                          "plan": plan, "workers": outcome})
+        return lost
+
+    async def swap(self, t: int) -> tuple[int, int]:
+        """One swap round over the active workers, along a random derangement, as a barrier (the paper's):
+        every worker sends its D and installs its peer's before iteration t + 1. (round, workers lost)"""
+        swap_round = self.swaps + 1
+        plan, orders = self._plan(swap_round)
+        reports = await self._ask_swap(orders, lambda w, order: w.swap(order), swap_round)
+        self.swaps = swap_round
+        return swap_round, await self._record(swap_round, t, plan, list(orders), reports)
+
+    async def begin_swap(self, t: int) -> tuple[int, int]:
+        """A background round (--swap-lag L): every participant snapshots its D at boundary t and sends it
+        while training goes on; finish_swap installs them at boundary t + L. (round, workers lost)"""
+        swap_round = self.swaps + 1
+        plan, orders = self._plan(swap_round)
+        sent = await self._ask_swap(orders, lambda w, order: w.send_swap(order), swap_round)
+        pending = PendingSwap(swap_round, t, t + self.swap_lag, plan, orders)
+        lost = 0
+        for worker, error in sent.lost:
+            pending.lost[worker] = why_lost(error, "missed its swap deadline")
+            lost += await self._lose(worker, pending.lost[worker])
+        self.swaps, self.pending = swap_round, pending
         return swap_round, lost
+
+    async def finish_swap(self, t: int) -> int:
+        """Install the background round's discriminators at boundary t (its install_at, or earlier when
+        the run stops): every participant still in takes its peer's D, waiting only for one that has
+        not arrived. The workers lost."""
+        pending, self.pending = self.pending, None
+        members = set(self.roster.members())
+        by_id = {w.worker_id: w for w in pending.orders}
+        installing = {}
+        for worker, order in pending.orders.items():
+            if worker in pending.lost:
+                continue
+            if worker not in members:  # left since: whatever it sent may have arrived; nothing more will
+                pending.lost[worker] = "left during the swap round"
+                await self._cancel(by_id.get(order.send_to), pending.swap_round, worker.worker_id,
+                                   pending.lost[worker])
+                continue
+            installing[worker] = order
+        reports = await self._ask_swap(installing, lambda w, order: w.install_swap(order), pending.swap_round)
+        return await self._record(pending.swap_round, pending.started, pending.plan, list(pending.orders), reports,
+                                  pending.lost, installed=t)
 
     # -- checkpoints -------------------------------------------------------------------------
     async def checkpoint(self, t: int) -> bool:
@@ -433,6 +529,7 @@ class Trainer:
         if self.swap_period is None:
             shard_size = min((w.shard_size for w in self.roster.alive()), default=0)
             self.swap_period = self.config.swap_period(shard_size)
+        check_lag(self.swap_lag, self.swap_period)
         last, stopped = None, None
         t = self.completed
         while t < self.config.iterations:
@@ -440,6 +537,12 @@ class Trainer:
                 self.on_boundary(t)
             if self.stop_requested:
                 stopped = f"stopped by a signal after iteration {t}"
+                if self.pending is not None:
+                    # A checkpoint holds no round in flight, so this one is installed now, before its
+                    # boundary: the run resumed from here is no longer bit for bit the uninterrupted one.
+                    log.warning("stopping inside background swap round %d: its discriminators are installed at "
+                                "%d instead of %d", self.pending.swap_round, t, self.pending.install_at)
+                    await self.finish_swap(t)
                 if self.checkpoint_every and self._last_checkpoint != t:
                     await self.checkpoint(t)
                 break
@@ -461,8 +564,17 @@ class Trainer:
             self.completed = t
             if self.on_iteration is not None:
                 self.on_iteration(last)
-            if self.checkpoint_every and t % self.checkpoint_every == 0 and t < self.config.iterations:
+            if self.checkpoint_every and t % self.checkpoint_every == 0:
+                self._checkpoint_due = True
+            # A checkpoint holds no background round in flight: one due inside a round is taken at the
+            # boundary that installs it (a resumed run then goes on bit for bit).
+            if self._checkpoint_due and self.pending is None and t < self.config.iterations:
+                self._checkpoint_due = False
                 await self.checkpoint(t)
+        if self.partial is not None:
+            self.partial.abandon()
+        if self.pending is not None and stopped is None:  # the last round: installed, counted, recorded
+            await self.finish_swap(t)
         if stopped is None and not self.stop_requested:
             self._save_final(t)
         alive = self.roster.alive()

@@ -35,7 +35,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round_done: _Optional[_Union[LocalRoundDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ..., potential_counts: _Optional[_Union[_pwgan_pb2.PotentialCounts, _Mapping]] = ..., replica_part: _Optional[_Union[_dpgan_pb2.ReplicaPart, _Mapping]] = ..., replica_gradients: _Optional[_Union[_dpgan_pb2.ReplicaGradients, _Mapping]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round", "swap_cancel", "checkpoint", "potential_round", "replica_part", "replica_round")
+    __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round", "swap_cancel", "checkpoint", "swap_install", "potential_round", "replica_part", "replica_round")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SWAP_ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class ServerMessage(_message.Message):
     LOCAL_ROUND_FIELD_NUMBER: _ClassVar[int]
     SWAP_CANCEL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_INSTALL_FIELD_NUMBER: _ClassVar[int]
     POTENTIAL_ROUND_FIELD_NUMBER: _ClassVar[int]
     REPLICA_PART_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -59,10 +60,11 @@ class ServerMessage(_message.Message):
     local_round: LocalRound
     swap_cancel: SwapCancel
     checkpoint: CheckpointOrder
+    swap_install: SwapInstall
     potential_round: _pwgan_pb2.PotentialRound
     replica_part: _dpgan_pb2.ReplicaPart
     replica_round: _dpgan_pb2.ReplicaRound
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointOrder, _Mapping]] = ..., potential_round: _Optional[_Union[_pwgan_pb2.PotentialRound, _Mapping]] = ..., replica_part: _Optional[_Union[_dpgan_pb2.ReplicaPart, _Mapping]] = ..., replica_round: _Optional[_Union[_dpgan_pb2.ReplicaRound, _Mapping]] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointOrder, _Mapping]] = ..., swap_install: _Optional[_Union[SwapInstall, _Mapping]] = ..., potential_round: _Optional[_Union[_pwgan_pb2.PotentialRound, _Mapping]] = ..., replica_part: _Optional[_Union[_dpgan_pb2.ReplicaPart, _Mapping]] = ..., replica_round: _Optional[_Union[_dpgan_pb2.ReplicaRound, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
     __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name", "run_id", "checkpoints", "trained_iteration", "own_data", "class_names", "image_shape")
@@ -235,7 +237,7 @@ class Feedback(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., gradient: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
 
 class SwapOrder(_message.Message):
-    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker", "receive_from_identity", "send_to_identity", "kind")
+    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker", "receive_from_identity", "send_to_identity", "kind", "deferred")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_WORKER_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +245,7 @@ class SwapOrder(_message.Message):
     RECEIVE_FROM_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     round: int
     send_to_worker: str
     send_to_address: str
@@ -250,7 +253,14 @@ class SwapOrder(_message.Message):
     receive_from_identity: str
     send_to_identity: str
     kind: str
-    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ..., receive_from_identity: _Optional[str] = ..., send_to_identity: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    deferred: bool
+    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ..., receive_from_identity: _Optional[str] = ..., send_to_identity: _Optional[str] = ..., kind: _Optional[str] = ..., deferred: _Optional[bool] = ...) -> None: ...
+
+class SwapInstall(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class CheckpointOrder(_message.Message):
     __slots__ = ("iteration", "run_id")

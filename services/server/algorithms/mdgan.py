@@ -51,7 +51,8 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         self.encoder = run.encoder  # shared by the run's workers
         self._steps = connection.answers("step")  # iteration -> Future[StepResult]
         # Swap rounds and copy boundaries share this map: a copy happens before an iteration and a
-        # swap after it, each awaited to the end, so their numbers are never pending at once.
+        # swap (or a background round's install) after it, each awaited to the end, so their numbers
+        # are never pending at once.
         self._swaps = connection.answers("swap")
         self._checkpoints = connection.answers("checkpoint")
         run.address_book[self.worker_id] = connection.peer_address
@@ -73,12 +74,24 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         return await self.connection.request(self._steps, iteration, message)
 
     async def swap(self, order: SwapOrder) -> SwapReport:
+        return await self.connection.request(self._swaps, order.swap_round, self._swap_order(order))
+
+    def _swap_order(self, order: SwapOrder, deferred: bool = False) -> pb.ServerMessage:
         book, identities = self.run.address_book, self.run.identity_book
-        return await self.connection.request(self._swaps, order.swap_round, pb.ServerMessage(swap_order=pb.SwapOrder(
+        return pb.ServerMessage(swap_order=pb.SwapOrder(
             round=order.swap_round, send_to_worker=order.send_to,
             send_to_address=book.get(order.send_to, ""), receive_from_worker=order.receive_from,
             receive_from_identity=identities.get(order.receive_from, ""),
-            send_to_identity=identities.get(order.send_to, ""), kind=order.kind)))
+            send_to_identity=identities.get(order.send_to, ""), kind=order.kind, deferred=deferred))
+
+    async def send_swap(self, order: SwapOrder) -> None:
+        """A background round: the order alone (the worker snapshots its D before the next batches,
+        which follow on the same stream, and reports at swap_install)."""
+        await self.connection.send(self._swap_order(order, deferred=True))
+
+    async def install_swap(self, order: SwapOrder) -> SwapReport:
+        return await self.connection.request(self._swaps, order.swap_round, pb.ServerMessage(
+            swap_install=pb.SwapInstall(round=order.swap_round)))
 
     async def checkpoint(self, iteration: int) -> str | None:
         return await self.connection.request(self._checkpoints, iteration, pb.ServerMessage(
@@ -153,7 +166,7 @@ class MDGANServer:
         self.trainer = Trainer(ctx.config, ctx.generator, roster=ctx.roster, step_timeout=args.step_timeout,
                                swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=self._on_iteration,
                                on_swap=on_swap, checkpoint_every=args.checkpoint_every,
-                               save_checkpoint=save_checkpoint)
+                               save_checkpoint=save_checkpoint, swap_lag=self.options.swap_lag)
         if ctx.run.state is not None:
             ServerCheckpoints.restore(ctx.run.state, ctx.generator, self.trainer, recorder)
 

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from mdgan import compression
-from mdgan.algorithms.mdgan.swapcheck import SwapCheck
+from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
 from mdgan.attacks import make_attacks
 from mdgan.config import ConfigError
 from mdgan.config import TrainingConfig
@@ -58,6 +58,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         self.copies = CopyMailbox()
         self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         self._swaps: set[asyncio.Task] = set()  # swaps under way (a swap_cancel may come meanwhile)
+        self._background: dict[int, tuple] = {}  # background round -> (its order, our push, when it began)
 
     def continues(self, config: TrainingConfig) -> bool:
         return self.side.config == config  # back in the same run: keep our discriminator
@@ -88,7 +89,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
 
     def receivers(self):
         return {"batches": self._on_batches, "checkpoint": self._on_checkpoint,
-                "swap_order": self._on_swap_order, "swap_cancel": self._on_swap_cancel}
+                "swap_order": self._on_swap_order, "swap_install": self._on_swap_install,
+                "swap_cancel": self._on_swap_cancel}
 
     traffic = staticmethod(wire_traffic.mdgan)  # (kind, payload bytes) of its messages, as both sides count them
 
@@ -96,6 +98,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         for task in self._swaps:
             task.cancel()
         self._swaps.clear()
+        self._background.clear()
         channels, self._peer_channels = self._peer_channels, {}  # a later session opens its own
         for channel in channels.values():
             await channel.close()
@@ -189,27 +192,35 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         # Known before anything else happens: pushes for this round (or this copy) are checked against it.
         box = self.copies if order.kind == "copy" else self.mailbox
         if order.receive_from_identity or order.receive_from_worker:
-            box.expect(order.round, order.receive_from_identity or order.receive_from_worker)
+            box.expect(order.round, order.receive_from_identity or order.receive_from_worker,
+                       deferred=order.deferred and order.kind != "copy")
         if order.send_to_identity:
             self.mailbox.members.add(order.send_to_identity)
-        # In the background: a swap_cancel may arrive while we wait for a peer.
-        self._swaps.add(asyncio.create_task(self._swap_and_report(call, order)))
         self._swaps.difference_update([t for t in self._swaps if t.done()])
+        if order.deferred and order.kind != "copy":
+            self._begin_background(order)  # reported at its swap_install
+            return
+        # In the background: a swap_cancel may arrive while we wait for a peer.
+        self._swaps.add(asyncio.create_task(self._report_when_done(call, order.round, self._swap(order))))
+
+    async def _on_swap_install(self, call, install: pb.SwapInstall) -> None:
+        # In the background too: a swap_cancel may arrive while we wait for the peer's discriminator.
+        self._swaps.add(asyncio.create_task(self._report_when_done(call, install.round, self._install(install))))
 
     async def _on_swap_cancel(self, call, cancel: pb.SwapCancel) -> None:
         log.warning("%s %d: %s left (%s)", "copy" if cancel.copy else "swap", cancel.round, cancel.sender_worker,
                     cancel.reason)
         (self.copies if cancel.copy else self.mailbox).deliver(cancel.round, cancel.sender_worker, None)
 
-    async def _swap_and_report(self, call, order: pb.SwapOrder) -> None:
-        report = await self._swap(order)
+    async def _report_when_done(self, call, swap_round: int, swapping) -> None:
+        report = await swapping
         try:
             await self.node.write(call, pb.WorkerMessage(swap_report=report))
         except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             # The stream ended while we swapped (a swap takes up to the swap deadline): the read loop
             # finds that out and reconnects. Raised here, in a task nobody awaits, it was logged as
             # "Task exception was never retrieved", with a traceback.
-            log.info("swap %d: the report was not sent (%s)", order.round, exc)
+            log.info("swap %d: the report was not sent (%s)", swap_round, exc)
 
     async def _copy(self, order: pb.SwapOrder) -> pb.SwapReport:
         """A one-way copy for a late joiner: we give ours (send_to set) or take one (receive_from set)."""
@@ -237,40 +248,101 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         return pb.SwapReport(round=order.round, received=True)
 
     async def _swap(self, order: pb.SwapOrder) -> pb.SwapReport:
+        """The paper's swap: push ours, take the peer's and install it, within the swap deadline."""
         if order.kind == "copy":
             return await self._copy(order)
         started = time.perf_counter()
-        swap_timeout = self.node.swap_timeout
-        # a snapshot before anything arrives in our place, in its wire form
+        # Ours goes out while we wait for our peer's: a round takes one swap deadline at most, not two
+        # back to back (a slow push, then a wait that began only after it: the 121 s rounds of
+        # docs/WIDE_AREA.md).
+        push = asyncio.ensure_future(self._send(order, self._snapshot()))
+        errors: list[str] = []
+        try:
+            received, refused = await self._take(order, errors)
+        except BaseException:
+            push.cancel()
+            raise
+        sent, sent_payload, sent_messages, push_errors = await push
+        return self._report(order, started, sent, received, sent_payload, sent_messages, push_errors + errors, refused)
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """Our D as it leaves, in its wire form (taken before anything arrives in its place)."""
         exported = self.side.export_state()
         if self.discriminator_attack is not None:  # an emulated Byzantine worker pushes a poisoned D
             exported = self.discriminator_attack(exported)
-        state = compression.pack_state(exported, self.side.config.wire_dtype)
-        sent, sent_payload, sent_messages, errors, refused = False, 0, 0, [], ""
+        return compression.pack_state(exported, self.side.config.wire_dtype)
+
+    def _begin_background(self, order: pb.SwapOrder) -> None:
+        """A background round (--swap-lag): the snapshot now, in the order's handler, before the next
+        batches are read (the same boundary as in simulate); the push goes on while we train."""
+        push = asyncio.create_task(self._send(order, self._snapshot(), deadline=False))
+        self._swaps.add(push)
+        self._background[order.round] = (order, push, time.perf_counter())
+
+    async def _install(self, install: pb.SwapInstall) -> pb.SwapReport:
+        """A background round's boundary: install what our peer sent (waiting for it if it has not come),
+        checked here, against our D as it is now (the same D and check set as simulate's)."""
+        entry = self._background.pop(install.round, None)
+        if entry is None:
+            return pb.SwapReport(round=install.round, error=f"no background swap order for round {install.round}")
+        order, push, started = entry
+        errors: list[str] = []
+        installing = time.monotonic()
+        received, refused = await self._take(order, errors, check=True)
+        # Ours has had the whole lag to arrive; from the install on, one swap deadline for both (the wait
+        # for our peer's and for our own push), not one after the other.
+        await asyncio.wait([push], timeout=max(0.0, self.node.swap_timeout - (time.monotonic() - installing)))
+        if not push.done():
+            push.cancel()
+            return self._report(order, started, False, received, 0, 0, [
+                f"push to {order.send_to_worker} did not finish within {self.node.swap_timeout:.0f} s of the round's "
+                "install", *errors], refused)
+        sent, sent_payload, sent_messages, push_errors = push.result()
+        return self._report(order, started, sent, received, sent_payload, sent_messages, push_errors + errors,
+                            refused)
+
+    async def _send(self, order: pb.SwapOrder, state: dict[str, torch.Tensor],
+                    deadline: bool = True) -> tuple[bool, int, int, list[str]]:
+        """Push `state` to order.send_to: (sent, payload bytes, message bytes, errors); never raises."""
         try:
-            sent_payload, sent_messages = await self._push(order, state)
-            sent = True
+            sent_payload, sent_messages = await self._push(order, state, deadline=deadline)
+            return True, sent_payload, sent_messages, []
         except PushRefused as exc:  # sent, as in simulate; the receiver kept its own D (its report says why)
-            sent_payload, sent_messages, sent = exc.payload, exc.messages, True
-            errors.append(f"{order.send_to_worker} refused our discriminator: {exc.details}")
+            return True, exc.payload, exc.messages, [f"{order.send_to_worker} refused our discriminator: {exc.details}"]
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-            errors.append(f"push to {order.send_to_worker} failed: {detail}")
-        received = False
+            return False, 0, 0, [f"push to {order.send_to_worker} failed: {detail}"]
+
+    async def _take(self, order: pb.SwapOrder, errors: list[str], check: bool = False) -> tuple[bool, str]:
+        """Install the D our peer pushed for order.round: (received, why our check refused it or "").
+        `check`: judge it here (a background round; otherwise the Peer service judged it on arrival)."""
+        swap_timeout = self.node.swap_timeout
         try:
             sender, incoming, refused = await self.mailbox.collect(order.round, swap_timeout)
-            expected = order.receive_from_identity or order.receive_from_worker
-            if refused:  # our check refused what it pushed (PeerServicer): we keep our own D this round
-                errors.append(f"refused the discriminator from {sender}: {refused}")
-            elif incoming is None:
-                errors.append(f"{sender} left before sending its discriminator")
-            elif sender == expected:
-                self.side.import_state(incoming)
-                received = True
-            else:
-                errors.append(f"expected a discriminator from {order.receive_from_worker}, got {sender}")
         except asyncio.TimeoutError:
             errors.append(f"no discriminator from {order.receive_from_worker} within {swap_timeout:.0f} s")
+            return False, ""
+        expected = order.receive_from_identity or order.receive_from_worker
+        if refused:  # our check refused what it pushed (PeerServicer): we keep our own D this round
+            errors.append(f"refused the discriminator from {sender}: {refused}")
+            return False, refused
+        if incoming is None:
+            errors.append(f"{sender} left before sending its discriminator")
+            return False, ""
+        if sender != expected:
+            errors.append(f"expected a discriminator from {order.receive_from_worker}, got {sender}")
+            return False, ""
+        if check and self.swap_check.enabled:
+            verdict = check_incoming(self.side, incoming, self.swap_check)
+            if verdict.refused:
+                self.node.telemetry.rejected.labels("discriminator").inc()
+                errors.append(f"refused the discriminator from {sender}: {verdict.refused}")
+                return False, verdict.refused
+        self.side.import_state(incoming)
+        return True, ""
+
+    def _report(self, order, started: float, sent: bool, received: bool, sent_payload: int, sent_messages: int,
+                errors: list[str], refused: str) -> pb.SwapReport:
         for e in errors:
             log.warning("swap %d: %s", order.round, e)
         telemetry = self.node.telemetry
@@ -279,24 +351,44 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=sent_payload,
                              sent_message_bytes=sent_messages, error="; ".join(errors), refused=refused)
 
-    async def _push(self, order: pb.SwapOrder, state: dict[str, torch.Tensor], copy: bool = False) -> tuple[int, int]:
+    async def _push(self, order: pb.SwapOrder, state: dict[str, torch.Tensor], copy: bool = False,
+                    deadline: bool = True) -> tuple[int, int]:
+        """Push `state` to order.send_to. A connection that fails (UNAVAILABLE: a link down, a peer's
+        channel broken) is opened afresh and the push tried again, within the swap deadline; the receiver
+        installs only a state that arrived whole, so a push cut short and tried again is never half-used.
+        `deadline` False: a background round's push, which has until its install (and the swap deadline
+        after it) to arrive, however long the lag lasts in seconds (_install cancels it then)."""
         node = self.node
-        address = order.send_to_address
-        key = (address, order.send_to_identity)  # another identity at the same address needs its own channel
-        channel = self._peer_channels.get(key)
-        if channel is None:
-            # The receiver is verified as the identity the server named, wherever its address points.
-            channel = self._peer_channels[key] = tls_.channel(address, node.tls, rpc.options(),
-                                                              order.send_to_identity or None)
+        key = (order.send_to_address, order.send_to_identity)  # another identity at one address: its own channel
         chunks = codec.wire_state_chunks(state, order.round, node.worker_id, node.identity, copy=copy)
-        try:
-            await push_discriminator(channel, [wire for wire, _ in chunks], node.swap_timeout)
-        except grpc.aio.AioRpcError as exc:
-            if not (exc.code() == grpc.StatusCode.PERMISSION_DENIED and (exc.details() or "").startswith(REFUSED)):
-                raise
-            refused = exc  # it crossed the wire whole and the receiver's check refused it: sent all the same
-        else:
-            refused = None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + node.swap_timeout if deadline else math.inf
+        retry = 0.5
+        while True:
+            channel = self._peer_channels.get(key)
+            if channel is None:
+                # The receiver is verified as the identity the server named, wherever its address points.
+                channel = self._peer_channels[key] = tls_.channel(order.send_to_address, node.tls, rpc.options(),
+                                                                  order.send_to_identity or None)
+            left = give_up - loop.time()
+            try:
+                await push_discriminator(channel, [wire for wire, _ in chunks], left if deadline else None)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and left > retry:
+                    log.info("swap %d: push to %s failed (%s); trying again in %.1f s", order.round,
+                             order.send_to_worker, exc.details(), retry)
+                    if self._peer_channels.get(key) is channel:
+                        del self._peer_channels[key]
+                    await channel.close()
+                    await asyncio.sleep(retry)
+                    retry = min(2 * retry, 8.0)
+                    continue
+                if not (exc.code() == grpc.StatusCode.PERMISSION_DENIED and (exc.details() or "").startswith(REFUSED)):
+                    raise
+                refused = exc  # it crossed the wire whole and the receiver's check refused it: sent all the same
+            else:
+                refused = None
+            break
         for wire, payload in chunks:
             node.telemetry.count("worker_to_worker", "discriminator", "sender", None, payload, len(wire))
         sent = sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks)
