@@ -188,7 +188,7 @@ def main() -> None:
                         help="each site's link, in tc's syntax, one site per rate (default: %(default)s)")
     parser.add_argument("--budget", type=float, default=300.0, help="training seconds per configuration")
     parser.add_argument("--swap-every", type=int, default=400)
-    parser.add_argument("--lag", type=int, default=350, help="--swap-lag of the background configurations")
+    parser.add_argument("--lag", type=int, default=200, help="--swap-lag of the background configurations")
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-samples", type=int, default=500)
@@ -197,9 +197,21 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated configurations (default: all of them)")
     parser.add_argument("--out", default="/tmp/mdgan-wide-area")
     parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing: the table again from OUT/wide_area.json (other --fids, say)")
     args = parser.parse_args()
     args.rates = args.rates.split(",")
     args.fids = [float(f) for f in args.fids.split(",")]
+    if args.report:
+        with open(os.path.join(args.out, "wide_area.json")) as fh:
+            saved = json.load(fh)
+        fids = args.fids
+        args = argparse.Namespace(**{**saved["args"], "fids": fids})
+        for r in saved["results"].values():
+            r["time_to_fid"] = {str(f): next((e["seconds"] for e in r["evaluations"] if e["fid"] <= f), None)
+                                for f in fids}
+        print(report(saved["results"], args, [f"site-{i}" for i in range(len(args.rates))]))
+        return
     reason = why_not_available()
     if reason:
         raise SystemExit(f"cannot build the links: {reason}")
