@@ -182,6 +182,29 @@ def report(results: dict, args, sites: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, args, path: str) -> None:
+    """FID against training seconds, one line per configuration (the time-to-FID curves)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, r in results.items():
+        points = [(e["seconds"], e["fid"]) for e in r["evaluations"]]
+        if points:
+            ax.plot(*zip(*points), marker=".", label=label)
+    for threshold in args.fids:
+        ax.axhline(threshold, color="grey", linewidth=0.5, linestyle="--")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel(f"FID ({args.eval_samples} samples; lower is better)")
+    ax.set_title(f"sites at {', '.join(args.rates)}; swap every {args.swap_every}, lag {args.lag}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="100mbit,100mbit,10mbit,1mbit",
@@ -206,11 +229,12 @@ def main() -> None:
         with open(os.path.join(args.out, "wide_area.json")) as fh:
             saved = json.load(fh)
         fids = args.fids
-        args = argparse.Namespace(**{**saved["args"], "fids": fids})
+        args = argparse.Namespace(**{**saved["args"], "fids": fids, "out": args.out})
         for r in saved["results"].values():
             r["time_to_fid"] = {str(f): next((e["seconds"] for e in r["evaluations"] if e["fid"] <= f), None)
                                 for f in fids}
         print(report(saved["results"], args, [f"site-{i}" for i in range(len(args.rates))]))
+        plot(saved["results"], args, os.path.join(args.out, "time_to_fid.png"))
         return
     reason = why_not_available()
     if reason:
@@ -240,6 +264,7 @@ def main() -> None:
             with open(os.path.join(args.out, "wide_area.json"), "w") as fh:
                 json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, fh, indent=1)
     print(report(results, args, sites))
+    plot(results, args, os.path.join(args.out, "time_to_fid.png"))
 
 
 if __name__ == "__main__":

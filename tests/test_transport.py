@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import grpc
 import pytest
 import torch
 
+from mdgan import compression
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.data import load_shard
 from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
@@ -637,3 +639,45 @@ def test_the_swap_check_passes_honest_discriminators_and_refuses_each_attack():
     broken = sides[1].export_state()
     next(iter(broken.values()))[0] = float("nan")
     assert "not finite" in check_incoming(sides[0], broken, check).refused
+
+
+def test_a_push_that_finds_its_peer_unreachable_is_tried_again_until_the_peer_is_up(caplog):
+    """A push failing with UNAVAILABLE (a link down, a peer restarting, a cached channel whose
+    connection broke) is tried again on a fresh channel within the swap deadline, and arrives whole;
+    the swap round no longer waits out a deadline for it (docs/WIDE_AREA.md, the 121 s round)."""
+    config = TrainingConfig(workers=2, batch_size=B).validate()
+    shards = [load_shard(DataConfig("synthetic", num_shards=2), i) for i in range(2)]
+    receiver_node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shards[0])
+    sender_node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shards[1])
+    sender_node.worker_id = sender_node.identity = "worker-1"
+    sender_node.swap_timeout = 20.0
+    with socket.socket() as probe:  # a port nothing listens on yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def scenario():
+        receiver_node.algorithm = MDGANWorker(receiver_node, config, shards[0])
+        receiver_node.algorithm.mailbox.expect(1, "worker-1")
+        sender = MDGANWorker(sender_node, config, shards[1])
+        state = compression.pack_state(sender.side.export_state(), "float32")
+        order = pb.SwapOrder(round=1, send_to_worker="worker-0", send_to_address=f"127.0.0.1:{port}")
+        pushing = asyncio.create_task(sender._push(order, state))
+        await asyncio.sleep(1.5)  # the first tries find nobody
+        assert not pushing.done()
+        server = grpc.aio.server(options=rpc.options())
+        peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(receiver_node), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            sent = await asyncio.wait_for(pushing, 20)
+            received = await receiver_node.algorithm.mailbox.collect(1, timeout=1)
+        finally:
+            await server.stop(None)
+            await sender.end_session()
+        return sent, received, state
+
+    with caplog.at_level("INFO", logger="mdgan.worker"):
+        (payload, _), (sender, incoming, refused), state = asyncio.run(scenario())
+    assert "push to worker-0 failed" in caplog.text and "trying again" in caplog.text
+    assert payload == 670_219 * 4 and sender == "worker-1" and refused == ""
+    assert all(torch.equal(incoming[k], v) for k, v in state.items())
