@@ -252,9 +252,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         if order.kind == "copy":
             return await self._copy(order)
         started = time.perf_counter()
-        # Ours goes out while we wait for our peer's: a round takes one swap deadline at most, not two
-        # back to back (a slow push, then a wait that began only after it: the 121 s rounds of
-        # docs/WIDE_AREA.md).
+        # Ours goes out while we wait for our peer's: a round takes one swap deadline at most, not a push
+        # deadline and then a wait deadline that began only after it (docs/WIDE_AREA.md).
         push = asyncio.ensure_future(self._send(order, self._snapshot()))
         errors: list[str] = []
         try:
