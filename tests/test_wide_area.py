@@ -71,7 +71,6 @@ def test_a_link_cut_during_a_background_swap_installs_nothing_half_received_and_
             # round 1 starts at boundary 40: its discriminators leave; site-2's needs about 11 s at 2 Mbit/s
             _wait("round 1", lambda: any(r.get("swap_round") == 1 for r in read_jsonl(history)), 120, server)
             subprocess.run([*slow_link, "down"], check=True)
-            cut = time.monotonic()
             first = _wait("round 1's install", lambda: read_jsonl(swaps), 120, server)[0]
             subprocess.run([*slow_link, "up"], check=True)
             # after the cut, a round that site-2 is in again, every discriminator installed
@@ -84,7 +83,6 @@ def test_a_link_cut_during_a_background_swap_installs_nothing_half_received_and_
             server.stop()
             for site in sites:
                 site.kill()
-    assert time.monotonic() - cut > 0  # (the cut happened)
     assert (first["round"], first["iteration"], first["installed"]) == (1, SWAP_EVERY, SWAP_EVERY + LAG), first
     cut_off = first["workers"][first["plan"]["worker-2"]]  # the site that was to receive site-2's D
     assert not cut_off["received"] and "worker-2" in cut_off["error"], first
