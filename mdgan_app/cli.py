@@ -309,7 +309,7 @@ def cmd_experiment(args) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does
     try:
         result = run_experiment(args.config, progress=show_progress(args), only_plot=args.plot_only,
-                                jobs=args.jobs, threads=args.threads)
+                                jobs=args.jobs, threads=args.threads, keep=args.keep)
     except Terminated as exc:
         print(f"mdgan experiment: {exc}: stopped; run it again to resume", file=sys.stderr)
         return 128 + exc.signum
@@ -536,6 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--no-progress", action="store_true", help="no progress bars")
     experiment.add_argument("--jobs", type=int, default=1,
                             help="runs at once, each in its own process with --threads torch threads (same results)")
+    experiment.add_argument("--keep", metavar="DIR", default=None,
+                            help="copy each finished run's record (settings, summary, evaluations, samples) and "
+                                 "the tables and plots into DIR, and take runs finished there as done: an "
+                                 "experiment of many days on machines that keep nothing else")
     add_threads_argument(experiment, default=1)
     experiment.set_defaults(func=cmd_experiment)
     sample = command("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")

@@ -33,6 +33,11 @@ again, so an interrupted experiment resumes where it stopped (its label and seri
 between, any other setting may not). Results: OUT/results.csv (one row per
 evaluation of every run), OUT/runs.csv (one row per finished run: its last scores, payload bytes per
 iteration by direction as the run counted them, seconds per iteration, wall time) and OUT/*.png.
+
+`--keep DIR` makes an experiment outlive its machine: every finished run's record (run.json,
+summary.json, the history's evaluation lines, samples.png) and the tables and plots are copied into
+DIR (a folder kept under version control, say), and a run finished in DIR is put back into OUT and
+not run again. Days of runs then add up across machines that keep nothing but DIR.
 """
 
 from __future__ import annotations
@@ -267,15 +272,90 @@ def summarize(runs: list[dict], out: str) -> list[dict]:
                      "wall_seconds": summary.get("wall_seconds"), "workers_alive": summary.get("workers_alive"),
                      "stopped_early": summary.get("stopped_early") or "",
                      "epsilon": (summary.get("privacy") or {}).get("epsilon_max"),
-                     "fid_large": scores.get("fid_large"), "mnist_score_large": scores.get("mnist_score_large")})
+                     "fid_large": scores.get("fid_large"), "mnist_score_large": scores.get("mnist_score_large"),
+                     # floating-point results agree bit for bit only on the same kernels (docs/RESULTS.md)
+                     **{f"machine_{key}": value for key, value in (summary.get("machine") or {}).items()}})
     return rows
+
+
+# what `--keep` holds of a finished run: all that collecting, summarizing and plotting it read
+KEPT_FILES = ("run.json", "summary.json", "history.jsonl", "samples.png")
+KEPT_TABLES = ("results.csv", "runs.csv", "bands.csv", "mnist_score.png", "fid.png", "samples.png")
+
+
+def _evaluation_lines(history: str) -> bytes:
+    """The lines of a history.jsonl that carry evaluations: a 50,000-iteration history is 20 MB, these 50 kB."""
+    kept = []
+    with open(history, encoding="utf-8") as fh:
+        for line in fh:
+            record = json.loads(line)
+            if record.get("evaluations") or "eval_iteration" in record:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    return "".join(kept).encode()
+
+
+def restore_kept(runs: list[dict], out: str, keep: str) -> list[str]:
+    """Puts every run finished in `keep` and not in `out` into `out` (before running: it is not run again).
+    A kept run must have the settings the config gives it now."""
+    from mdgan.checkpoint import atomic_write_bytes
+
+    restored = []
+    for run in runs:
+        kept = os.path.join(keep, "runs", run["name"])
+        target = os.path.join(out, "runs", run["name"])
+        if not os.path.exists(os.path.join(kept, "summary.json")) or os.path.exists(os.path.join(target, "summary.json")):
+            continue
+        with open(os.path.join(kept, "run.json"), encoding="utf-8") as fh:
+            before = json.load(fh)
+        if _trained(before) != _trained(run):
+            changed = sorted(k for k in _trained(run) if before.get(k) != run[k])
+            raise ConfigError(f"{kept} holds a run with other settings ({changed} differ): "
+                              "give the experiment another --keep, or delete that run")
+        os.makedirs(target, exist_ok=True)
+        # summary.json last: it is what marks the run finished
+        for name in sorted(KEPT_FILES, key=lambda n: n == "summary.json"):
+            if os.path.exists(os.path.join(kept, name)):
+                with open(os.path.join(kept, name), "rb") as fh:
+                    atomic_write_bytes(os.path.join(target, name), fh.read())
+        restored.append(run["name"])
+    return restored
+
+
+def keep_finished(runs: list[dict], out: str, keep: str) -> list[str]:
+    """Copies every finished run's record and the experiment's tables and plots from `out` into `keep`."""
+    from mdgan.checkpoint import atomic_write_bytes
+
+    kept = []
+    for run in runs:
+        source = os.path.join(out, "runs", run["name"])
+        if not os.path.exists(os.path.join(source, "summary.json")):
+            continue
+        target = os.path.join(keep, "runs", run["name"])
+        os.makedirs(target, exist_ok=True)
+        for name in sorted(KEPT_FILES, key=lambda n: n == "summary.json"):
+            path = os.path.join(source, name)
+            if not os.path.exists(path):
+                continue
+            if name == "history.jsonl":
+                data = _evaluation_lines(path)
+            else:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            atomic_write_bytes(os.path.join(target, name), data)
+        kept.append(run["name"])
+    for name in KEPT_TABLES:
+        if os.path.exists(os.path.join(out, name)):
+            with open(os.path.join(out, name), "rb") as fh:
+                atomic_write_bytes(os.path.join(keep, name), fh.read())
+    return kept
 
 
 def write_csv(rows: list[dict], path: str) -> None:
     if not rows:
         return
     with open(path, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        # every row's columns, in order of appearance: runs summarized by older versions lack some
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
         writer.writeheader()
         writer.writerows(rows)
 
@@ -403,16 +483,19 @@ def _run_in_child(task: tuple[dict, str, int]) -> str:
 
 
 def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jobs: int = 1,
-                   threads: int = 1) -> dict:
+                   threads: int = 1, keep: str | None = None) -> dict:
     """Runs what has not finished, then collects and plots. jobs > 1: that many runs at once, each in
     its own process with `threads` torch threads (runs are independent and deterministic, so the
-    results are those of running them one by one)."""
+    results are those of running them one by one). keep: a folder of finished runs' records, read
+    before and written after (and after each run)."""
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
     config = load_config(path)
     runs = expand(config)
     out = config["out"]
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    if keep:
+        restore_kept(runs, out, keep)
     with open(os.path.join(out, "experiment.json"), "w", encoding="utf-8") as fh:
         json.dump({"config": config, "runs": runs}, fh, indent=2)
     todo = []
@@ -441,6 +524,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
     if jobs == 1:
         for run, run_dir in todo:
             run_one(run, run_dir, progress)
+            if keep:  # now: the experiment may not live to its end
+                keep_finished([run], out, keep)
             bar.update(1)
     elif todo:
         # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
@@ -454,6 +539,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
         try:
             for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
                 bar.set_postfix_str(f"finished {name}")  # a failed run raises here
+                if keep:
+                    keep_finished([run for run in runs if run["name"] == name], out, keep)
                 bar.update(1)
             pool.close()
         except BaseException:
@@ -473,5 +560,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
     plots = plot(rows, runs, config["plot"], out, config["name"]) if rows else []
     samples = plot_samples(runs, out, config["name"])
     plots += [samples] if samples else []
-    return {"out": out, "runs": len(runs), "ran": done, "rows": len(rows), "plots": plots}
+    result = {"out": out, "runs": len(runs), "ran": done, "rows": len(rows), "plots": plots}
+    if keep:
+        result["kept"] = keep_finished(runs, out, keep)
+    return result
 

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from mdgan.config import ConfigError
@@ -152,6 +153,7 @@ def test_pwgan_and_dpgan_runs_take_their_options_and_the_runs_table_compares_the
         for direction in ("server_to_worker", "worker_to_server", "worker_to_worker"):
             assert float(row[f"{direction}_bytes_per_iteration"]) == summaries[name]["payload_bytes"][direction] / 3
         assert float(row["seconds_per_iteration"]) > 0 and row["iterations"] == "3"
+        assert row["machine_cpu_capability"] == torch.backends.cpu.get_cpu_capability() and row["machine_torch"]
     assert float(rows["mdgan"]["server_to_worker_bytes_per_iteration"]) == 3 * 2 * 5 * 784 * 4  # Table III
 
 
@@ -243,3 +245,47 @@ def test_bands_average_the_seeds_of_a_setting(tmp_path):
              {"run": "b", "iteration": 20, "mnist_score": 5.0, "fid": 70.0}]
     for png in plot(rows, runs, "bands", str(tmp_path), "seeds"):
         assert os.path.getsize(png) > 1000
+
+
+def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
+    """--keep DIR: what a multi-day experiment keeps under git. A machine that starts with only DIR
+    takes its finished runs as done, draws the same tables, and adds its own runs to DIR."""
+    keep = tmp_path / "kept"
+    config = {"name": "kept", "out": str(tmp_path / "machine1"),
+              "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 6, "eval_every": 3,
+                       "eval_samples": 100, "eval_reference": 200, "workers": 2, "batch_size": 5},
+              "runs": [{"algorithm": "mdgan", "seed": s, "label": "MD-GAN"} for s in (0, 1)]
+              + [{"algorithm": "standalone", "seed": 0, "label": "standalone"}],
+              "plot": "bands"}
+
+    def experiment(config: dict) -> dict:
+        done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, config),
+                               "--no-progress", "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    first = experiment(config)
+    assert first["ran"] == 3 and sorted(first["kept"]) == ["mdgan-N2-seed0", "mdgan-N2-seed1", "standalone-N1-seed0"]
+    full = (tmp_path / "machine1" / "runs" / "mdgan-N2-seed0" / "history.jsonl").read_text().splitlines()
+    kept = (keep / "runs" / "mdgan-N2-seed0" / "history.jsonl").read_text().splitlines()
+    assert len(full) == 6 and len(kept) == 2  # the evaluations' lines only, at 3 and 6
+    assert [json.loads(line)["evaluations"][0]["eval_iteration"] for line in kept] == [3, 6]
+    for name in ("results.csv", "runs.csv", "bands.csv", "fid.png", "samples.png"):
+        assert (keep / name).stat().st_size > 100
+
+    # another machine, nothing but the kept folder: nothing to run, the same tables
+    second = experiment(dict(config, out=str(tmp_path / "machine2"), runs=config["runs"] + [
+        {"algorithm": "standalone", "seed": 1, "label": "standalone"}]))
+    assert second["ran"] == 1 and len(second["kept"]) == 4  # only the new run ran, and is kept now
+    with open(tmp_path / "machine1" / "results.csv") as fh:
+        before = [r for r in csv.DictReader(fh)]
+    with open(keep / "results.csv") as fh:
+        after = [r for r in csv.DictReader(fh)]
+    assert [r for r in after if r["run"] != "standalone-N1-seed1"] == before
+    assert {r["run"] for r in after} == {"mdgan-N2-seed0", "mdgan-N2-seed1", "standalone-N1-seed0", "standalone-N1-seed1"}
+
+    # a kept run is never mistaken for a run of other settings
+    changed = dict(config, out=str(tmp_path / "machine3"), base=dict(config["base"], batch_size=4))
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, changed),
+                           "--no-progress", "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode != 0 and "other settings" in done.stderr and "Traceback" not in done.stderr
