@@ -270,6 +270,8 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     kept = (keep / "runs" / "mdgan-N2-seed0" / "history.jsonl").read_text().splitlines()
     assert len(full) == 6 and len(kept) == 2  # the evaluations' lines only, at 3 and 6
     assert [json.loads(line)["evaluations"][0]["eval_iteration"] for line in kept] == [3, 6]
+    seconds = [json.loads(line)["seconds"] for line in full]
+    assert json.loads(kept[1])["train_seconds"] == sum(seconds)  # to reach the score at 6
     for name in ("results.csv", "runs.csv", "bands.csv", "fid.png", "samples.png"):
         assert (keep / name).stat().st_size > 100
 
@@ -283,6 +285,14 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
         after = [r for r in csv.DictReader(fh)]
     assert [r for r in after if r["run"] != "standalone-N1-seed1"] == before
     assert {r["run"] for r in after} == {"mdgan-N2-seed0", "mdgan-N2-seed1", "standalone-N1-seed0", "standalone-N1-seed1"}
+
+    # the tables of docs/RESULTS.md from the kept folder alone: a mean over the seeds, each seed after it
+    tables = subprocess.run([sys.executable, "experiments/tables.py", str(keep), "--at", "3", "6", "--fid", "5000"],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout
+    fids = [float(r["fid"]) for r in after if r["label"] == "MD-GAN" and r["iteration"] == "6"]
+    row = next(line for line in tables.splitlines() if line.startswith("| MD-GAN | 0, 1 |"))
+    assert f"/ {sum(fids) / 2:.1f} +- " in row.split(" | ")[3] and f"({fids[0]:.1f}, {fids[1]:.1f})" in row
+    assert "| standalone-N1-seed1 | 3, " in tables  # FID <= 5000 at the first evaluation
 
     # a kept run is never mistaken for a run of other settings
     changed = dict(config, out=str(tmp_path / "machine3"), base=dict(config["base"], batch_size=4))

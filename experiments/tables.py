@@ -1,0 +1,129 @@
+"""The tables of docs/RESULTS.md from an experiment's kept runs (`mdgan experiment CONFIG --keep DIR`).
+
+    python experiments/tables.py docs/results/figure3-mnist-mlp --at 10000 25000 50000 --fid 50 25
+    python experiments/tables.py docs/results/figure3-mnist-mlp --local-ratio "MD-GAN k=1=0.67"
+
+Prints, in Markdown:
+- per label (a setting over its seeds) and iteration: the MNIST score and FID as mean +- standard
+  deviation (n - 1) over the seeds, each seed's value after it, on the small and the large sample;
+- per run: its seed, iterations, wall time, seconds per iteration and machine;
+- per run: the iterations and the training time (scoring excluded) to first reach each FID of --fid on
+  the small sample (the paper's), and with --local-ratio, that time for the setting run as services
+  (`mdgan local`), from a measured ratio of `mdgan local`'s wall time to the in-process run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+
+def load(keep: str) -> list[dict]:
+    """Every kept run: its settings, summary and evaluations (one dict per evaluated iteration)."""
+    runs = []
+    root = os.path.join(keep, "runs")
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if not os.path.exists(os.path.join(folder, "summary.json")):
+            continue
+        with open(os.path.join(folder, "run.json"), encoding="utf-8") as fh:
+            run = json.load(fh)
+        with open(os.path.join(folder, "summary.json"), encoding="utf-8") as fh:
+            summary = json.load(fh)
+        evaluations = {}
+        with open(os.path.join(folder, "history.jsonl"), encoding="utf-8") as fh:
+            for line in fh:
+                record = json.loads(line)
+                for evaluation in record.get("evaluations") or []:
+                    evaluations[evaluation["eval_iteration"]] = {**evaluation,
+                                                                 "train_seconds": record.get("train_seconds")}
+        runs.append({"name": name, "run": run, "summary": summary, "evaluations": evaluations})
+    return runs
+
+
+def _stat(values: list[float], digits: int) -> str:
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    spread = f" +- {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+    each = ", ".join(f"{v:.{digits}f}" for v in values)
+    return f"{mean:.{digits}f}{spread} ({each})"
+
+
+def score_table(runs: list[dict], iterations: list[int], large: bool) -> str:
+    suffix = "_large" if large else ""
+    lines = [f"| setting | seeds | " + " | ".join(f"at {i:,}" for i in iterations) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in iterations) + " |"]
+    for label in dict.fromkeys(r["run"]["label"] for r in runs):
+        mine = sorted((r for r in runs if r["run"]["label"] == label), key=lambda r: r["run"]["seed"])
+        cells = []
+        for i in iterations:
+            at = [r["evaluations"][i] for r in mine if i in r["evaluations"]
+                  and r["evaluations"][i].get(f"fid{suffix}") is not None]
+            scores = [e[f"mnist_score{suffix}"] for e in at]
+            fids = [e[f"fid{suffix}"] for e in at]
+            cells.append(f"{_stat(scores, 2)} / {_stat(fids, 1)}" if at else "-")
+        seeds = ", ".join(str(r["run"]["seed"]) for r in mine)
+        lines.append(f"| {label} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_table(runs: list[dict]) -> str:
+    lines = ["| run | label | seed | iterations | wall time | s per iteration | machine |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        s, machine = r["summary"], r["summary"].get("machine") or {}
+        lines.append(f"| {r['name']} | {r['run']['label']} | {r['run']['seed']} | {s['iterations']:,} | "
+                     f"{s['wall_seconds'] / 60:.0f} min | {s['seconds_per_iteration'] * 1000:.0f} ms | "
+                     f"{machine.get('cpu', '?')}, {machine.get('cpu_capability', '?')}, torch {machine.get('torch', '?')} |")
+    return "\n".join(lines)
+
+
+def time_to_fid(runs: list[dict], thresholds: list[float], local_ratio: dict[str, float]) -> str:
+    head = " | ".join(f"FID <= {t:g}: iterations, training time" for t in thresholds)
+    lines = [f"| run | {head} |", "| --- | " + " | ".join("---" for _ in thresholds) + " |"]
+    for r in runs:
+        cells = []
+        for threshold in thresholds:
+            reached = sorted(i for i, e in r["evaluations"].items() if e.get("fid") is not None and e["fid"] <= threshold)
+            if not reached:
+                cells.append("not reached")
+                continue
+            first = r["evaluations"][reached[0]]
+            seconds = first.get("train_seconds")
+            cell = f"{reached[0]:,}, {seconds / 60:.0f} min" if seconds is not None else f"{reached[0]:,}"
+            ratio = local_ratio.get(r["run"]["label"])
+            if ratio and seconds is not None:
+                cell += f" ({seconds * ratio / 60:.0f} min as services)"
+            cells.append(cell)
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("keep", help="the experiment's --keep folder")
+    parser.add_argument("--at", type=int, nargs="+", default=[10000, 25000, 50000], help="iterations of the tables")
+    parser.add_argument("--fid", type=float, nargs="+", default=[50, 25], help="FIDs to reach (small sample)")
+    parser.add_argument("--local-ratio", nargs="*", default=[], metavar="LABEL=RATIO",
+                        help="`mdgan local`'s wall time over the in-process run's, for a label")
+    args = parser.parse_args()
+    runs = load(args.keep)
+    ratios = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.local_ratio)
+    large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
+    small = runs[0]["run"].get("eval_samples") if runs else None
+    print(f"MNIST score / FID on {small} samples: mean +- std over the seeds (each seed's)\n")
+    print(score_table(runs, args.at, large=False))
+    if large:
+        print(f"\nThe same on {large} samples\n")
+        print(score_table(runs, args.at, large=True))
+    print("\nRuns\n")
+    print(run_table(runs))
+    print(f"\nFirst evaluation at or below each FID ({small} samples)\n")
+    print(time_to_fid(runs, args.fid, ratios))
+
+
+if __name__ == "__main__":
+    main()
