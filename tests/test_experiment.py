@@ -33,6 +33,10 @@ def test_grid_and_runs_expand_with_readable_names(tmp_path):
     assert [r["name"] for r in runs] == ["mdgan-N10-b10-k1", "mdgan-N10-b10-k3", "standalone-N1-b100-k1"]
     assert runs[1]["kappa"] == 3  # floor(log2 10)
     assert runs[2]["workers"] == 1  # a standalone GAN is one G and one D
+    # runs that differ only in their optimizer's settings are two runs, not "the same" run twice
+    adam = expand(load_config(_write(tmp_path, {
+        "out": str(tmp_path / "out"), "runs": [{"kappa": 3}, {"kappa": 3, "gen_lr": 0.001, "beta1": 0.0}]})))
+    assert [r["name"] for r in adam] == ["lrG0.0002-beta1_0.5", "lrG0.001-beta1_0.0"]
 
 
 def test_bad_configs_are_refused(tmp_path):
