@@ -14,7 +14,7 @@ exactly as the docs run them, and prints their scores and generator hashes side 
 - `experiments/byzantine-mlp-cpu.yaml`, "clean, mean", to its first evaluation (250 iterations);
 - `experiments/compression-mlp-cpu.yaml`, "float32 (seed 0)", to its first evaluation (500).
 
-A few CPU-minutes a level. Runs on one machine only: compare its rows with another machine's output.
+About a CPU-minute a run, ten in all. One machine per call: compare its table with another machine's.
 """
 
 from __future__ import annotations
