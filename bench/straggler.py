@@ -48,6 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netns import ShapedNamespace, why_not_available  # noqa: E402
+from processes import kill_all  # noqa: E402
 
 FOREVER = 1_000_000  # --iterations under a wall budget: the budget stops the run
 
@@ -146,10 +147,7 @@ def run(mode: list[str], args, out: str, namespace: ShapedNamespace | None) -> d
         if namespace:  # what crossed the straggler's link in this mode (in, out)
             summary["shaped_bytes"] = [b - a for a, b in zip(shaped_before, namespace.bytes_shaped())]
     finally:
-        for p in [server, *workers]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all([server, *workers])
         logs.close()
     with open(os.path.join(out, "history.jsonl")) as fh:
         rows = [json.loads(line) for line in fh if line.endswith("\n")]

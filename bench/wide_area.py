@@ -39,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netns import Consortium, why_not_available  # noqa: E402
+from processes import kill_all, read_jsonl, tls_flags  # noqa: E402
 
 FOREVER = 1_000_000  # --iterations: the budget stops the run
 
@@ -61,13 +62,6 @@ def configurations(workers: int, lag: int) -> dict[str, list[str]]:
         # needed, the 1 Mbit site's models (2 x 8 MB an iteration) miss the step deadline and the run stops
         "dpgan": ["--algorithm", "dpgan", "--dp-threshold", str(workers - 1)],
     }
-
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh.read().split("\n")[:-1] if line.strip()]
 
 
 def training_seconds(rows: list[dict]) -> float:
@@ -136,10 +130,7 @@ def run(label: str, flags: list[str], args, lan: Consortium, sites: list[str], t
         server.send_signal(signal.SIGTERM)
         server.wait(120)
     finally:
-        for p in [server, *workers]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all([server, *workers])
         logs.close()
     result = measure(out, args.fids, "mdgan" in flags)
     result["flags"] = flags
@@ -147,12 +138,6 @@ def run(label: str, flags: list[str], args, lan: Consortium, sites: list[str], t
     result["link_bytes"] = {site: {"to_site": after[0] - before[site][0], "from_site": after[1] - before[site][1]}
                             for site, after in ((s, lan.bytes_shaped(s)) for s in sites)}
     return result
-
-
-def tls_flags(tls: str, name: str) -> list[str]:
-    folder = os.path.join(tls, name)
-    return ["--tls-ca", os.path.join(folder, "ca.crt"), "--tls-cert", os.path.join(folder, "tls.crt"),
-            "--tls-key", os.path.join(folder, "tls.key")]
 
 
 def fmt(value, spec: str = ".0f", none: str = "-") -> str:
