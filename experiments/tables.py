@@ -6,6 +6,7 @@
 Prints, in Markdown:
 - per label (a setting over its seeds) and iteration: the MNIST score and FID as mean +- standard
   deviation (n - 1) over the seeds, each seed's value after it, on the small and the large sample;
+- per run, at every iteration scored on both samples: FID on the small one minus FID on the large one;
 - per run: its seed, iterations, wall time, seconds per iteration and machine;
 - per run: the iterations and the training time (scoring excluded) to first reach each FID of --fid on
   the small sample (the paper's), and with --local-ratio, that time for the setting run as services
@@ -70,6 +71,20 @@ def score_table(runs: list[dict], iterations: list[int], large: bool) -> str:
     return "\n".join(lines)
 
 
+def bias_table(runs: list[dict], iterations: list[int]) -> str:
+    """FID on the small sample minus FID on the large one, per run, where both were scored: the small
+    sample's bias (FID's estimator is biased upward, the more the fewer samples)."""
+    lines = ["| run | " + " | ".join(f"at {i:,}" for i in iterations) + " |",
+             "| --- | " + " | ".join("---" for _ in iterations) + " |"]
+    for r in runs:
+        cells = []
+        for i in iterations:
+            e = r["evaluations"].get(i) or {}
+            cells.append(f"{e['fid'] - e['fid_large']:+.1f}" if e.get("fid_large") is not None else "-")
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def run_table(runs: list[dict]) -> str:
     lines = ["| run | label | seed | iterations | wall time | s per iteration | machine |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -119,6 +134,9 @@ def main() -> None:
     if large:
         print(f"\nThe same on {large} samples\n")
         print(score_table(runs, args.at, large=True))
+        scored = sorted({i for r in runs for i, e in r["evaluations"].items() if e.get("fid_large") is not None})
+        print(f"\nFID on {small} samples minus FID on {large}\n")
+        print(bias_table(runs, scored))
     print("\nRuns\n")
     print(run_table(runs))
     print(f"\nFirst evaluation at or below each FID ({small} samples)\n")
