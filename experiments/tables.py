@@ -38,8 +38,7 @@ def load(keep: str) -> list[dict]:
             for line in fh:
                 record = json.loads(line)
                 for evaluation in record.get("evaluations") or []:
-                    evaluations[evaluation["eval_iteration"]] = {**evaluation,
-                                                                 "train_seconds": record.get("train_seconds")}
+                    evaluations[evaluation["eval_iteration"]] = evaluation
         runs.append({"name": name, "run": run, "summary": summary, "evaluations": evaluations})
     return runs
 

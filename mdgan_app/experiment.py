@@ -287,15 +287,19 @@ KEPT_TABLES = ("results.csv", "runs.csv", "bands.csv", "mnist_score.png", "fid.p
 
 def _evaluation_lines(history: str) -> bytes:
     """The lines of a history.jsonl that carry evaluations (a 50,000-iteration history is 20 MB, these
-    50 kB), each with `train_seconds`: the iterations' wall time up to it (scoring excluded), for the
-    time it takes to reach a score."""
-    kept, train_seconds = [], 0.0
+    50 kB). Each evaluation gets `train_seconds`: the iterations' wall time up to the one it scored
+    (scoring excluded; it runs beside training and is reported a few lines later), for the time it
+    takes to reach a score."""
+    kept, train_seconds, clock = [], 0.0, {}
     with open(history, encoding="utf-8") as fh:
         for line in fh:
             record = json.loads(line)
             train_seconds += record.get("seconds") or 0.0
+            clock[record.get("iteration")] = train_seconds
             if record.get("evaluations") or "eval_iteration" in record:
-                kept.append(json.dumps({**record, "train_seconds": train_seconds}) + "\n")
+                evaluations = [{**e, "train_seconds": clock.get(e["eval_iteration"])}
+                               for e in record.get("evaluations") or []]
+                kept.append(json.dumps({**record, "evaluations": evaluations} if evaluations else record) + "\n")
     return "".join(kept).encode()
 
 
