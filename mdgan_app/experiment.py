@@ -455,8 +455,9 @@ def plot_samples(runs: list[dict], out: str, title: str, per_row: int = 4) -> st
     return target
 
 
-# how a run is drawn or kept, not what it trained: free to change on resume
-PRESENTATION_KEYS = ("label", "series", "checkpoint_every", "save_discriminators")
+# how a run is named, drawn or kept, not what it trained: free to change on resume (a name follows from the
+# settings that vary in its experiment: the same run may be named otherwise in another experiment)
+PRESENTATION_KEYS = ("name", "label", "series", "checkpoint_every", "save_discriminators")
 
 
 def _trained(run: dict) -> dict:

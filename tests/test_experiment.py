@@ -301,6 +301,17 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     assert f"/ {sum(fids) / 2:.1f} +- " in row.split(" | ")[3] and f"({fids[0]:.1f}, {fids[1]:.1f})" in row
     assert "| standalone-N1-seed1 | 3, " in tables  # FID <= 5000 at the first evaluation
 
+    # another experiment holding the same run names it otherwise (names follow from what varies): copied
+    # into its kept folder under that name, it is taken as done (Figure 5 reuses Figure 3's runs this way)
+    import shutil
+
+    other = tmp_path / "other-kept"
+    shutil.copytree(keep / "runs" / "mdgan-N2-seed0", other / "runs" / "run")
+    alone = dict(config, out=str(tmp_path / "machine4"), runs=config["runs"][:1])
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, alone),
+                           "--no-progress", "--keep", str(other)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and json.loads(done.stdout)["ran"] == 0, done.stderr
+
     # a kept run is never mistaken for a run of other settings
     changed = dict(config, out=str(tmp_path / "machine3"), base=dict(config["base"], batch_size=4))
     done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, changed),

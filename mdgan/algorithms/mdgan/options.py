@@ -16,7 +16,8 @@ from mdgan.config import ConfigError, TrainingConfig
 @dataclass(frozen=True)
 class MDGANOptions:
     swap_check: str = option("on", "--swap-check", "check a received discriminator before it replaces ours "
-                             "(norm and loss on our own data; docs/PRIVACY.md): on or off", choices=SWAP_CHECKS)
+                             "(norm and loss on our own data; docs/PRIVACY.md): on or off", choices=SWAP_CHECKS,
+                             short="swapcheck")
     swap_check_norm_ratio: float = option(SwapCheck.norm_ratio, "--swap-check-norm-ratio",
                                           "refuse a discriminator whose weights' norm is beyond this factor of ours")
     swap_check_loss_ratio: float = option(SwapCheck.loss_ratio, "--swap-check-loss-ratio",
