@@ -73,3 +73,18 @@ def test_bad_check_settings_are_one_line(tmp_path):
                              (MDGANOptions(swap_check="maybe"), "--swap-check must be one of")):
         with pytest.raises(ConfigError, match=message):
             _run(tmp_path, "bad", options=options)
+
+
+def test_an_honest_discriminator_refused_for_its_direction_says_what_to_do(tmp_path):
+    """At a high learning rate honest discriminators drift apart and fail the direction check alone (the
+    paper's MD-GAN Adam setting refused every swap of a Figure 3 run): the refusal says so and names the
+    flag. Here a demanding threshold stands in for the drift; a sign-flipped D gets no such hint."""
+    from mdgan.algorithms.mdgan.options import MDGANOptions
+
+    summary, swaps = _run(tmp_path, "strict", options=MDGANOptions(swap_check_min_cosine=0.999999))
+    refusals = [w["refused"] for s in swaps for w in s["workers"].values() if "refused" in w]
+    assert summary["swaps_refused"] == len(refusals) > 0
+    assert all(r.startswith("its weights point away") and "lower --swap-check-min-cosine" in r for r in refusals)
+    _, swaps = _run(tmp_path, "flipped", byzantine=1, attack="swap-sign-flip")
+    refusals = [w["refused"] for s in swaps for w in s["workers"].values() if "refused" in w]
+    assert refusals and not any("--swap-check-min-cosine" in r for r in refusals)

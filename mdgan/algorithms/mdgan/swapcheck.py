@@ -142,6 +142,11 @@ def check_incoming(side: DiscriminatorSide, state: dict[str, torch.Tensor], chec
     elif not cosine >= check.min_cosine:
         refused = (f"its weights point away from ours: cosine {cosine:.3g}, below {check.min_cosine:g} "
                    "(sign-flipped: -1, random: about 0)")
+        if cosine > 0 and loss <= check.loss_ratio * max(own_loss, zero_loss):
+            # the one refusal an honest D can earn: at a high learning rate (the paper's MD-GAN Adam setting,
+            # D at 4e-3) discriminators drift apart within a swap period (docs/PRIVACY.md measures it)
+            refused += ("; it passes the loss check: if honest discriminators are refused this way, they have "
+                        "drifted apart (a high learning rate?): lower --swap-check-min-cosine")
     elif (check_set[0] is not None or check_set[2] is not None) \
             and not loss <= check.loss_ratio * max(own_loss, zero_loss):  # (an empty check set: nothing to judge)
         refused = (f"its loss on our check set is {loss:.4g}, more than {check.loss_ratio:g} x max(our D's "
