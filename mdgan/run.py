@@ -190,6 +190,7 @@ class RunRecorder:
         self.total = total
         self._final_done = False
         self._eval_seconds = 0.0  # the final evaluation runs inline: kept out of the wall time
+        self._wall_before = 0.0  # a resumed run: the wall time up to its checkpoint (its summary counts it all)
         history, swaps = os.path.join(out_dir, "history.jsonl"), os.path.join(out_dir, "swaps.jsonl")
         mode = "w"
         if resume_at is not None:
@@ -250,9 +251,11 @@ class RunRecorder:
         _append_line(self._swaps, json.dumps(record))
 
     def state_dict(self) -> dict:
-        return {"evaluator": self.evaluator.state_dict() if self.evaluator is not None else None}
+        return {"evaluator": self.evaluator.state_dict() if self.evaluator is not None else None,
+                "wall_seconds": self._wall_before + time.perf_counter() - self.started - self._eval_seconds}
 
     def load_state_dict(self, state: dict) -> None:
+        self._wall_before = float(state.get("wall_seconds") or 0.0)  # (older checkpoints: not counted)
         if self.evaluator is not None and state.get("evaluator") is not None:
             self.evaluator.load_state_dict(state["evaluator"])
 
@@ -271,6 +274,7 @@ class RunRecorder:
             if self.tracking is not None:  # (a run cut short: its last scores are on no history line)
                 self._track_evaluations(evaluations)
         wall -= self._eval_seconds
+        wall += self._wall_before
         self._bar.close()
         for fh in (self._history, self._swaps):
             with checkpoint.naming(fh.name):  # (what a failed write left in the buffer is written again here)
