@@ -303,11 +303,27 @@ def _evaluation_lines(history: str) -> bytes:
     return "".join(kept).encode()
 
 
+def _copy_record(source: str, target: str, trim_history: bool = False) -> None:
+    """A finished run's record from one run folder to another, summary.json last (it marks the run
+    finished); trim_history: only the history's evaluation lines."""
+    from mdgan.checkpoint import atomic_write_bytes
+
+    os.makedirs(target, exist_ok=True)
+    for name in sorted(KEPT_FILES, key=lambda n: n == "summary.json"):
+        path = os.path.join(source, name)
+        if not os.path.exists(path):
+            continue
+        if trim_history and name == "history.jsonl":
+            data = _evaluation_lines(path)
+        else:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        atomic_write_bytes(os.path.join(target, name), data)
+
+
 def restore_kept(runs: list[dict], out: str, keep: str) -> list[str]:
     """Puts every run finished in `keep` and not in `out` into `out` (before running: it is not run again).
     A kept run must have the settings the config gives it now."""
-    from mdgan.checkpoint import atomic_write_bytes
-
     restored = []
     for run in runs:
         kept = os.path.join(keep, "runs", run["name"])
@@ -320,12 +336,7 @@ def restore_kept(runs: list[dict], out: str, keep: str) -> list[str]:
             changed = sorted(k for k in _trained(run) if before.get(k) != run[k])
             raise ConfigError(f"{kept} holds a run with other settings ({changed} differ): "
                               "give the experiment another --keep, or delete that run")
-        os.makedirs(target, exist_ok=True)
-        # summary.json last: it is what marks the run finished
-        for name in sorted(KEPT_FILES, key=lambda n: n == "summary.json"):
-            if os.path.exists(os.path.join(kept, name)):
-                with open(os.path.join(kept, name), "rb") as fh:
-                    atomic_write_bytes(os.path.join(target, name), fh.read())
+        _copy_record(kept, target)
         restored.append(run["name"])
     return restored
 
@@ -339,18 +350,7 @@ def keep_finished(runs: list[dict], out: str, keep: str) -> list[str]:
         source = os.path.join(out, "runs", run["name"])
         if not os.path.exists(os.path.join(source, "summary.json")):
             continue
-        target = os.path.join(keep, "runs", run["name"])
-        os.makedirs(target, exist_ok=True)
-        for name in sorted(KEPT_FILES, key=lambda n: n == "summary.json"):
-            path = os.path.join(source, name)
-            if not os.path.exists(path):
-                continue
-            if name == "history.jsonl":
-                data = _evaluation_lines(path)
-            else:
-                with open(path, "rb") as fh:
-                    data = fh.read()
-            atomic_write_bytes(os.path.join(target, name), data)
+        _copy_record(source, os.path.join(keep, "runs", run["name"]), trim_history=True)
         kept.append(run["name"])
     for name in KEPT_TABLES:
         if os.path.exists(os.path.join(out, name)):
