@@ -2,6 +2,7 @@
 
     python experiments/tables.py docs/results/figure3-mnist-mlp --at 10000 25000 50000 --fid 50 25
     python experiments/tables.py docs/results/figure3-mnist-mlp --local-ratio "MD-GAN k=1=0.67"
+    python experiments/tables.py docs/results/figure3-mnist-mlp --at 10000 25000 50000 --into docs/RESULTS.md
 
 Prints, in Markdown:
 - per label (a setting over its seeds) and iteration: the MNIST score and FID as mean +- standard
@@ -11,6 +12,10 @@ Prints, in Markdown:
 - per run: the iterations and the training time (scoring excluded) to first reach each FID of --fid on
   the small sample (the paper's), and with --local-ratio, that time for the setting run as services
   (`mdgan local`), from a measured ratio of `mdgan local`'s wall time to the in-process run's.
+
+--into FILE writes the two score tables instead, in place of what stands in FILE between a line
+`<!-- generated: python experiments/tables.py KEEP ... -->` naming the same KEEP and the next
+`<!-- /generated -->` (so the tables in the docs are regenerated, never pasted; a test checks they match).
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import sys
+
+END_MARK = "<!-- /generated -->"
 
 
 def load(keep: str) -> list[dict]:
@@ -119,6 +128,45 @@ def time_to_fid(runs: list[dict], thresholds: list[float], local_ratio: dict[str
     return "\n".join(lines)
 
 
+def score_block(runs: list[dict], iterations: list[int]) -> str:
+    """The score tables on the small sample and, where runs were scored on a large one, on that too."""
+    large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
+    small = runs[0]["run"].get("eval_samples") if runs else None
+    block = (f"MNIST score / FID on {small} samples: mean +- std over the seeds (each seed's value):\n\n"
+             + score_table(runs, iterations, large=False))
+    if large:
+        block += f"\n\nThe same on {large:,} samples:\n\n" + score_table(runs, iterations, large=True)
+    return block
+
+
+def generated_blocks(text: str) -> list[tuple[str, list[int], str]]:
+    """Every generated block of a document: (its KEEP, its --at iterations, its content between the marks)."""
+    blocks = []
+    pattern = re.compile(r"^<!-- generated: python experiments/tables\.py (\S+)(.*?)-->\n(.*?)^" + re.escape(END_MARK),
+                         re.M | re.S)
+    for match in pattern.finditer(text):
+        at = re.search(r"--at((?: \d+)+)", match.group(2))
+        blocks.append((match.group(1), [int(i) for i in at.group(1).split()] if at else [10000, 25000, 50000],
+                       match.group(3).strip("\n")))
+    return blocks
+
+
+def write_into(path: str, keep: str, block: str) -> None:
+    """Replaces the generated block naming `keep` in the document at `path` (atomically)."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    pattern = re.compile(r"(^<!-- generated: python experiments/tables\.py " + re.escape(keep)
+                         + r"(?: [^\n]*)?-->\n).*?(^" + re.escape(END_MARK) + ")", re.M | re.S)
+    if not pattern.search(text):
+        sys.exit(f"{path} has no block '<!-- generated: python experiments/tables.py {keep} ... -->' "
+                 f"... '{END_MARK}'")
+    text = pattern.sub(lambda m: f"{m.group(1)}\n{block}\n\n{m.group(2)}", text, count=1)
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(temporary, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("keep", help="the experiment's --keep folder")
@@ -126,8 +174,12 @@ def main() -> None:
     parser.add_argument("--fid", type=float, nargs="+", default=[50, 25], help="FIDs to reach (small sample)")
     parser.add_argument("--local-ratio", nargs="*", default=[], metavar="LABEL=RATIO",
                         help="`mdgan local`'s wall time over the in-process run's, for a label")
+    parser.add_argument("--into", metavar="FILE", help="write the score tables into FILE's generated block for KEEP")
     args = parser.parse_args()
     runs = load(args.keep)
+    if args.into:
+        write_into(args.into, args.keep.rstrip("/"), score_block(runs, args.at))
+        return
     ratios = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.local_ratio)
     large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
     small = runs[0]["run"].get("eval_samples") if runs else None

@@ -17,7 +17,8 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
                                # final-vs-workers (Figure 4: final scores against N)
 
 Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
-swap), iterations, seed, architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
+swap), swap_optimizer_state (true: a swap moves the discriminator's Adam state too), iterations, seed,
+architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
 split, dirichlet_alpha, eval_every, eval_samples, eval_reference, eval_large_every and eval_large_samples
 (scores on that many images too, every so many iterations and at the end: fid_large, mnist_score_large),
 checkpoint_every (durable algorithms: a stopped run resumes from its last checkpoint), save_discriminators
@@ -65,7 +66,7 @@ from mdgan.config import ConfigError, DataConfig, ModelSpec, OptimizerSpec, Trai
 
 DEFAULTS = {
     "algorithm": "mdgan", "workers": 10, "batch_size": 10, "kappa": 1, "disc_steps": 1, "swap_epochs": 1.0,
-    "swap_every": None, "iterations": 1000, "seed": 0, "architecture": "mlp", "gan": "acgan",
+    "swap_every": None, "swap_optimizer_state": False, "iterations": 1000, "seed": 0, "architecture": "mlp", "gan": "acgan",
     "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
     "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
     "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
@@ -83,13 +84,14 @@ DEFAULTS = {
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
 DEFAULTS.update({option_key(f): f.default for f in OPTION_FIELDS})
 # the keys that name a run (in this order) when they differ between runs
-NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs", "crash",
+NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs",
+             "swap_optimizer_state", "crash",
              "architecture", "gan", "loss", "split", "iterations", "wire_dtype", "aggregation", "trim_fraction",
              "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "dp_noise_multiplier",
              "dp_target_epsilon", "dp_max_grad_norm", *(option_key(f) for f in OPTION_FIELDS), "gen_lr", "disc_lr",
              "beta1", "beta2", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
-         "swap_epochs": "E", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
+         "swap_epochs": "E", "swap_optimizer_state": "swapstate", "crash": "crash", "architecture": "", "gan": "", "loss": "", "split": "",
          "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
          "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
          "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C",
@@ -179,10 +181,12 @@ def training_config(run: dict) -> TrainingConfig:
     from mdgan.data import DATASET_SAMPLE_SHAPES
 
     swap_every = run["iterations"] + 1 if run["swap_every"] == "never" else run["swap_every"]
+    if not isinstance(run["swap_optimizer_state"], bool):
+        raise ConfigError(f"swap_optimizer_state must be true or false, not {run['swap_optimizer_state']!r}")
     return TrainingConfig(
         workers=run["workers"], iterations=run["iterations"], batch_size=run["batch_size"], kappa=run["kappa"],
         disc_steps=run["disc_steps"], swap_epochs=run["swap_epochs"], swap_every=swap_every, seed=run["seed"],
-        device=run["device"],
+        swap_optimizer_state=run["swap_optimizer_state"], device=run["device"],
         model=ModelSpec(architecture=run["architecture"], gan=run["gan"], loss=run["loss"],
                         sample_shape=tuple(DATASET_SAMPLE_SHAPES[run["dataset"]])),
         generator_optimizer=OptimizerSpec(run["gen_lr"], run["beta1"], run["beta2"]),

@@ -39,6 +39,17 @@ def test_grid_and_runs_expand_with_readable_names(tmp_path):
     assert [r["name"] for r in adam] == ["lrG0.0002-beta1_0.5", "lrG0.001-beta1_0.0"]
 
 
+def test_swap_optimizer_state_reaches_the_training_config_and_names_the_run(tmp_path):
+    from mdgan_app.experiment import training_config
+
+    runs = expand(load_config(_write(tmp_path, {
+        "runs": [{"kappa": 3}, {"kappa": 3, "swap_optimizer_state": True}]})))
+    assert [r["name"] for r in runs] == ["swapstateFalse", "swapstateTrue"]
+    assert [training_config(r).swap_optimizer_state for r in runs] == [False, True]
+    with pytest.raises(ConfigError, match="true or false"):
+        training_config(expand(load_config(_write(tmp_path, {"runs": [{"swap_optimizer_state": "yes"}]})))[0])
+
+
 def test_bad_configs_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="unknown keys"):
         load_config(_write(tmp_path, {"grd": {}}))
