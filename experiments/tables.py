@@ -183,13 +183,10 @@ def main() -> None:
     ratios = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.local_ratio)
     large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
     small = runs[0]["run"].get("eval_samples") if runs else None
-    print(f"MNIST score / FID on {small} samples: mean +- std over the seeds (each seed's)\n")
-    print(score_table(runs, args.at, large=False))
+    print(score_block(runs, args.at))
     if large:
-        print(f"\nThe same on {large} samples\n")
-        print(score_table(runs, args.at, large=True))
         scored = sorted({i for r in runs for i, e in r["evaluations"].items() if e.get("fid_large") is not None})
-        print(f"\nFID on {small} samples minus FID on {large}\n")
+        print(f"\nFID on {small} samples minus FID on {large:,}\n")
         print(bias_table(runs, scored))
     print("\nRuns\n")
     print(run_table(runs))
