@@ -3,6 +3,7 @@
     python experiments/tables.py docs/results/figure3-mnist-mlp --at 10000 25000 50000 --fid 50 25
     python experiments/tables.py docs/results/figure3-mnist-mlp --local-ratio "MD-GAN k=1=0.67"
     python experiments/tables.py docs/results/figure3-mnist-mlp --at 10000 25000 50000 --into docs/RESULTS.md
+    python experiments/tables.py docs/results/figure3-mnist-mlp --compare "MD-GAN k=1|standalone b=10"
 
 Prints, in Markdown:
 - per label (a setting over its seeds) and iteration: the MNIST score and FID as mean +- standard
@@ -11,7 +12,9 @@ Prints, in Markdown:
 - per run: its seed, iterations, wall time, seconds per iteration and machine;
 - per run: the iterations and the training time (scoring excluded) to first reach each FID of --fid on
   the small sample (the paper's), and with --local-ratio, that time for the setting run as services
-  (`mdgan local`), from a measured ratio of `mdgan local`'s wall time to the in-process run's.
+  (`mdgan local`), from a measured ratio of `mdgan local`'s wall time to the in-process run's;
+- with --compare "A|B": at how many evaluations setting A leads setting B (their means over the seeds),
+  and both means over the last ten evaluations.
 
 --into FILE writes the two score tables instead, in place of what stands in FILE between a line
 `<!-- generated: python experiments/tables.py KEEP ... -->` naming the same KEEP and the next
@@ -128,6 +131,46 @@ def time_to_fid(runs: list[dict], thresholds: list[float], local_ratio: dict[str
     return "\n".join(lines)
 
 
+def _mean_by_iteration(runs: list[dict], label: str, key: str) -> dict[int, float]:
+    """The mean over a label's seeds of one score at every iteration that all its seeds scored."""
+    mine = [r for r in runs if r["run"]["label"] == label]
+    common = set.intersection(*({i for i, e in r["evaluations"].items() if e.get(key) is not None} for r in mine)) \
+        if mine else set()
+    return {i: statistics.fmean(r["evaluations"][i][key] for r in mine) for i in sorted(common)}
+
+
+def compare_table(runs: list[dict], pairs: list[tuple[str, str]], last: int = 10) -> str:
+    """For each pair of labels (A, B): at how many of the iterations both scored A is ahead of B (the
+    means over each one's seeds: a lower FID, a higher MNIST score), and both means over the last
+    `last` of those iterations."""
+    lines = ["| A | B | A's FID lower | A's MNIST score higher | " + f"mean FID over the last {last}: A, B | "
+             + f"mean MNIST score over the last {last}: A, B |", "| --- | --- | --- | --- | --- | --- |"]
+    for a, b in pairs:
+        cells = []
+        for key, better in (("fid", lambda x, y: x < y), ("mnist_score", lambda x, y: x > y)):
+            first, second = _mean_by_iteration(runs, a, key), _mean_by_iteration(runs, b, key)
+            both = sorted(set(first) & set(second))
+            ahead = [i for i in both if better(first[i], second[i])]
+            tail = both[-last:]
+            digits = 1 if key == "fid" else 2
+            cells.append((f"{len(ahead)} of {len(both)}" + (f" (all from {_from(ahead, both):,} on)"
+                                                            if _from(ahead, both) else ""),
+                          f"{statistics.fmean(first[i] for i in tail):.{digits}f}, "
+                          f"{statistics.fmean(second[i] for i in tail):.{digits}f}" if tail else "-"))
+        lines.append(f"| {a} | {b} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |")
+    return "\n".join(lines)
+
+
+def _from(ahead: list[int], both: list[int]) -> int | None:
+    """The first iteration from which A is ahead at every later one (None: not ahead at the last)."""
+    start = None
+    for i in reversed(both):
+        if i not in ahead:
+            break
+        start = i
+    return start
+
+
 def score_block(runs: list[dict], iterations: list[int]) -> str:
     """The score tables on the small sample and, where runs were scored on a large one, on that too."""
     large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
@@ -174,6 +217,8 @@ def main() -> None:
     parser.add_argument("--fid", type=float, nargs="+", default=[50, 25], help="FIDs to reach (small sample)")
     parser.add_argument("--local-ratio", nargs="*", default=[], metavar="LABEL=RATIO",
                         help="`mdgan local`'s wall time over the in-process run's, for a label")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="A|B",
+                        help="two labels: where A is ahead of B (their means over the seeds)")
     parser.add_argument("--into", metavar="FILE", help="write the score tables into FILE's generated block for KEEP")
     args = parser.parse_args()
     runs = load(args.keep)
@@ -192,6 +237,9 @@ def main() -> None:
     print(run_table(runs))
     print(f"\nFirst evaluation at or below each FID ({small} samples)\n")
     print(time_to_fid(runs, args.fid, ratios))
+    if args.compare:
+        print(f"\nA against B: every evaluation on {small} samples, the means over each one's seeds\n")
+        print(compare_table(runs, [tuple(pair.split("|", 1)) for pair in args.compare]))
 
 
 if __name__ == "__main__":

@@ -54,3 +54,19 @@ def test_into_replaces_only_the_block_of_its_keep_folder(tmp_path):
                               "--into", str(document)], cwd=REPO, capture_output=True, text=True)
     assert missing.returncode != 0 and "no block" in missing.stderr
     assert document.read_text() == text
+
+
+def test_compare_counts_where_one_setting_leads_over_the_means_of_its_seeds():
+    def run(label, seed, fids):
+        return {"run": {"label": label, "seed": seed}, "evaluations": {
+            1000 * (i + 1): {"fid": fid, "mnist_score": 10 - fid / 100} for i, fid in enumerate(fids)}}
+
+    # A's seeds average 100, 60, 40, 30; B's one seed 90, 80, 35, 20; a seed of A without 4,000 leaves it out
+    runs = [run("A", 0, [110, 50, 30, 30]), run("A", 1, [90, 70, 50, 30]), run("B", 0, [90, 80, 35, 20])]
+    table = _tables().compare_table(runs, [("A", "B"), ("B", "A")], last=2)
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert rows[0][2:4] == ["1 of 4", "1 of 4"]  # ahead at 2,000 only, not at the end
+    assert rows[0][4] == "35.0, 27.5" and rows[0][5].startswith("9.65, 9.7")  # B's: 9.725
+    assert rows[1][2] == "3 of 4 (all from 3,000 on)"
+    runs[1]["evaluations"].pop(4000)
+    assert _tables().compare_table(runs, [("A", "B")], last=2).splitlines()[2].split(" | ")[2] == "1 of 3"
