@@ -2,7 +2,7 @@
 
     python experiments/tables.py docs/results/figure3-mnist-mlp --at 10000 25000 50000 --fid 50 25
     python experiments/tables.py docs/results/figure3-mnist-mlp --local-ratio "MD-GAN k=1=0.67"
-    python experiments/tables.py docs/results/figure3-mnist-mlp --at 10000 25000 50000 --into docs/RESULTS.md
+    python experiments/tables.py docs/results/figure3-mnist-mlp --tables scores --into docs/RESULTS.md
     python experiments/tables.py docs/results/figure3-mnist-mlp --compare "MD-GAN k=1|standalone b=10"
 
 Prints, in Markdown:
@@ -16,9 +16,10 @@ Prints, in Markdown:
 - with --compare "A|B": at how many evaluations setting A leads setting B (their means over the seeds),
   and both means over the last ten evaluations.
 
---into FILE writes the two score tables instead, in place of what stands in FILE between a line
-`<!-- generated: python experiments/tables.py KEEP ... -->` naming the same KEEP and the next
-`<!-- /generated -->` (so the tables in the docs are regenerated, never pasted; a test checks they match).
+--tables picks some of them. --into FILE writes them into FILE instead of printing them, in place of what
+stands between the line `<!-- generated: python experiments/tables.py ARGS -->` whose ARGS are this
+command's own and the next `<!-- /generated -->`: the tables in the docs are regenerated, never pasted,
+and a test checks that each block is what its command gives.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 
@@ -182,35 +184,35 @@ def score_block(runs: list[dict], iterations: list[int]) -> str:
     return block
 
 
-def generated_blocks(text: str) -> list[tuple[str, list[int], str]]:
-    """Every generated block of a document: (its KEEP, its --at iterations, its content between the marks)."""
-    blocks = []
-    pattern = re.compile(r"^<!-- generated: python experiments/tables\.py (\S+)(.*?)-->\n(.*?)^" + re.escape(END_MARK),
-                         re.M | re.S)
-    for match in pattern.finditer(text):
-        at = re.search(r"--at((?: \d+)+)", match.group(2))
-        blocks.append((match.group(1), [int(i) for i in at.group(1).split()] if at else [10000, 25000, 50000],
-                       match.group(3).strip("\n")))
-    return blocks
+MARK = re.compile(r"^<!-- generated: python experiments/tables\.py (.*?) -->\n(.*?)^" + re.escape(END_MARK), re.M | re.S)
 
 
-def write_into(path: str, keep: str, block: str) -> None:
-    """Replaces the generated block naming `keep` in the document at `path` (atomically)."""
+def generated_blocks(text: str) -> list[tuple[list[str], str]]:
+    """Every generated block of a document: (the arguments of the tables.py command in its first line,
+    its content up to the end mark)."""
+    return [(shlex.split(m.group(1)), m.group(2).strip("\n")) for m in MARK.finditer(text)]
+
+
+def write_into(path: str, argv: list[str], block: str) -> None:
+    """Replaces the content of the block of the document at `path` whose command is `argv` (atomically)."""
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    pattern = re.compile(r"(^<!-- generated: python experiments/tables\.py " + re.escape(keep)
-                         + r"(?: [^\n]*)?-->\n).*?(^" + re.escape(END_MARK) + ")", re.M | re.S)
-    if not pattern.search(text):
-        sys.exit(f"{path} has no block '<!-- generated: python experiments/tables.py {keep} ... -->' "
-                 f"... '{END_MARK}'")
-    text = pattern.sub(lambda m: f"{m.group(1)}\n{block}\n\n{m.group(2)}", text, count=1)
+    found = [m for m in MARK.finditer(text) if shlex.split(m.group(1)) == argv]
+    if not found:
+        sys.exit(f"{path} has no block '<!-- generated: python experiments/tables.py {shlex.join(argv)} -->' "
+                 f"... '{END_MARK}': write one where the tables go")
+    match = found[0]
+    text = text[:match.start(2)] + f"\n{block}\n\n" + text[match.end(2):]
     temporary = f"{path}.tmp"
     with open(temporary, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(temporary, path)
 
 
-def main() -> None:
+TABLES = ("scores", "bias", "runs", "time", "compare")
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("keep", help="the experiment's --keep folder")
     parser.add_argument("--at", type=int, nargs="+", default=[10000, 25000, 50000], help="iterations of the tables")
@@ -219,27 +221,40 @@ def main() -> None:
                         help="`mdgan local`'s wall time over the in-process run's, for a label")
     parser.add_argument("--compare", nargs="*", default=[], metavar="A|B",
                         help="two labels: where A is ahead of B (their means over the seeds)")
-    parser.add_argument("--into", metavar="FILE", help="write the score tables into FILE's generated block for KEEP")
-    args = parser.parse_args()
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="which tables (default: all)")
+    parser.add_argument("--into", metavar="FILE",
+                        help="write the tables into FILE, in the block whose first line is this very command")
+    return parser
+
+
+def render(args: argparse.Namespace) -> str:
     runs = load(args.keep)
-    if args.into:
-        write_into(args.into, args.keep.rstrip("/"), score_block(runs, args.at))
-        return
     ratios = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.local_ratio)
     large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
     small = runs[0]["run"].get("eval_samples") if runs else None
-    print(score_block(runs, args.at))
-    if large:
+    parts = []
+    if "scores" in args.tables:
+        parts.append(score_block(runs, args.at))
+    if "bias" in args.tables and large:
         scored = sorted({i for r in runs for i, e in r["evaluations"].items() if e.get("fid_large") is not None})
-        print(f"\nFID on {small} samples minus FID on {large:,}\n")
-        print(bias_table(runs, scored))
-    print("\nRuns\n")
-    print(run_table(runs))
-    print(f"\nFirst evaluation at or below each FID ({small} samples)\n")
-    print(time_to_fid(runs, args.fid, ratios))
-    if args.compare:
-        print(f"\nA against B: every evaluation on {small} samples, the means over each one's seeds\n")
-        print(compare_table(runs, [tuple(pair.split("|", 1)) for pair in args.compare]))
+        parts.append(f"FID on {small} samples minus FID on {large:,}:\n\n" + bias_table(runs, scored))
+    if "runs" in args.tables:
+        parts.append("Runs:\n\n" + run_table(runs))
+    if "time" in args.tables:
+        parts.append(f"First evaluation at or below each FID ({small} samples):\n\n" + time_to_fid(runs, args.fid, ratios))
+    if "compare" in args.tables and args.compare:
+        parts.append(f"A against B at every evaluation on {small} samples, the means over each one's seeds:\n\n"
+                     + compare_table(runs, [tuple(pair.split("|", 1)) for pair in args.compare]))
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.into:
+        write_into(args.into, argv, render(args))
+    else:
+        print(render(args))
 
 
 if __name__ == "__main__":

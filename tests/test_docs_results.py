@@ -25,33 +25,36 @@ def _blocks():
 
 
 def test_results_has_generated_blocks():
-    assert [keep for keep, _, _ in _blocks()], "docs/RESULTS.md shows no table generated from kept runs"
+    assert _blocks(), "docs/RESULTS.md shows no table generated from kept runs"
 
 
-@pytest.mark.parametrize("keep, iterations, shown", _blocks(), ids=lambda v: v if isinstance(v, str) and "/" in v else "")
-def test_every_generated_table_is_what_its_kept_runs_give(keep, iterations, shown):
+@pytest.mark.parametrize("argv, shown", _blocks(), ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_every_generated_table_is_what_its_command_gives(argv, shown):
     tables = _tables()
-    regenerated = tables.score_block(tables.load(os.path.join(REPO, keep)), iterations)
-    assert shown == regenerated, (f"docs/RESULTS.md's tables of {keep} are stale: "
-                                  f"python experiments/tables.py {keep} --at {' '.join(map(str, iterations))} --into docs/RESULTS.md")
+    args = tables.parser().parse_args(argv)
+    args.keep = os.path.join(REPO, args.keep)
+    assert shown == tables.render(args), f"docs/RESULTS.md's tables are stale: python experiments/tables.py {' '.join(argv)}"
 
 
-def test_into_replaces_only_the_block_of_its_keep_folder(tmp_path):
+def test_into_replaces_only_its_own_block(tmp_path):
     keep = os.path.join("docs", "results", "figure3-mnist-mlp")
     document = tmp_path / "doc.md"
-    other = "<!-- generated: python experiments/tables.py docs/results/elsewhere --at 5 -->\nuntouched\n<!-- /generated -->\n"
-    document.write_text(f"# title\n\n<!-- generated: python experiments/tables.py {keep} --at 10000 50000 "
-                        f"--into doc.md -->\nold table\n<!-- /generated -->\n\n{other}tail\n")
-    subprocess.run([sys.executable, "experiments/tables.py", keep, "--at", "10000", "50000", "--into", str(document)],
-                   cwd=REPO, check=True)
+    mine = f"{keep} --at 10000 50000 --tables scores runs --compare 'MD-GAN k=1|standalone b=10' --into {document}"
+    # the same folder with other arguments is another block, left alone
+    other = f"<!-- generated: python experiments/tables.py {keep} --tables runs --into {document} -->\nuntouched\n<!-- /generated -->\n"
+    document.write_text(f"# title\n\n<!-- generated: python experiments/tables.py {mine} -->\nold table\n"
+                        f"<!-- /generated -->\n\n{other}tail\n")
+    subprocess.run([sys.executable, "experiments/tables.py", keep, "--at", "10000", "50000", "--tables", "scores",
+                    "runs", "--compare", "MD-GAN k=1|standalone b=10", "--into", str(document)], cwd=REPO, check=True)
     text = document.read_text()
     assert "old table" not in text and text.startswith("# title\n") and text.endswith(f"\n{other}tail\n")
-    (block_keep, iterations, shown), _ = _tables().generated_blocks(text)
-    assert (block_keep, iterations) == (keep, [10000, 50000])
-    assert "| setting | seeds | at 10,000 | at 50,000 |" in shown and "MD-GAN k=1" in shown
-    # a document without a block for that folder is refused, and left as it was
-    missing = subprocess.run([sys.executable, "experiments/tables.py", "docs/results/figure3-mnist-mlp-probes",
-                              "--into", str(document)], cwd=REPO, capture_output=True, text=True)
+    (argv, shown), _ = _tables().generated_blocks(text)
+    assert argv[:3] == [keep, "--at", "10000"]
+    assert "| setting | seeds | at 10,000 | at 50,000 |" in shown and "| mdgan-N10-b10-k1-seed0 | MD-GAN k=1 |" in shown
+    assert "FID on 500 samples minus" not in shown  # not asked for
+    # a command without its block in the document is refused, and the document left as it was
+    missing = subprocess.run([sys.executable, "experiments/tables.py", keep, "--into", str(document)],
+                             cwd=REPO, capture_output=True, text=True)
     assert missing.returncode != 0 and "no block" in missing.stderr
     assert document.read_text() == text
 
