@@ -95,6 +95,12 @@ def bias_table(runs: list[dict], iterations: list[int]) -> str:
             e = r["evaluations"].get(i) or {}
             cells.append(f"{e['fid'] - e['fid_large']:+.1f}" if e.get("fid_large") is not None else "-")
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    half = min((i for i in iterations if i >= max(iterations) / 2), default=None)  # the second half of the runs
+    late = [r["evaluations"][i]["fid"] - r["evaluations"][i]["fid_large"] for r in runs for i in iterations
+            if i >= half and r["evaluations"].get(i, {}).get("fid_large") is not None]
+    if late:
+        lines.append(f"\nFrom {half:,} iterations on: {min(late):+.1f} to {max(late):+.1f}, "
+                     f"{statistics.fmean(late):+.1f} on average over {len(late)} evaluations of {len(runs)} runs.")
     return "\n".join(lines)
 
 
