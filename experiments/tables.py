@@ -10,9 +10,10 @@ Prints, in Markdown:
   deviation (n - 1) over the seeds, each seed's value after it, on the small and the large sample;
 - per run, at every iteration scored on both samples: FID on the small one minus FID on the large one;
 - per run: its seed, iterations, wall time, seconds per iteration and machine;
-- per run: the iterations and the training time (scoring excluded) to first reach each FID of --fid on
-  the small sample (the paper's), and with --local-ratio, that time for the setting run as services
-  (`mdgan local`), from a measured ratio of `mdgan local`'s wall time to the in-process run's;
+- per label: the iterations (mean over the seeds, each seed's) to first reach each FID of --fid on the
+  small sample (the paper's), and their minutes: at --pace (ms an iteration measured on a quiet machine)
+  or else the runs' own training time (scoring excluded); with --local-ratio, that time for the setting
+  run as services (`mdgan local`), from a measured ratio of `mdgan local`'s wall time to the in-process run's;
 - with --compare "A|B": at how many evaluations setting A leads setting B (their means over the seeds),
   and both means over the last ten evaluations.
 
@@ -118,24 +119,40 @@ def run_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def time_to_fid(runs: list[dict], thresholds: list[float], local_ratio: dict[str, float]) -> str:
-    head = " | ".join(f"FID <= {t:g}: iterations, training time" for t in thresholds)
-    lines = [f"| run | {head} |", "| --- | " + " | ".join("---" for _ in thresholds) + " |"]
-    for r in runs:
+def time_to_fid(runs: list[dict], thresholds: list[float], local_ratio: dict[str, float],
+                pace: dict[str, float] | None = None) -> str:
+    """Per label: the iterations to first reach each FID (small sample), mean over its seeds (each
+    seed's), and the minutes they take: at `pace` (ms an iteration, measured on a quiet machine) where
+    given, else the runs' own training time to that evaluation; with a `local_ratio`, as services too."""
+    pace = pace or {}
+    head = " | ".join(f"FID <= {t:g}" for t in thresholds)
+    lines = [f"| setting | seeds | {head} |", "| --- | --- | " + " | ".join("---" for _ in thresholds) + " |"]
+    for label in dict.fromkeys(r["run"]["label"] for r in runs):
+        mine = sorted((r for r in runs if r["run"]["label"] == label), key=lambda r: r["run"]["seed"])
         cells = []
         for threshold in thresholds:
-            reached = sorted(i for i, e in r["evaluations"].items() if e.get("fid") is not None and e["fid"] <= threshold)
-            if not reached:
-                cells.append("not reached")
+            firsts = []
+            for r in mine:
+                reached = sorted(i for i, e in r["evaluations"].items() if e.get("fid") is not None and e["fid"] <= threshold)
+                firsts.append((reached[0], r["evaluations"][reached[0]].get("train_seconds")) if reached else None)
+            if any(first is None for first in firsts):
+                missing = [str(r["run"]["seed"]) for r, first in zip(mine, firsts) if first is None]
+                cells.append(f"not reached (seed {', '.join(missing)})")
                 continue
-            first = r["evaluations"][reached[0]]
-            seconds = first.get("train_seconds")
-            cell = f"{reached[0]:,}, {seconds / 60:.0f} min" if seconds is not None else f"{reached[0]:,}"
-            ratio = local_ratio.get(r["run"]["label"])
-            if ratio and seconds is not None:
-                cell += f" ({seconds * ratio / 60:.0f} min as services)"
+            iterations = statistics.fmean(i for i, _ in firsts)
+            cell = f"{iterations:,.0f}" + (f" ({', '.join(f'{i:,}' for i, _ in firsts)})" if len(firsts) > 1 else "")
+            if label in pace:
+                minutes, how = iterations * pace[label] / 60000, f"at {pace[label]:g} ms"
+            elif all(seconds is not None for _, seconds in firsts):
+                minutes, how = statistics.fmean(seconds for _, seconds in firsts) / 60, "measured"
+            else:
+                minutes = None
+            if minutes is not None:
+                cell += f": {minutes:.0f} min {how}"
+                if label in local_ratio:
+                    cell += f", {minutes * local_ratio[label]:.0f} min as services"
             cells.append(cell)
-        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {', '.join(str(r['run']['seed']) for r in mine)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -225,6 +242,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--fid", type=float, nargs="+", default=[50, 25], help="FIDs to reach (small sample)")
     parser.add_argument("--local-ratio", nargs="*", default=[], metavar="LABEL=RATIO",
                         help="`mdgan local`'s wall time over the in-process run's, for a label")
+    parser.add_argument("--pace", nargs="*", default=[], metavar="LABEL=MS",
+                        help="a label's ms an iteration on a quiet machine, for its minutes to a FID")
     parser.add_argument("--compare", nargs="*", default=[], metavar="A|B",
                         help="two labels: where A is ahead of B (their means over the seeds)")
     parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="which tables (default: all)")
@@ -236,6 +255,7 @@ def parser() -> argparse.ArgumentParser:
 def render(args: argparse.Namespace) -> str:
     runs = load(args.keep)
     ratios = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.local_ratio)
+    pace = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.pace)
     large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
     small = runs[0]["run"].get("eval_samples") if runs else None
     parts = []
@@ -247,7 +267,7 @@ def render(args: argparse.Namespace) -> str:
     if "runs" in args.tables:
         parts.append("Runs:\n\n" + run_table(runs))
     if "time" in args.tables:
-        parts.append(f"First evaluation at or below each FID ({small} samples):\n\n" + time_to_fid(runs, args.fid, ratios))
+        parts.append(f"First evaluation at or below each FID ({small} samples):\n\n" + time_to_fid(runs, args.fid, ratios, pace))
     if "compare" in args.tables and args.compare:
         parts.append(f"A against B at every evaluation on {small} samples, the means over each one's seeds:\n\n"
                      + compare_table(runs, [tuple(pair.split("|", 1)) for pair in args.compare]))

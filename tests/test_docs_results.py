@@ -73,3 +73,17 @@ def test_compare_counts_where_one_setting_leads_over_the_means_of_its_seeds():
     assert rows[1][2] == "3 of 4 (all from 3,000 on)"
     runs[1]["evaluations"].pop(4000)
     assert _tables().compare_table(runs, [("A", "B")], last=2).splitlines()[2].split(" | ")[2] == "1 of 3"
+
+
+def test_time_to_a_fid_averages_the_seeds_and_names_a_seed_that_never_reached_it():
+    def run(label, seed, fids):
+        return {"run": {"label": label, "seed": seed}, "evaluations": {
+            1000 * (i + 1): {"fid": fid, "train_seconds": 60.0 * (i + 1)} for i, fid in enumerate(fids)}}
+
+    runs = [run("A", 0, [90, 40, 20]), run("A", 1, [45, 30, 30]), run("B", 0, [80, 60, 45])]
+    table = _tables().time_to_fid(runs, [50, 25], {"A": 0.5}, {"A": 120.0})
+    a, b = (line.split(" | ") for line in table.splitlines()[2:])
+    # A reaches 50 at 2,000 and 1,000: 1,500 at 120 ms = 3 min; one seed never reaches 25
+    assert a[2] == "1,500 (2,000, 1,000): 3 min at 120 ms, 2 min as services"
+    assert a[3] == "not reached (seed 1) |"
+    assert b[2] == "3,000: 3 min measured"  # its own training time to that evaluation
