@@ -4,6 +4,7 @@
     python experiments/tables.py docs/results/figure3-mnist-mlp --local-ratio "MD-GAN k=1=0.67"
     python experiments/tables.py docs/results/figure3-mnist-mlp --tables scores --into docs/RESULTS.md
     python experiments/tables.py docs/results/figure3-mnist-mlp --compare "MD-GAN k=1|standalone b=10"
+    python experiments/tables.py --refresh docs/RESULTS.md     # every generated block, by its own command
 
 Prints, in Markdown:
 - per label (a setting over its seeds) and iteration: the MNIST score and FID as mean +- standard
@@ -237,7 +238,7 @@ TABLES = ("scores", "bias", "runs", "time", "compare")
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("keep", help="the experiment's --keep folder")
+    parser.add_argument("keep", nargs="?", help="the experiment's --keep folder")
     parser.add_argument("--at", type=int, nargs="+", default=[10000, 25000, 50000], help="iterations of the tables")
     parser.add_argument("--fid", type=float, nargs="+", default=[50, 25], help="FIDs to reach (small sample)")
     parser.add_argument("--local-ratio", nargs="*", default=[], metavar="LABEL=RATIO",
@@ -249,6 +250,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="which tables (default: all)")
     parser.add_argument("--into", metavar="FILE",
                         help="write the tables into FILE, in the block whose first line is this very command")
+    parser.add_argument("--refresh", metavar="FILE", help="run the command of every generated block of FILE")
     return parser
 
 
@@ -277,6 +279,15 @@ def render(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    if args.refresh:
+        with open(args.refresh, encoding="utf-8") as fh:
+            commands = [command for command, _ in generated_blocks(fh.read())]
+        for command in commands:
+            main(command)
+        print(f"{args.refresh}: {len(commands)} generated blocks rendered again")
+        return
+    if args.keep is None:
+        parser().error("give the --keep folder (or --refresh FILE)")
     if args.into:
         write_into(args.into, argv, render(args))
     else:

@@ -57,6 +57,10 @@ def test_into_replaces_only_its_own_block(tmp_path):
                              cwd=REPO, capture_output=True, text=True)
     assert missing.returncode != 0 and "no block" in missing.stderr
     assert document.read_text() == text
+    # --refresh renders every block again by its own command
+    document.write_text(text.replace("| MD-GAN k=1 |", "| stale |", 1))
+    subprocess.run([sys.executable, "experiments/tables.py", "--refresh", str(document)], cwd=REPO, check=True)
+    assert document.read_text() == text
 
 
 def test_compare_counts_where_one_setting_leads_over_the_means_of_its_seeds():
