@@ -177,12 +177,11 @@ def compare_table(runs: list[dict], pairs: list[tuple[str, str]], last: int = 10
             first, second = _mean_by_iteration(runs, a, key), _mean_by_iteration(runs, b, key)
             both = sorted(set(first) & set(second))
             ahead = [i for i in both if better(first[i], second[i])]
-            tail = both[-last:]
-            digits = 1 if key == "fid" else 2
-            cells.append((f"{len(ahead)} of {len(both)}" + (f" (all from {_from(ahead, both):,} on)"
-                                                            if _from(ahead, both) else ""),
-                          f"{statistics.fmean(first[i] for i in tail):.{digits}f}, "
-                          f"{statistics.fmean(second[i] for i in tail):.{digits}f}" if tail else "-"))
+            since, tail, digits = _from(ahead, both), both[-last:], 1 if key == "fid" else 2
+            count = f"{len(ahead)} of {len(both)}" + (f" (all from {since:,} on)" if since else "")
+            means = (f"{statistics.fmean(first[i] for i in tail):.{digits}f}, "
+                     f"{statistics.fmean(second[i] for i in tail):.{digits}f}") if tail else "-"
+            cells.append((count, means))
         lines.append(f"| {a} | {b} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |")
     return "\n".join(lines)
 
