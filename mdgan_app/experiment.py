@@ -301,8 +301,9 @@ def _evaluation_lines(history: str) -> bytes:
             train_seconds += record.get("seconds") or 0.0
             clock[record.get("iteration")] = train_seconds
             if record.get("evaluations") or "eval_iteration" in record:
-                evaluations = [{**e, "train_seconds": clock.get(e["eval_iteration"])}
-                               for e in record.get("evaluations") or []]
+                # a history kept before (restored from --keep) holds these lines only: its times stand
+                evaluations = [{**e, "train_seconds": e["train_seconds"] if "train_seconds" in e
+                                else clock.get(e["eval_iteration"])} for e in record.get("evaluations") or []]
                 kept.append(json.dumps({**record, "evaluations": evaluations} if evaluations else record) + "\n")
     return "".join(kept).encode()
 
@@ -538,7 +539,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
     if jobs == 1:
         for run, run_dir in todo:
             run_one(run, run_dir, progress)
-            if keep:  # now: the experiment may not live to its end
+            if keep:  # now, with tables and plots of the runs finished so far: the experiment may not live to its end
+                tabulate(config, runs, out)
                 keep_finished([run], out, keep)
             bar.update(1)
     elif todo:
@@ -554,6 +556,7 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
             for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
                 bar.set_postfix_str(f"finished {name}")  # a failed run raises here
                 if keep:
+                    tabulate(config, runs, out)
                     keep_finished([run for run in runs if run["name"] == name], out, keep)
                 bar.update(1)
             pool.close()
@@ -565,7 +568,15 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
         finally:
             pool.join()
     bar.close()
-    done = len(todo)
+    rows, plots = tabulate(config, runs, out)
+    result = {"out": out, "runs": len(runs), "ran": len(todo), "rows": len(rows), "plots": plots}
+    if keep:
+        result["kept"] = keep_finished(runs, out, keep)
+    return result
+
+
+def tabulate(config: dict, runs: list[dict], out: str) -> tuple[list[dict], list[str]]:
+    """The tables (results.csv, runs.csv, bands.csv) and plots of every run finished so far."""
     rows = collect(runs, out)
     write_csv(rows, os.path.join(out, "results.csv"))
     write_csv(summarize(runs, out), os.path.join(out, "runs.csv"))
@@ -573,9 +584,5 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
         write_csv(band_rows(rows, runs), os.path.join(out, "bands.csv"))
     plots = plot(rows, runs, config["plot"], out, config["name"]) if rows else []
     samples = plot_samples(runs, out, config["name"])
-    plots += [samples] if samples else []
-    result = {"out": out, "runs": len(runs), "ran": done, "rows": len(rows), "plots": plots}
-    if keep:
-        result["kept"] = keep_finished(runs, out, keep)
-    return result
+    return rows, plots + ([samples] if samples else [])
 

@@ -262,6 +262,25 @@ def test_bands_average_the_seeds_of_a_setting(tmp_path):
         assert os.path.getsize(png) > 1000
 
 
+def test_the_kept_tables_count_each_run_as_it_finishes(tmp_path, mnist_root):
+    """An experiment that dies midway (here its second run fails) leaves in its --keep folder the tables
+    and plots of the runs finished before, not those of an older collection or none."""
+    keep = tmp_path / "kept"
+    config = {"name": "dies", "out": str(tmp_path / "out"), "plot": "bands",
+              "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 4, "eval_every": 2,
+                       "eval_samples": 100, "eval_reference": 200, "workers": 2, "batch_size": 5},
+              "runs": [{"seed": 0}, {"seed": 1, "data_root": str(tmp_path / "no-data-here")}]}
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, config),
+                           "--no-progress", "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode != 0
+    with open(keep / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    finished = sorted(os.listdir(keep / "runs"))
+    assert len(finished) == 1 and (keep / "runs" / finished[0] / "summary.json").exists()
+    assert sorted((r["run"], r["iteration"]) for r in rows) == [(finished[0], "2"), (finished[0], "4")]
+    assert (keep / "fid.png").stat().st_size > 100
+
+
 def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     """--keep DIR: what a multi-day experiment keeps under git. A machine that starts with only DIR
     takes its finished runs as done, draws the same tables, and adds its own runs to DIR."""
@@ -297,6 +316,9 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     second = experiment(dict(config, out=str(tmp_path / "machine2"), runs=config["runs"] + [
         {"algorithm": "standalone", "seed": 1, "label": "standalone"}]))
     assert second["ran"] == 1 and len(second["kept"]) == 4  # only the new run ran, and is kept now
+    # a run restored and kept again keeps its training times (its history holds the evaluation lines only)
+    again = (keep / "runs" / "mdgan-N2-seed0" / "history.jsonl").read_text().splitlines()
+    assert {e["eval_iteration"]: e["train_seconds"] for line in again for e in json.loads(line)["evaluations"]} == at
     with open(tmp_path / "machine1" / "results.csv") as fh:
         before = [r for r in csv.DictReader(fh)]
     with open(keep / "results.csv") as fh:
@@ -310,7 +332,7 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     fids = [float(r["fid"]) for r in after if r["label"] == "MD-GAN" and r["iteration"] == "6"]
     row = next(line for line in tables.splitlines() if line.startswith("| MD-GAN | 0, 1 |"))
     assert f"/ {sum(fids) / 2:.1f} +- " in row.split(" | ")[3] and f"({fids[0]:.1f}, {fids[1]:.1f})" in row
-    assert "| standalone-N1-seed1 | 3, " in tables  # FID <= 5000 at the first evaluation
+    assert "| standalone | 0, 1 | 3 (3, 3): " in tables  # FID <= 5000 at the first evaluation, for both seeds
 
     # another experiment holding the same run names it otherwise (names follow from what varies): copied
     # into its kept folder under that name, it is taken as done (Figure 5 reuses Figure 3's runs this way)
