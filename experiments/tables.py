@@ -196,10 +196,20 @@ def _from(ahead: list[int], both: list[int]) -> int | None:
     return start
 
 
+def sample_sizes(runs: list[dict]) -> tuple[int | None, int]:
+    """The small sample every evaluation scored, and the large one some did (0: none)."""
+    large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
+    return (runs[0]["run"].get("eval_samples") if runs else None), large
+
+
+def _per_label(items: list[str]) -> dict[str, float]:
+    """LABEL=VALUE arguments (a label may hold "=" itself: the value is after the last)."""
+    return {label: float(value) for label, value in (item.rsplit("=", 1) for item in items)}
+
+
 def score_block(runs: list[dict], iterations: list[int]) -> str:
     """The score tables on the small sample and, where runs were scored on a large one, on that too."""
-    large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
-    small = runs[0]["run"].get("eval_samples") if runs else None
+    small, large = sample_sizes(runs)
     block = (f"MNIST score / FID on {small} samples: mean +- std over the seeds (each seed's value):\n\n"
              + score_table(runs, iterations, large=False))
     if large:
@@ -255,10 +265,8 @@ def parser() -> argparse.ArgumentParser:
 
 def render(args: argparse.Namespace) -> str:
     runs = load(args.keep)
-    ratios = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.local_ratio)
-    pace = dict((item.rsplit("=", 1)[0], float(item.rsplit("=", 1)[1])) for item in args.pace)
-    large = max((e.get("large_samples") or 0 for r in runs for e in r["evaluations"].values()), default=0)
-    small = runs[0]["run"].get("eval_samples") if runs else None
+    ratios, pace = _per_label(args.local_ratio), _per_label(args.pace)
+    small, large = sample_sizes(runs)
     parts = []
     if "scores" in args.tables:
         parts.append(score_block(runs, args.at))
