@@ -27,6 +27,7 @@ and a test checks that each block is what its command gives.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -63,9 +64,10 @@ def _stat(values: list[float], digits: int) -> str:
     if not values:
         return "-"
     mean = statistics.fmean(values)
-    spread = f" +- {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+    if len(values) == 1:  # one seed: its value
+        return f"{mean:.{digits}f}"
     each = ", ".join(f"{v:.{digits}f}" for v in values)
-    return f"{mean:.{digits}f}{spread} ({each})"
+    return f"{mean:.{digits}f} +- {statistics.stdev(values):.{digits}f} ({each})"
 
 
 def score_table(runs: list[dict], iterations: list[int], large: bool) -> str:
@@ -210,7 +212,9 @@ def _per_label(items: list[str]) -> dict[str, float]:
 def score_block(runs: list[dict], iterations: list[int]) -> str:
     """The score tables on the small sample and, where runs were scored on a large one, on that too."""
     small, large = sample_sizes(runs)
-    block = (f"MNIST score / FID on {small} samples: mean +- std over the seeds (each seed's value):\n\n"
+    most_seeds = max(collections.Counter(r["run"]["label"] for r in runs).values(), default=0)
+    over = ": mean +- std over the seeds (each seed's value)" if most_seeds > 1 else ""
+    block = (f"MNIST score / FID on {small} samples{over}:\n\n"
              + score_table(runs, iterations, large=False))
     if large:
         block += f"\n\nThe same on {large:,} samples:\n\n" + score_table(runs, iterations, large=True)

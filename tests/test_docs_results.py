@@ -92,3 +92,18 @@ def test_time_to_a_fid_averages_the_seeds_and_names_a_seed_that_never_reached_it
     assert a[2] == "1,500 (2,000, 1,000): 3 min at 120 ms, 2 min as services"
     assert a[3] == "not reached (seed 1) |"
     assert b[2] == "3,000: 3 min measured"  # its own training time to that evaluation
+
+
+def test_scores_show_the_spread_over_seeds_and_a_single_seed_as_its_value():
+    def run(label, seed, fid):
+        return {"run": {"label": label, "seed": seed, "eval_samples": 500},
+                "evaluations": {1000: {"fid": fid, "mnist_score": 9.0 + seed}}}
+
+    tables = _tables()
+    runs = [run("A", 0, 30.0), run("A", 1, 34.0), run("B", 0, 50.0)]
+    block = tables.score_block(runs, [1000])
+    a, b = (line for line in block.splitlines() if line.startswith(("| A ", "| B ")))
+    assert a == "| A | 0, 1 | 9.50 +- 0.71 (9.00, 10.00) / 32.0 +- 2.8 (30.0, 34.0) |"
+    assert b == "| B | 0 | 9.00 / 50.0 |"
+    assert "mean +- std over the seeds" in block
+    assert "mean +- std" not in tables.score_block(runs[2:], [1000])  # one seed each: no spread to speak of
