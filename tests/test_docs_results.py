@@ -107,3 +107,34 @@ def test_scores_show_the_spread_over_seeds_and_a_single_seed_as_its_value():
     assert b == "| B | 0 | 9.00 / 50.0 |"
     assert "mean +- std over the seeds" in block
     assert "mean +- std" not in tables.score_block(runs[2:], [1000])  # one seed each: no spread to speak of
+
+
+def _kept_folders():
+    """(kept folder, the experiment config that keeps into it) for every docs/results folder with kept runs."""
+    from mdgan_app.experiment import load_config
+
+    configs = {}
+    for name in sorted(os.listdir(os.path.join(REPO, "experiments"))):
+        if name.endswith(".yaml"):
+            configs[load_config(os.path.join(REPO, "experiments", name))["name"]] = name
+    results = os.path.join(REPO, "docs", "results")
+    return [(folder, configs.get(folder)) for folder in sorted(os.listdir(results))
+            if os.path.isdir(os.path.join(results, folder, "runs"))]
+
+
+@pytest.mark.parametrize("folder, config", _kept_folders(), ids=lambda v: v or "")
+def test_every_kept_run_is_a_run_of_its_experiment_with_its_settings(folder, config):
+    """What `--keep` restores: a kept run the config no longer gives, or gives other settings, would be
+    refused (or left out of the tables) when someone resumes the experiment from the docs."""
+    import json
+
+    from mdgan_app.experiment import _trained, expand, load_config
+
+    assert config, f"docs/results/{folder} keeps runs, but no experiments/*.yaml is named {folder}"
+    runs = {run["name"]: run for run in expand(load_config(os.path.join(REPO, "experiments", config)))}
+    kept = os.path.join(REPO, "docs", "results", folder, "runs")
+    for name in sorted(os.listdir(kept)):
+        assert name in runs, f"docs/results/{folder}/runs/{name} is not a run of experiments/{config}"
+        with open(os.path.join(kept, name, "run.json"), encoding="utf-8") as fh:
+            assert _trained(json.load(fh)) == _trained(runs[name]), f"{folder}/{name} has other settings"
+        assert os.path.exists(os.path.join(kept, name, "summary.json")), f"{folder}/{name} is not finished"
