@@ -6,6 +6,7 @@
     python bench/local_vs_simulate.py --gloo --contention # and two simulations at once (the two-core floor)
     python bench/local_vs_simulate.py --gloo --gloo-batch # and gloo scheduled as `mdgan local` schedules its services
     python bench/local_vs_simulate.py --gloo --baseline ../main-before   # and `mdgan local` of another checkout
+    python bench/local_vs_simulate.py --algorithm flgan --cases 10:1 --iterations 600 --no-fifty   # FL-GAN's
 
 For each case the two modes run with the same flags and seed, alternately, `--repeats` times; each
 run is sampled while it trains (its history.jsonl lines against the CPU time of its whole process
@@ -33,6 +34,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fifty_workers import REPO, measure, tree  # noqa: E402
+
+from mdgan.algorithms import ALGORITHMS  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -103,16 +106,19 @@ def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
 
 
 def run_flags(workers: int, kappa: int, iterations: int, data_root: str, batch_size: int = 10,
-              swap_every: int = 100, seed: int = 0) -> list[str]:
+              swap_every: int = 100, seed: int = 0, algorithm: str = "mdgan") -> list[str]:
     """The flags of the benchmarks' runs, the same for `simulate` and `local`: MNIST MLP ACGAN, no
-    evaluation (the other benches of this folder start their runs with these too)."""
-    return ["--workers", str(workers), "--batch-size", str(batch_size), "--kappa", str(kappa), "--iterations",
+    evaluation (the other benches of this folder start their runs with these too). For FL-GAN,
+    swap_every is its averaging period."""
+    chosen = ["--algorithm", algorithm] if algorithm != "mdgan" else []  # the gloo program knows MD-GAN only
+    return [*chosen, "--workers", str(workers), "--batch-size", str(batch_size), "--kappa", str(kappa), "--iterations",
             str(iterations), "--swap-every", str(swap_every), "--seed", str(seed), "--dataset", "mnist",
             "--data-root", data_root, "--eval-every", "-1"]
 
 
 def compare(workers: int, kappa: int, args) -> bool:
-    flags = run_flags(workers, kappa, args.iterations, args.data_root, args.batch_size, args.swap_every, args.seed)
+    flags = run_flags(workers, kappa, args.iterations, args.data_root, args.batch_size, args.swap_every, args.seed,
+                      args.algorithm)
     modes = ["simulate", "local", *(["gloo"] if args.gloo else []), *([GLOO_BATCH] if args.gloo_batch else []),
              *([TWO_AT_ONCE] if args.contention else []),
              *([f"local@{args.baseline}"] if args.baseline else [])]
@@ -126,7 +132,7 @@ def compare(workers: int, kappa: int, args) -> bool:
     same = len({x["sha"] for rows in results.values() for x in rows}) == 1
     med = lambda rows, key: statistics.median(x[key] for x in rows)  # noqa: E731
     ratio = lambda rows, key: statistics.median(l[key] / s[key] for l, s in zip(rows, sim))  # noqa: E731
-    print(f"N={workers} kappa={kappa} b={args.batch_size} I={args.iterations} swaps={sim[0]['swaps']}, "
+    print(f"{args.algorithm} N={workers} kappa={kappa} b={args.batch_size} I={args.iterations} swaps={sim[0]['swaps']}, "
           f"{args.repeats} rounds of {len(modes)} runs:")
     for mode in modes:
         print(f"  {mode:10} {med(results[mode], 'ms'):7.2f} ms/iteration  {med(results[mode], 'cpu_ms'):7.2f} ms "
@@ -155,6 +161,7 @@ def ratio_between(rows: list[dict], base: list[dict], key: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", default="mdgan", choices=sorted(ALGORITHMS), help="the algorithm of every case")
     parser.add_argument("--cases", default="4:1,10:3", help="N:kappa,... to compare")
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--iterations", type=int, default=300)
@@ -175,6 +182,8 @@ def main() -> int:
     parser.add_argument("--gloo", action="store_true",
                         help="also time the plain torch.distributed program (bench/gloo_baseline.py) in each round")
     args = parser.parse_args()
+    if args.algorithm != "mdgan" and (args.gloo or args.gloo_batch):
+        parser.error("--gloo and --gloo-batch time MD-GAN's plain torch.distributed program: --algorithm mdgan only")
     with open("/proc/loadavg") as fh:
         print(f"{os.cpu_count()} cores, load average {fh.read().split()[0]} at the start")
     ok = True
