@@ -132,8 +132,8 @@ def compare(workers: int, kappa: int, args) -> bool:
     same = len({x["sha"] for rows in results.values() for x in rows}) == 1
     med = lambda rows, key: statistics.median(x[key] for x in rows)  # noqa: E731
     ratio = lambda rows, key: statistics.median(l[key] / s[key] for l, s in zip(rows, sim))  # noqa: E731
-    print(f"{args.algorithm} N={workers} kappa={kappa} b={args.batch_size} I={args.iterations} swaps={sim[0]['swaps']}, "
-          f"{args.repeats} rounds of {len(modes)} runs:")
+    print(f"{args.algorithm} N={workers} kappa={kappa} b={args.batch_size} I={args.iterations} "
+          f"swaps={sim[0]['swaps']}, {args.repeats} rounds of {len(modes)} runs:")
     for mode in modes:
         print(f"  {mode:10} {med(results[mode], 'ms'):7.2f} ms/iteration  {med(results[mode], 'cpu_ms'):7.2f} ms "
               f"CPU/iteration")

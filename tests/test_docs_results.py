@@ -2,6 +2,7 @@
 left stale), and `experiments/tables.py --into` rewrites exactly its own block."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -126,8 +127,6 @@ def _kept_folders():
 def test_every_kept_run_is_a_run_of_its_experiment_with_its_settings(folder, config):
     """What `--keep` restores: a kept run the config no longer gives, or gives other settings, would be
     refused (or left out of the tables) when someone resumes the experiment from the docs."""
-    import json
-
     from mdgan_app.experiment import _trained, expand, load_config
 
     assert config, f"docs/results/{folder} keeps runs, but no experiments/*.yaml is named {folder}"
