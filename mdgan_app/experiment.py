@@ -67,8 +67,7 @@ from mdgan.config import ConfigError, DataConfig, ModelSpec, OptimizerSpec, Trai
 DEFAULTS = {
     "algorithm": "mdgan", "workers": 10, "batch_size": 10, "kappa": 1, "disc_steps": 1, "swap_epochs": 1.0,
     "swap_every": None, "swap_optimizer_state": False, "iterations": 1000, "seed": 0, "architecture": "mlp",
-    "gan": "acgan",
-    "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
+    "gan": "acgan", "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
     "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
     "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
     # beyond the paper (docs/GUIDE.md "Beyond the paper")
@@ -93,8 +92,7 @@ NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_
              "beta1", "beta2", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "swap_optimizer_state": "swapstate", "crash": "crash", "architecture": "", "gan": "",
-         "loss": "", "split": "",
-         "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
+         "loss": "", "split": "", "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
          "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
          "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C",
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS},
