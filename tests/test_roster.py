@@ -358,6 +358,34 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
         simulate(config, data, str(tmp_path / "nothing"), progress=False, evaluation=quiet, resume="yes")
 
 
+def test_a_crash_run_is_the_same_wherever_its_checkpoints_fall_and_resumes_from_a_crash_bit_for_bit(tmp_path):
+    # The paper's crash experiment: a worker fails after iterations 10, 20, 30 and 40. It leaves the
+    # roster at once, so a checkpoint at a crash iteration is complete and the next iteration's
+    # batches do not depend on whether one was taken.
+    config = TrainingConfig(workers=4, kappa=2, iterations=40, swap_every=7, batch_size=10).validate()
+    data, quiet = DataConfig("synthetic"), EvaluationOptions(every=-1)
+    plain = simulate(config, data, str(tmp_path / "plain"), progress=False, evaluation=quiet, crash_every=10)
+    odd = simulate(config, data, str(tmp_path / "odd"), progress=False, evaluation=quiet, crash_every=10,
+                   checkpoint_every=7)
+    out = str(tmp_path / "run")
+    full = simulate(config, data, out, progress=False, evaluation=quiet, crash_every=10, checkpoint_every=10)
+    assert plain["generator_sha256"] == odd["generator_sha256"] == full["generator_sha256"]
+    assert full["workers_alive"] == 0
+    store = CheckpointStore(os.path.join(out, "checkpoints"))
+    assert store.complete() == [20, 30, 40]
+    # as if the process died right after the crash at 20 had been checkpointed
+    for iteration in (30, 40):
+        for name in os.listdir(store.folder(iteration)):
+            os.remove(os.path.join(store.folder(iteration), name))
+    os.remove(os.path.join(out, "summary.json"))
+    resumed = simulate(config, data, out, progress=False, evaluation=quiet, crash_every=10, checkpoint_every=10,
+                       resume="yes")
+    assert resumed["resumed_from"] == 20 and resumed["generator_sha256"] == full["generator_sha256"]
+    with open(os.path.join(out, "history.jsonl")) as fh:
+        active = [json.loads(line)["active_workers"] for line in fh]
+    assert active == [4] * 10 + [3] * 10 + [2] * 10 + [1] * 10
+
+
 def test_a_stop_request_checkpoints_at_the_next_boundary_and_below_min_workers_training_pauses(tmp_path):
     from mdgan.algorithms.mdgan.trainer import Trainer
     from mdgan.algorithms.mdgan.inprocess import build_in_process_workers

@@ -226,7 +226,15 @@ async def _run(run: InProcessRun) -> RunResult:
     for slot in sorted(alive_at_start):
         arrive(by_slot[slot])
 
-    on_iteration = crashing(recorder, run.crash_every, lambda: [w for w in roster.alive() if not w.crashed])
+    def crash(worker, t: int) -> None:
+        # Off the roster at once, as a churn departure: otherwise the next iteration still generates its
+        # batches, unless a checkpoint at this iteration found it gone first (and was incomplete for it),
+        # so where the checkpoints fall would change the run.
+        worker.crash()
+        if roster.depart(worker):
+            log.info("crash: %s fails after iteration %d", worker.worker_id, t)
+
+    on_iteration = crashing(recorder, run.crash_every, lambda: [w for w in roster.alive() if not w.crashed], crash)
 
     def on_boundary(t: int) -> None:
         for _ in range(len(churn)):
