@@ -208,19 +208,21 @@ def crash_period(run: dict) -> int | None:
     return period
 
 
-def run_one(run: dict, out_dir: str, progress: bool) -> dict:
+def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None) -> dict:
+    """The run in this process. first: only its first this many iterations (its crash schedule is the
+    whole run's), unscored and without checkpoints: what experiments/replay.py compares with a kept run."""
     from mdgan.run import EvaluationOptions
     from mdgan.simulation import simulate
 
-    config = training_config(run)
+    config = training_config(run if first is None else dict(run, iterations=first))
     data = DataConfig(run["dataset"], run["data_root"], config.workers, 0, split=run["split"],
                       dirichlet_alpha=run["dirichlet_alpha"])
     evaluation = EvaluationOptions(data_root=run["data_root"] if run["dataset"] == "mnist" else None,
-                                   every=run["eval_every"], samples=run["eval_samples"],
+                                   every=run["eval_every"] if first is None else -1, samples=run["eval_samples"],
                                    reference=run["eval_reference"], large_every=run["eval_large_every"],
                                    large_samples=run["eval_large_samples"])
     # (the algorithms that cannot checkpoint run through: a stop restarts them)
-    durable = run["checkpoint_every"] > 0 and algorithms.get(run["algorithm"]).durable
+    durable = first is None and run["checkpoint_every"] > 0 and algorithms.get(run["algorithm"]).durable
     return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
                     checkpoint_every=run["checkpoint_every"] if durable else 0, resume="auto" if durable else "no",
                     crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,

@@ -1,0 +1,53 @@
+"""experiments/replay.py: a kept run trained again for its first iterations, record by record."""
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+from conftest import REPO
+
+REPLAY = os.path.join(REPO, "experiments", "replay.py")
+
+
+def _replay(run_dir, iterations: int, mnist_root: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, REPLAY, str(run_dir), "--iterations", str(iterations),
+                           "--data-root", mnist_root], cwd=REPO, capture_output=True, text=True)
+
+
+def test_a_kept_crash_run_replays_to_the_last_digit_and_a_changed_record_is_found(tmp_path, mnist_root):
+    keep = tmp_path / "kept"
+    config = {"name": "crashes", "out": str(tmp_path / "out"),
+              "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 12, "eval_every": 3,
+                       "eval_samples": 100, "eval_reference": 200, "workers": 3, "batch_size": 5, "swap_every": 4},
+              "runs": [{"algorithm": "mdgan", "kappa": "log2", "crash": "every I/N"}]}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", str(path), "--no-progress",
+                           "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (name,) = os.listdir(keep / "runs")
+    run_dir = keep / "runs" / name
+
+    # 8 of its 12 iterations: past the crash after 4 (I/N of the whole run; replayed with I/N of 8,
+    # a crash after 2 would show in the kept record of iteration 4)
+    replayed = _replay(run_dir, 8, mnist_root)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert replayed.stdout.splitlines()[-1] == "2 of 2 kept records the same"
+
+    with open(run_dir / "history.jsonl") as fh:
+        records = [json.loads(line) for line in fh]
+    assert [r["active_workers"] for r in records if r["iteration"] <= 8] == [3, 2]
+    records[1]["gen_loss"] += 1e-12  # one bit of one loss
+    with open(run_dir / "history.jsonl", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    changed = _replay(run_dir, 8, mnist_root)
+    assert changed.returncode == 1
+    assert "8: differs: gen_loss" in changed.stdout and "1 of 2 kept records the same" in changed.stdout
+
+    too_far = _replay(run_dir, 13, mnist_root)
+    assert too_far.returncode == 2 and "--iterations must be in 1..12" in too_far.stderr
+    not_a_run = _replay(tmp_path, 4, mnist_root)
+    assert not_a_run.returncode == 2 and "not a kept run" in not_a_run.stderr
