@@ -1,11 +1,11 @@
 """Train a kept run again for its first iterations and check that it is the same run, record by record.
 
-    python experiments/replay.py docs/results/figure5-crash-mlp/runs/mdgan-N10-b10-k3-crashIoverN-seed1 --iterations 6100
-    ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE python experiments/replay.py RUN_DIR --iterations 2100
+    python experiments/replay.py docs/results/figure3-mnist-mlp/runs/standalone-N1-b100-k1-seed0 --iterations 3001
+    ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE python experiments/replay.py RUN_DIR --iterations 3001
 
 RUN_DIR is a run's record as `mdgan experiment --keep` keeps it: its settings (`run.json`) and
-`history.jsonl`, which holds the training record of the iteration after each evaluation (1,001, 2,001,
-...). This trains the same run (the settings, seed and crash schedule of the whole run) in this process
+`history.jsonl`, which holds the training record written with each evaluation (MD-GAN's: iterations
+1,001, 2,001, ...). This trains the same run (the settings, seed and crash schedule of the whole run) in this process
 for --iterations, without scoring, and compares each of those records that it reached: the workers
 that took part, the losses and the discriminators' accuracies, to the last digit. It prints one line
 per record and exits 1 if any differs.
@@ -13,8 +13,8 @@ per record and exits 1 if any differs.
 What it is for: a change to the code that should leave the kept runs' bits alone (say so with a
 replay past the first crash, swap or checkpoint), and another machine, whose CPU kernels may sum in
 another order (docs/RESULTS.md, "Reproducing a figure on another machine"): there, how far the records
-agree says how far the figures reproduce. Only the algorithms `mdgan simulate` runs in one process;
-the time is that of as many iterations of the run.
+agree says how far the figures reproduce. It runs in one process, as `mdgan experiment` does, and
+takes the time of as many iterations of the run.
 """
 
 from __future__ import annotations

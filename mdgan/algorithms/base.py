@@ -178,7 +178,8 @@ async def ask_all(workers: Sequence[W], call: Callable[[W], Awaitable[R]], timeo
 
 
 def crashing(on_iteration: Callable[[IterationRecord], None] | None, crash_every: int | None,
-             alive: Callable[[], list], crash: Callable[[Any, int], None] | None = None) -> Callable[[IterationRecord], None]:
+             alive: Callable[[], list],
+             crash: Callable[[Any, int], None] | None = None) -> Callable[[IterationRecord], None]:
     """The paper's crash experiment in one process: after every `crash_every` iterations the last live
     worker by rank (`alive()`, handles with crash()) fails, and its data leave with it. `crash(worker,
     iteration)`: how it fails, where more than `worker.crash()` is needed (MD-GAN: it leaves the roster)."""
