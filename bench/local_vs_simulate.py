@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fifty_workers import REPO, measure, tree  # noqa: E402
 
-from mdgan.algorithms import ALGORITHMS  # noqa: E402
+from mdgan.algorithms import SERVED  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -97,6 +97,9 @@ def run(mode: str, flags: list[str], out: str, iterations: int) -> dict:
             raise SystemExit(f"mdgan {mode} failed:\n{err[-3000:]}")
         with open(os.path.join(o, "summary.json")) as fh:
             summary = json.load(fh)
+        if a is None or z[0] == a[0]:  # finished between two samples of its middle 90%
+            raise SystemExit(f"mdgan {mode}: {iterations} iterations were too few to time (sampled every 50 ms); "
+                             f"give more --iterations")
         steps = z[0] - a[0]
         results.append({"ms": 1000 * (z[1] - a[1]) / steps, "cpu_ms": 1000 * (z[2] - a[2]) / steps,
                         "sha": summary["generator_sha256"], "swaps": summary["swaps"]})
@@ -161,7 +164,8 @@ def ratio_between(rows: list[dict], base: list[dict], key: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithm", default="mdgan", choices=sorted(ALGORITHMS), help="the algorithm of every case")
+    parser.add_argument("--algorithm", default="mdgan", choices=sorted(SERVED),
+                        help="the algorithm of every case (those `mdgan local` runs)")
     parser.add_argument("--cases", default="4:1,10:3", help="N:kappa,... to compare")
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--iterations", type=int, default=300)

@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 COMPARED = ("active_workers", "answered", "lost", "gen_loss", "disc_loss", "real_accuracy", "fake_accuracy")
 
@@ -33,7 +34,6 @@ COMPARED = ("active_workers", "answered", "lost", "gen_loss", "disc_loss", "real
 def replay(run_dir: str, iterations: int, data_root: str, out: str) -> list[dict]:
     """One row per kept record at or before `iterations`: its iteration, whether it is the same, and what
     differs ({field: (replayed, kept)})."""
-    sys.path.insert(0, REPO)
     from mdgan_app.experiment import run_one
 
     with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as fh:

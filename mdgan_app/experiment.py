@@ -92,8 +92,8 @@ NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_
              "beta1", "beta2", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "swap_optimizer_state": "swapstate", "crash": "crash", "architecture": "", "gan": "",
-         "loss": "", "split": "", "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "", "trim_fraction": "trim",
-         "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
+         "loss": "", "split": "", "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "",
+         "trim_fraction": "trim", "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
          "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C",
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS},
          "gen_lr": "lrG", "disc_lr": "lrD", "beta1": "beta1_", "beta2": "beta2_"}

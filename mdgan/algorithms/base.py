@@ -183,16 +183,15 @@ def crashing(on_iteration: Callable[[IterationRecord], None] | None, crash_every
     """The paper's crash experiment in one process: after every `crash_every` iterations the last live
     worker by rank (`alive()`, handles with crash()) fails, and its data leave with it. `crash(worker,
     iteration)`: how it fails, where more than `worker.crash()` is needed (MD-GAN: it leaves the roster)."""
+    fail = crash or (lambda worker, t: worker.crash())
+
     def after(record: IterationRecord) -> None:
         if on_iteration is not None:
             on_iteration(record)
         if crash_every and record.iteration % crash_every == 0:
             living = alive()
             if living:
-                if crash is None:
-                    living[-1].crash()
-                else:
-                    crash(living[-1], record.iteration)
+                fail(living[-1], record.iteration)
 
     return after
 

@@ -226,15 +226,15 @@ async def _run(run: InProcessRun) -> RunResult:
     for slot in sorted(alive_at_start):
         arrive(by_slot[slot])
 
-    def crash(worker, t: int) -> None:
-        # Off the roster at once, as a churn departure: otherwise the next iteration still generates its
-        # batches, unless a checkpoint at this iteration found it gone first (and was incomplete for it),
-        # so where the checkpoints fall would change the run.
-        worker.crash()
+    def leave(worker, t: int, why: str) -> None:
+        # Off the roster at once (a churn departure, a crash): otherwise the next iteration still generates
+        # its batches, unless a checkpoint at this iteration found it gone first (and was incomplete for
+        # it), so where the checkpoints fall would change the run.
         if roster.depart(worker):
-            log.info("crash: %s fails after iteration %d", worker.worker_id, t)
+            worker.crash()
+            log.info("%s: %s leaves after iteration %d", why, worker.worker_id, t)
 
-    on_iteration = crashing(recorder, run.crash_every, lambda: [w for w in roster.alive() if not w.crashed], crash)
+    on_iteration = crashing(recorder, run.crash_every, roster.alive, lambda worker, t: leave(worker, t, "crash"))
 
     def on_boundary(t: int) -> None:
         for _ in range(len(churn)):
@@ -246,9 +246,8 @@ async def _run(run: InProcessRun) -> RunResult:
             if slot not in by_slot:
                 raise ConfigError(f"--churn: no slot {slot} in a run of {config.workers} workers")
             current = by_slot[slot]
-            if action == "leave" and roster.depart(current):
-                current.crash()
-                log.info("churn: worker-%d leaves at iteration %d", slot, t)
+            if action == "leave":
+                leave(current, t, "churn")
             elif action == "join" and roster.slot_of(current) is None:
                 fresh = type(current)(DiscriminatorSide(config, current.side.sampler.shard), current.board,
                                       current.swap_timeout, state=current.state, attack=current.attack,
