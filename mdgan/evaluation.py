@@ -227,10 +227,13 @@ def _new_is_metric(splits: int):
 
 
 def _is_compute(metric) -> float:
-    # torchmetrics permutes the samples with the global RNG before splitting (a no-op
-    # for splits=1); fork the CPU RNG so scoring never changes a training run's
-    # random stream.  std over a single split is nan and warns: only the mean is used.
+    # torchmetrics permutes the samples with the global CPU RNG before splitting.  Fork
+    # that RNG so scoring never changes a training run's random stream, and seed the
+    # fork: the order of the samples moves the float64 mean by an ulp, which made the
+    # score of the same images depend on whatever had drawn from the RNG before.
+    # std over a single split is nan and warns: only the mean is used.
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        torch.random.default_generator.manual_seed(0)
         warnings.simplefilter("ignore", UserWarning)
         mean, _std = metric.compute()
     return float(mean)

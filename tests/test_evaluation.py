@@ -116,6 +116,20 @@ def test_mnist_score_of_500_real_images_is_high(clf, test_set):
         assert s == pytest.approx(_ref_inception_score(clf(x)), rel=1e-6)
 
 
+def test_the_mnist_score_of_the_same_images_is_the_same_whatever_drew_from_the_rng_before(clf, test_set):
+    # torchmetrics permutes the samples with the global RNG; the order moved the float64 mean by
+    # an ulp, so a crash run and the run without crashes differed in the last digit at the same
+    # generator. Here, unseeded, two of these twelve global seeds gave one value, the other ten another.
+    images = test_set[0][:1000]  # (1000,1,28,28)
+    scores = set()
+    for seed in range(12):
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        scores.add(mnist_score(images, clf))
+        assert torch.equal(torch.get_rng_state(), before)  # scoring never moves a run's random stream
+    assert len(scores) == 1
+
+
 def test_mnist_score_of_identical_images_is_one(clf, test_set):
     x = test_set[0][7:8].repeat(500, 1, 1, 1)  # one real digit, 500 times
     assert mnist_score(x, clf) == pytest.approx(1.0, abs=1e-4)
