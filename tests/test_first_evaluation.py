@@ -1,0 +1,56 @@
+"""experiments/first_evaluation.py: an experiment's first run trained to its first kept evaluation, here."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import yaml
+
+from conftest import REPO
+
+CHECK = os.path.join(REPO, "experiments", "first_evaluation.py")
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, CHECK, *map(str, args)], cwd=REPO, capture_output=True, text=True)
+
+
+def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path, mnist_root):
+    config = {"name": "two", "out": str(tmp_path / "out"),
+              "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 8, "eval_every": 4,
+                       "eval_samples": 100, "eval_reference": 200, "workers": 2, "batch_size": 5, "kappa": 1},
+              "runs": [{"algorithm": "mdgan", "seed": 0}, {"algorithm": "mdgan", "seed": 1}]}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", str(path), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    results = tmp_path / "out" / "results.csv"
+    with open(results, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted({(r["run"], r["iteration"]) for r in rows}) == [
+        ("seed0", "4"), ("seed0", "8"), ("seed1", "4"), ("seed1", "8")]
+
+    same = _check(path, results, "--data-root", mnist_root)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert same.stdout.startswith("seed0 at 4: ") and ": same (FID " in same.stdout
+
+    # the table of a machine whose kernels sum in another order: seed 1's first FID one ulp off
+    (seed1,) = [r for r in rows if r["run"] == "seed1" and r["iteration"] == "4"]
+    seed1["fid"] = repr(float(seed1["fid"]) * (1 + 2 ** -52))
+    with open(results, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    changed = _check(path, results, "--run", "seed1", "--data-root", mnist_root)
+    assert changed.returncode == 1 and "seed1 at 4: " in changed.stdout and ": differs (FID " in changed.stdout
+
+    no_run = _check(path, results, "--run", "seed7", "--data-root", mnist_root)
+    assert no_run.returncode == 2 and "the config has no run 'seed7'" in no_run.stderr
+    other = tmp_path / "other.csv"
+    other.write_text("run,iteration,mnist_score,fid\nelsewhere,4,1.0,900.0\n")
+    foreign = _check(path, other, "--data-root", mnist_root)
+    assert foreign.returncode == 2 and "no run of the config has rows" in foreign.stderr
+    missing = _check(path, tmp_path / "absent.csv")
+    assert missing.returncode == 2 and "no such file" in missing.stderr
