@@ -7,8 +7,9 @@ A table of docs/RESULTS.md whose folder in docs/results/ holds only `results.csv
 experiments/replay.py) can still be checked on this machine: its command trains the same computation,
 and the first evaluation (a few hundred iterations) already shows whether this machine's CPU kernels
 give the digits of the machine that wrote the table (docs/RESULTS.md, "Reproducing a figure on another
-machine"). This trains the config's first run that the CSV has rows for (or --run NAME) for as many
-iterations as its first evaluation there, in this process, and prints both MNIST score / FID pairs.
+machine"). This trains the config's first run that the CSV has rows for (or --run NAME; not a run with
+crashes, whose schedule is the whole run's) for as many iterations as its first evaluation there, in this
+process, and prints both MNIST score / FID pairs.
 "Same" is the FID to the last digit and the MNIST score to 1e-12: scores kept before the scorer stopped
 drawing on the global random generator (issue 34) can differ from today's in their last bit.
 It exits 0 when the same, 1 when not, 2 on bad input.
@@ -43,6 +44,9 @@ def kept_first_evaluation(rows: list[dict], runs: list[dict], name: str | None) 
         if not chosen:
             raise ValueError("no run of the config has rows in the results: another experiment's results.csv?")
     run = chosen[0]
+    if run["crash"] is not None:  # its schedule is the whole run's: trained shorter, it would crash sooner
+        raise ValueError(f"run {run['name']!r} crashes every I/N of its whole run: check it with "
+                         "experiments/replay.py on a kept run, or give --run another run")
     first = min((r for r in rows if r["run"] == run["name"]), key=lambda r: int(r["iteration"]))
     return run, first
 

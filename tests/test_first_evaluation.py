@@ -20,7 +20,8 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     config = {"name": "two", "out": str(tmp_path / "out"),
               "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 8, "eval_every": 4,
                        "eval_samples": 100, "eval_reference": 200, "workers": 2, "batch_size": 5, "kappa": 1},
-              "runs": [{"algorithm": "mdgan", "seed": 0}, {"algorithm": "mdgan", "seed": 1}]}
+              "runs": [{"algorithm": "mdgan", "seed": 0}, {"algorithm": "mdgan", "seed": 1},
+                       {"algorithm": "mdgan", "seed": 2, "crash": "every I/N"}]}
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", str(path), "--no-progress"],
@@ -30,7 +31,7 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     with open(results, newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert sorted({(r["run"], r["iteration"]) for r in rows}) == [
-        ("seed0", "4"), ("seed0", "8"), ("seed1", "4"), ("seed1", "8")]
+        ("crashIoverN-seed2", "4"), ("crashIoverN-seed2", "8"), ("seed0", "4"), ("seed0", "8"), ("seed1", "4"), ("seed1", "8")]
 
     same = _check(path, results, "--data-root", mnist_root)
     assert same.returncode == 0, same.stdout + same.stderr
@@ -46,6 +47,9 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     changed = _check(path, results, "--run", "seed1", "--data-root", mnist_root)
     assert changed.returncode == 1 and "seed1 at 4: " in changed.stdout and ": differs (FID " in changed.stdout
 
+    # trained for 4 iterations, its crashes would come every 2 instead of every 4
+    crashes = _check(path, results, "--run", "crashIoverN-seed2", "--data-root", mnist_root)
+    assert crashes.returncode == 2 and "crashes every I/N of its whole run" in crashes.stderr
     no_run = _check(path, results, "--run", "seed7", "--data-root", mnist_root)
     assert no_run.returncode == 2 and "the config has no run 'seed7'" in no_run.stderr
     other = tmp_path / "other.csv"
