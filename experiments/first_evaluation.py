@@ -7,9 +7,10 @@ A table of docs/RESULTS.md whose folder in docs/results/ holds only `results.csv
 experiments/replay.py) can still be checked on this machine: its command trains the same computation,
 and the first evaluation (a few hundred iterations) already shows whether this machine's CPU kernels
 give the digits of the machine that wrote the table (docs/RESULTS.md, "Reproducing a figure on another
-machine"). This trains the config's first run that the CSV has rows for (or --run NAME; not a run with
-crashes, whose schedule is the whole run's) for as many iterations as its first evaluation there, in this
-process, and prints both MNIST score / FID pairs.
+machine"). This trains the config's first run that the CSV has rows for (or --run NAME) for as many
+iterations as its first evaluation there, in this process, and prints both MNIST score / FID pairs. It
+skips the runs that a shorter run is not the start of: those with crashes (their schedule is the whole
+run's) and FL-GAN's (its last round is cut short to end the run on an average).
 "Same" is the FID to the last digit and the MNIST score to 1e-12: scores kept before the scorer stopped
 drawing on the global random generator (issue 34) can differ from today's in their last bit.
 It exits 0 when the same, 1 when not, 2 on bad input.
@@ -30,6 +31,18 @@ DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 SCORE_TOLERANCE = 1e-12
 
 
+def why_not_checkable(run: dict) -> str | None:
+    """Why a run trained for fewer iterations would not be the same computation (None: it would)."""
+    from mdgan import algorithms
+
+    if run["crash"] is not None:
+        return f"run {run['name']!r} crashes every I/N of its whole run: trained shorter, it would crash sooner"
+    if algorithms.get(run["algorithm"]).closes_its_last_round:
+        return (f"run {run['name']!r} is {run['algorithm']}, whose last round is cut short to end the run: "
+                "trained shorter, it would end on another model")
+    return None
+
+
 def kept_first_evaluation(rows: list[dict], runs: list[dict], name: str | None) -> tuple[dict, dict]:
     """(the run's settings, its kept row at its first evaluation); ValueError when there is none."""
     kept = {r["run"] for r in rows}
@@ -39,14 +52,17 @@ def kept_first_evaluation(rows: list[dict], runs: list[dict], name: str | None) 
             raise ValueError(f"the config has no run {name!r}: its runs are {', '.join(r['name'] for r in runs)}")
         if name not in kept:
             raise ValueError(f"the results have no rows for run {name!r}")
+        why = why_not_checkable(chosen[0])
+        if why:
+            raise ValueError(f"{why}; check a kept run with experiments/replay.py, or give --run another run")
     else:
-        chosen = [run for run in runs if run["name"] in kept]
-        if not chosen:
+        with_rows = [run for run in runs if run["name"] in kept]
+        if not with_rows:
             raise ValueError("no run of the config has rows in the results: another experiment's results.csv?")
+        chosen = [run for run in with_rows if why_not_checkable(run) is None]
+        if not chosen:
+            raise ValueError(f"no run of the config can be checked this way ({why_not_checkable(with_rows[0])})")
     run = chosen[0]
-    if run["crash"] is not None:  # its schedule is the whole run's: trained shorter, it would crash sooner
-        raise ValueError(f"run {run['name']!r} crashes every I/N of its whole run: check it with "
-                         "experiments/replay.py on a kept run, or give --run another run")
     first = min((r for r in rows if r["run"] == run["name"]), key=lambda r: int(r["iteration"]))
     return run, first
 

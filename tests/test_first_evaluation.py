@@ -20,7 +20,8 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     config = {"name": "two", "out": str(tmp_path / "out"),
               "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 8, "eval_every": 4,
                        "eval_samples": 100, "eval_reference": 200, "workers": 2, "batch_size": 5, "kappa": 1},
-              "runs": [{"algorithm": "mdgan", "seed": 0}, {"algorithm": "mdgan", "seed": 1},
+              "runs": [{"algorithm": "flgan", "seed": 0, "swap_every": 3},  # a round every 3 iterations
+                       {"algorithm": "mdgan", "seed": 0}, {"algorithm": "mdgan", "seed": 1},
                        {"algorithm": "mdgan", "seed": 2, "crash": "every I/N"}]}
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -30,26 +31,30 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     results = tmp_path / "out" / "results.csv"
     with open(results, newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert sorted({(r["run"], r["iteration"]) for r in rows}) == [
-        ("crashIoverN-seed2", "4"), ("crashIoverN-seed2", "8"), ("seed0", "4"), ("seed0", "8"), ("seed1", "4"), ("seed1", "8")]
+    names = ["flgan-S3-seed0", "mdgan-seed0", "mdgan-seed1", "mdgan-crashIoverN-seed2"]
+    assert sorted({(r["run"], r["iteration"]) for r in rows}) == sorted((n, i) for n in names for i in ("4", "8"))
 
     same = _check(path, results, "--data-root", mnist_root)
     assert same.returncode == 0, same.stdout + same.stderr
-    assert same.stdout.startswith("seed0 at 4: ") and ": same (FID " in same.stdout
+    assert same.stdout.startswith("mdgan-seed0 at 4: ") and ": same (FID " in same.stdout  # FL-GAN's skipped
 
     # the table of a machine whose kernels sum in another order: seed 1's first FID one ulp off
-    (seed1,) = [r for r in rows if r["run"] == "seed1" and r["iteration"] == "4"]
+    (seed1,) = [r for r in rows if r["run"] == "mdgan-seed1" and r["iteration"] == "4"]
     seed1["fid"] = repr(float(seed1["fid"]) * (1 + 2 ** -52))
     with open(results, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    changed = _check(path, results, "--run", "seed1", "--data-root", mnist_root)
-    assert changed.returncode == 1 and "seed1 at 4: " in changed.stdout and ": differs (FID " in changed.stdout
+    changed = _check(path, results, "--run", "mdgan-seed1", "--data-root", mnist_root)
+    assert changed.returncode == 1 and "mdgan-seed1 at 4: " in changed.stdout and ": differs (FID " in changed.stdout
 
     # trained for 4 iterations, its crashes would come every 2 instead of every 4
-    crashes = _check(path, results, "--run", "crashIoverN-seed2", "--data-root", mnist_root)
+    crashes = _check(path, results, "--run", "mdgan-crashIoverN-seed2", "--data-root", mnist_root)
     assert crashes.returncode == 2 and "crashes every I/N of its whole run" in crashes.stderr
+    # trained for 4 iterations, FL-GAN would average at 4 (a round cut short), where the kept run is
+    # between its rounds at 3 and 6
+    averaged = _check(path, results, "--run", "flgan-S3-seed0", "--data-root", mnist_root)
+    assert averaged.returncode == 2 and "last round is cut short to end the run" in averaged.stderr
     no_run = _check(path, results, "--run", "seed7", "--data-root", mnist_root)
     assert no_run.returncode == 2 and "the config has no run 'seed7'" in no_run.stderr
     other = tmp_path / "other.csv"

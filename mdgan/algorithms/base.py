@@ -237,6 +237,9 @@ class Algorithm:
     crashes: bool = True  # the paper's crash experiment (a worker fails every I/N iterations)
     whole_dataset: bool = False  # one G and one D on the whole dataset: no sites, one "worker"
     private: bool = False  # differentially private discriminators (--dp-*, mdgan/privacy.py)
+    # its last round is cut short to end the run (FL-GAN averages at I): a run of K iterations does not end
+    # where a longer run stands after K, so a shorter run cannot stand in for a longer one's first K
+    closes_its_last_round: bool = False
 
     def default_options(self):
         """Its options with their defaults (None: it has none)."""
