@@ -8,9 +8,10 @@ experiments/replay.py) can still be checked on this machine: its command trains 
 and the first evaluation (a few hundred iterations) already shows whether this machine's CPU kernels
 give the digits of the machine that wrote the table (docs/RESULTS.md, "Reproducing a figure on another
 machine"). This trains the config's first run that the CSV has rows for (or --run NAME) for as many
-iterations as its first evaluation there, in this process, and prints both MNIST score / FID pairs. It
-skips the runs that a shorter run is not the start of: those with crashes (their schedule is the whole
-run's) and FL-GAN's (its last round is cut short to end the run on an average).
+iterations as its first evaluation there, in this process (through the same `run_one(first=K)` as
+replay.py: the crash schedule is the whole run's), and prints both MNIST score / FID pairs. It skips
+FL-GAN's runs: its last round is cut short to end a run on an average, so a run stopped at K ends on a
+model that the whole run never scores.
 "Same" is the FID to the last digit and the MNIST score to 1e-12: scores kept before the scorer stopped
 drawing on the global random generator (issue 34) can differ from today's in their last bit.
 It exits 0 when the same, 1 when not, 2 on bad input.
@@ -35,8 +36,6 @@ def why_not_checkable(run: dict) -> str | None:
     """Why a run trained for fewer iterations would not be the same computation (None: it would)."""
     from mdgan import algorithms
 
-    if run["crash"] is not None:
-        return f"run {run['name']!r} crashes every I/N of its whole run: trained shorter, it would crash sooner"
     if algorithms.get(run["algorithm"]).closes_its_last_round:
         return (f"run {run['name']!r} is {run['algorithm']}, whose last round is cut short to end the run: "
                 "trained shorter, it would end on another model")
@@ -71,7 +70,7 @@ def train_to(run: dict, iterations: int, data_root: str, out: str) -> dict:
     """Scores of the run trained for `iterations` here: its last evaluation record."""
     from mdgan_app.experiment import run_one
 
-    run_one(dict(run, iterations=iterations, data_root=data_root), out, progress=False)
+    run_one(dict(run, data_root=data_root), out, progress=False, first=iterations, score_first=True)
     with open(os.path.join(out, "history.jsonl"), encoding="utf-8") as fh:
         scored = [record for record in map(json.loads, fh) if "fid" in record]
     return scored[-1]

@@ -93,7 +93,8 @@ NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "swap_optimizer_state": "swapstate", "crash": "crash", "architecture": "", "gan": "",
          "loss": "", "split": "", "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "",
-         "trim_fraction": "trim", "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K", "max_staleness": "S",
+         "trim_fraction": "trim", "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K",
+         "max_staleness": "S",
          "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C",
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS},
          "gen_lr": "lrG", "disc_lr": "lrD", "beta1": "beta1_", "beta2": "beta2_"}
@@ -208,9 +209,10 @@ def crash_period(run: dict) -> int | None:
     return period
 
 
-def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None) -> dict:
+def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, score_first: bool = False) -> dict:
     """The run in this process. first: only its first this many iterations (its crash schedule is the
-    whole run's), unscored and without checkpoints: what experiments/replay.py compares with a kept run."""
+    whole run's), without checkpoints, and unscored unless score_first: what experiments/replay.py and
+    experiments/first_evaluation.py compare with a kept run."""
     from mdgan.run import EvaluationOptions
     from mdgan.simulation import simulate
 
@@ -218,7 +220,8 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None) -
     data = DataConfig(run["dataset"], run["data_root"], config.workers, 0, split=run["split"],
                       dirichlet_alpha=run["dirichlet_alpha"])
     evaluation = EvaluationOptions(data_root=run["data_root"] if run["dataset"] == "mnist" else None,
-                                   every=run["eval_every"] if first is None else -1, samples=run["eval_samples"],
+                                   every=run["eval_every"] if first is None or score_first else -1,
+                                   samples=run["eval_samples"],
                                    reference=run["eval_reference"], large_every=run["eval_large_every"],
                                    large_samples=run["eval_large_samples"])
     # (the algorithms that cannot checkpoint run through: a stop restarts them)
