@@ -1,7 +1,7 @@
 """Train one run of an experiment to its first kept evaluation and compare its scores with the kept ones.
 
     python experiments/first_evaluation.py experiments/byzantine-mlp-cpu.yaml docs/results/byzantine-cpu/results.csv
-    python experiments/first_evaluation.py experiments/figure4-scaling-mlp-cpu.yaml docs/results/figure4-scaling-cpu/results.csv
+    python experiments/first_evaluation.py experiments/compression-mlp-cpu.yaml docs/results/compression-cpu/results.csv
 
 A table of docs/RESULTS.md whose folder in docs/results/ holds only `results.csv` (no kept runs for
 experiments/replay.py) can still be checked on this machine: its command trains the same computation,
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="the experiment's config (experiments/*.yaml)")
     parser.add_argument("results", help="the results.csv its table was written from (docs/results/*/results.csv)")
-    parser.add_argument("--run", default=None, help="the run to check, by its folder name (default: the first with rows)")
+    parser.add_argument("--run", default=None,
+                        help="the run to check, by its folder name (default: the first with rows)")
     parser.add_argument("--data-root", default=DATA, help=f"where MNIST is (default: {DATA})")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default: 1, as `mdgan experiment` runs; more may sum in another order)")
