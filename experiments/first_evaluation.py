@@ -9,9 +9,8 @@ and the first evaluation (a few hundred iterations) already shows whether this m
 give the digits of the machine that wrote the table (docs/RESULTS.md, "Reproducing a figure on another
 machine"). This trains the config's first run that the CSV has rows for (or --run NAME) for as many
 iterations as its first evaluation there, in this process (through the same `run_one(first=K)` as
-replay.py: the crash schedule is the whole run's), and prints both MNIST score / FID pairs. It skips
-FL-GAN's runs: its last round is cut short to end a run on an average, so a run stopped at K ends on a
-model that the whole run never scores.
+replay.py: the run's first K iterations as the whole run trains them, its crash schedule and FL-GAN's
+rounds included), and prints both MNIST score / FID pairs.
 "Same" is the FID to the last digit and the MNIST score to 1e-12: scores kept before the scorer stopped
 drawing on the global random generator (issue 34) can differ from today's in their last bit.
 It exits 0 when the same, 1 when not, 2 on bad input.
@@ -26,20 +25,9 @@ import os
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+from retrain_flags import add_retrain_flags, use_threads  # (also puts the repository on the import path)
+
 SCORE_TOLERANCE = 1e-12
-
-
-def why_not_checkable(run: dict) -> str | None:
-    """Why a run trained for fewer iterations would not be the same computation (None: it would)."""
-    from mdgan import algorithms
-
-    if algorithms.get(run["algorithm"]).closes_its_last_round:
-        return (f"run {run['name']!r} is {run['algorithm']}, whose last round is cut short to end the run: "
-                "trained shorter, it would end on another model")
-    return None
 
 
 def kept_first_evaluation(rows: list[dict], runs: list[dict], name: str | None) -> tuple[dict, dict]:
@@ -51,16 +39,10 @@ def kept_first_evaluation(rows: list[dict], runs: list[dict], name: str | None) 
             raise ValueError(f"the config has no run {name!r}: its runs are {', '.join(r['name'] for r in runs)}")
         if name not in kept:
             raise ValueError(f"the results have no rows for run {name!r}")
-        why = why_not_checkable(chosen[0])
-        if why:
-            raise ValueError(f"{why}; check a kept run with experiments/replay.py, or give --run another run")
     else:
-        with_rows = [run for run in runs if run["name"] in kept]
-        if not with_rows:
-            raise ValueError("no run of the config has rows in the results: another experiment's results.csv?")
-        chosen = [run for run in with_rows if why_not_checkable(run) is None]
+        chosen = [run for run in runs if run["name"] in kept]
         if not chosen:
-            raise ValueError(f"no run of the config can be checked this way ({why_not_checkable(with_rows[0])})")
+            raise ValueError("no run of the config has rows in the results: another experiment's results.csv?")
     run = chosen[0]
     first = min((r for r in rows if r["run"] == run["name"]), key=lambda r: int(r["iteration"]))
     return run, first
@@ -82,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", help="the results.csv its table was written from (docs/results/*/results.csv)")
     parser.add_argument("--run", default=None,
                         help="the run to check, by its folder name (default: the first with rows)")
-    parser.add_argument("--data-root", default=DATA, help=f"where MNIST is (default: {DATA})")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default: 1, as `mdgan experiment` runs; more may sum in another order)")
+    add_retrain_flags(parser)
     args = parser.parse_args(argv)
     for path in (args.config, args.results):
         if not os.path.isfile(path):
@@ -100,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         run, kept = kept_first_evaluation(rows, runs, args.run)
     except ValueError as exc:
         parser.error(str(exc))
-    import torch
-
-    torch.set_num_threads(args.threads)
+    use_threads(args)
     iterations = int(kept["iteration"])
     with tempfile.TemporaryDirectory(prefix="first-evaluation-") as out:
         mine = train_to(run, iterations, args.data_root, out)

@@ -25,9 +25,8 @@ import os
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+from retrain_flags import add_retrain_flags, use_threads  # (also puts the repository on the import path)
+
 COMPARED = ("active_workers", "answered", "lost", "gen_loss", "disc_loss", "real_accuracy", "fake_accuracy")
 
 
@@ -59,16 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a kept run: a folder with run.json and history.jsonl")
     parser.add_argument("--iterations", type=int, required=True, help="how many of its iterations to train again")
-    parser.add_argument("--data-root", default=DATA, help=f"where MNIST is (default: {DATA})")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default: 1, as `mdgan experiment` runs; more may sum in another order)")
+    add_retrain_flags(parser)
     args = parser.parse_args(argv)
     for name in ("run.json", "history.jsonl"):
         if not os.path.exists(os.path.join(args.run_dir, name)):
             parser.error(f"{args.run_dir} has no {name}: not a kept run")
-    import torch
-
-    torch.set_num_threads(args.threads)
+    use_threads(args)
     with tempfile.TemporaryDirectory(prefix="replay-") as out:
         try:
             rows = replay(args.run_dir, args.iterations, args.data_root, out)

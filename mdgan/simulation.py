@@ -27,7 +27,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
              site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
              options=None, tensorboard: str | None = None, mlflow: str | None = None,
-             save_discriminators: bool = False) -> dict:
+             save_discriminators: bool = False, stop_after: int | None = None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
@@ -47,11 +47,16 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     `mdgan audit` attacks; MD-GAN, FL-GAN and the standalone GAN).
     options: the algorithm's own options (its registry entry's `options`: PWGANOptions, ...; None: the
     defaults).
+    stop_after: train only the run's first this many iterations, as the whole run of config.iterations
+    trains them (its rounds, crash schedule and records are the whole run's; experiments/replay.py), and
+    write the outputs of the G it holds there. Not with checkpoints: a stopped run is not resumed.
     """
     entry = algorithms.get(algorithm)
     algorithms.refuse(entry, checkpoint_every=checkpoint_every, resume=resume != "no", churn=bool(churn),
                       byzantine=byzantine, crash_every=crash_every, site_dirs=site_dirs,
                       private=config.privacy.enabled)
+    if stop_after is not None and (checkpoint_every or resume != "no"):
+        raise ConfigError("stop_after trains a run's first iterations once: not with checkpoints or --resume")
     if bool(byzantine) != bool(attack):
         raise ConfigError("--byzantine K and --attack go together")
     if byzantine:
@@ -63,6 +68,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     if entry.whole_dataset:  # one G, one D, the whole dataset
         config = replace(config, workers=1, kappa=1)
     config.validate()
+    if stop_after is not None and not 0 < stop_after <= config.iterations:
+        raise ConfigError(f"stop_after must be in 1..{config.iterations} (the run's iterations), not {stop_after!r}")
     run = open_run(out_dir, config, resume, run_id) if entry.durable else RunStart(run_id or "", config)
     config = run.config
     options = None if entry.options is None else (options or entry.default_options()).check(config)
@@ -82,14 +89,14 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     from mdgan.tracking import Tracking
 
     tracking = Tracking.open(run.run_id or algorithm, tensorboard, mlflow)
-    recorder = RunRecorder(out_dir, config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from,
+    recorder = RunRecorder(out_dir, stop_after or config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from,
                            tracking=tracking)
     result = None
     discriminators = {} if save_discriminators else None
     try:
         result = entry.run_in_process(InProcessRun(
             config, shards, generator_side, recorder, out_dir, run, options, crash_every, churn or [],
-            checkpoint_every, keep_checkpoints, byzantine, attack, discriminators))
+            checkpoint_every, keep_checkpoints, byzantine, attack, discriminators, stop_after))
     finally:
         wall = recorder.close(result.iterations if result else None)
     if discriminators:
@@ -101,6 +108,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              # what `mdgan audit` needs to recover each worker's members
              "data": None if site_dirs else dataclasses.asdict(replace(data, num_shards=config.workers)),
              "site_dirs": site_dirs}
+    if stop_after is not None:
+        extra["stop_after"] = stop_after
     if options is not None:  # the options its traffic formula (`mdgan traffic`) and its record need
         extra[algorithm] = options.summary(config)
     return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores,

@@ -34,9 +34,13 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     names = ["flgan-S3-seed0", "mdgan-seed0", "mdgan-seed1", "mdgan-crashIoverN-seed2"]
     assert sorted({(r["run"], r["iteration"]) for r in rows}) == sorted((n, i) for n in names for i in ("4", "8"))
 
+    # the first run with rows: FL-GAN, whose evaluation at 4 falls inside its second round (4 to 6): trained
+    # for its first 4 iterations as the whole run trains them, it holds the average of 3, as the kept run did
     same = _check(path, results, "--data-root", mnist_root)
     assert same.returncode == 0, same.stdout + same.stderr
-    assert same.stdout.startswith("mdgan-seed0 at 4: ") and ": same (FID " in same.stdout  # FL-GAN's skipped
+    assert same.stdout.startswith("flgan-S3-seed0 at 4: ") and ": same (FID " in same.stdout
+    plain = _check(path, results, "--run", "mdgan-seed0", "--data-root", mnist_root)
+    assert plain.returncode == 0 and plain.stdout.startswith("mdgan-seed0 at 4: ") and ": same (FID " in plain.stdout
 
     # the table of a machine whose kernels sum in another order: seed 1's first FID one ulp off
     (seed1,) = [r for r in rows if r["run"] == "mdgan-seed1" and r["iteration"] == "4"]
@@ -51,10 +55,6 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     # its crash schedule is the whole run's (a crash after 4); a run of 4 iterations would crash after 2
     crashes = _check(path, results, "--run", "mdgan-crashIoverN-seed2", "--data-root", mnist_root)
     assert crashes.returncode == 0 and "mdgan-crashIoverN-seed2 at 4: " in crashes.stdout, crashes.stdout + crashes.stderr
-    # trained for 4 iterations, FL-GAN would average at 4 (a round cut short), where the kept run is
-    # between its rounds at 3 and 6
-    averaged = _check(path, results, "--run", "flgan-S3-seed0", "--data-root", mnist_root)
-    assert averaged.returncode == 2 and "last round is cut short to end the run" in averaged.stderr
     no_run = _check(path, results, "--run", "seed7", "--data-root", mnist_root)
     assert no_run.returncode == 2 and "the config has no run 'seed7'" in no_run.stderr
     other = tmp_path / "other.csv"
@@ -63,3 +63,5 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     assert foreign.returncode == 2 and "no run of the config has rows" in foreign.stderr
     missing = _check(path, tmp_path / "absent.csv")
     assert missing.returncode == 2 and "no such file" in missing.stderr
+    no_threads = _check(path, results, "--threads", "0")
+    assert no_threads.returncode == 2 and "--threads: a whole number >= 1, not '0'" in no_threads.stderr

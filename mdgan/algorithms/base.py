@@ -217,6 +217,14 @@ class InProcessRun:
     # when given, filled at the end with worker id -> the discriminator each worker last held (MD-GAN,
     # the standalone GAN) or last sent to be averaged (FL-GAN): what `mdgan audit` attacks
     discriminators: dict | None = None
+    # train only the run's first this many iterations (experiments/replay.py); None: all of config.iterations
+    stop_after: int | None = None
+
+
+def last_iteration(config: TrainingConfig, stop_after: int | None) -> int:
+    """Where a loop stops: the run's I, or its first `stop_after` iterations of it. The run stays one of I
+    iterations (FL-GAN's rounds, async's last drain): its records up to there are the whole run's."""
+    return config.iterations if stop_after is None else stop_after
 
 
 @dataclass(frozen=True)
@@ -237,9 +245,6 @@ class Algorithm:
     crashes: bool = True  # the paper's crash experiment (a worker fails every I/N iterations)
     whole_dataset: bool = False  # one G and one D on the whole dataset: no sites, one "worker"
     private: bool = False  # differentially private discriminators (--dp-*, mdgan/privacy.py)
-    # its last round is cut short to end the run (FL-GAN averages at I): a run of K iterations does not end
-    # where a longer run stands after K, so a shorter run cannot stand in for a longer one's first K
-    closes_its_last_round: bool = False
 
     def default_options(self):
         """Its options with their defaults (None: it has none)."""

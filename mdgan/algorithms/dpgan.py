@@ -324,8 +324,8 @@ class DataParallelTrainer(FixedSetTrainer):
 
     def __init__(self, config: TrainingConfig, options: DPGANOptions, server: ParameterServer,
                  workers: list[ReplicaHandle], *, step_timeout: float | None = None,
-                 on_iteration: Callable[[IterationRecord], None] | None = None):
-        super().__init__(config, workers, step_timeout=step_timeout, on_iteration=on_iteration)
+                 on_iteration: Callable[[IterationRecord], None] | None = None, stop_after: int | None = None):
+        super().__init__(config, workers, step_timeout=step_timeout, on_iteration=on_iteration, stop_after=stop_after)
         self.server = server
         self.threshold = options.resolve(len(self.workers))
         self.skipped_steps = 0  # rounds with fewer than Q gradients
@@ -417,7 +417,8 @@ def run_in_process(run: InProcessRun) -> RunResult:
     workers = build_in_process_replicas(run.config, run.shards)
     after = crashing(run.recorder, run.crash_every, lambda: [w for w in workers if not w.crashed])
     trainer = DataParallelTrainer(run.config, (run.options or DPGANOptions()).check(run.config),
-                                  ParameterServer(run.config, run.generator), workers, on_iteration=after)
+                                  ParameterServer(run.config, run.generator), workers, on_iteration=after,
+                                  stop_after=run.stop_after)
     return asyncio.run(trainer.run())
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from mdgan.algorithms.base import RUN_FINISHED, IterationRecord, RunResult, Traffic, ask_all, tell_to_stop, why_lost
+from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Traffic, ask_all, last_iteration,
+                                   tell_to_stop, why_lost)
 from mdgan.config import TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -17,8 +18,9 @@ class FixedSetTrainer:
     """The base of a loop over a fixed set of worker handles; a subclass writes iteration(t)."""
 
     def __init__(self, config: TrainingConfig, workers: list, *, step_timeout: float | None = None,
-                 on_iteration: Callable[[IterationRecord], None] | None = None):
+                 on_iteration: Callable[[IterationRecord], None] | None = None, stop_after: int | None = None):
         self.config = config
+        self.until = last_iteration(config, stop_after)
         self.workers = sorted(workers, key=lambda w: w.shard_index)  # rank order: sums are repeatable
         self.active = list(self.workers)
         self.step_timeout = step_timeout
@@ -54,7 +56,7 @@ class FixedSetTrainer:
 
     async def run(self) -> RunResult:
         last, stopped = None, None
-        for t in range(1, self.config.iterations + 1):
+        for t in range(1, self.until + 1):
             stopped = self.too_few_left(t)
             if stopped:
                 log.error(stopped)

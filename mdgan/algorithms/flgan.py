@@ -16,7 +16,7 @@ import torch
 
 from mdgan.aggregation import fedavg
 from mdgan.algorithms.base import (RUN_FINISHED, Algorithm, InProcessRun, IterationRecord, RunResult, Traffic,
-                                   ask_all, tell_to_stop, why_lost)
+                                   ask_all, last_iteration, tell_to_stop, why_lost)
 from mdgan.algorithms.standalone import PRIVACY_STATS, LocalGAN, iteration_record
 from mdgan.algorithms.traffic import discriminator_state_bytes, generator_state_bytes
 from mdgan.config import TrainingConfig
@@ -92,8 +92,9 @@ class FederatedTrainer:
     def __init__(self, config: TrainingConfig, server: GeneratorSide, workers: list[FederatedWorker],
                  initial_discriminator: dict[str, torch.Tensor], *, round_timeout: float | None = None,
                  on_iteration: Callable[[IterationRecord], None] | None = None,
-                 on_round: Callable[[dict], None] | None = None):
+                 on_round: Callable[[dict], None] | None = None, stop_after: int | None = None):
         self.config = config
+        self.until = last_iteration(config, stop_after)
         self.server = server
         self.workers = sorted(workers, key=lambda w: w.shard_index)
         self.active = list(self.workers)
@@ -109,7 +110,7 @@ class FederatedTrainer:
 
     async def run(self) -> RunResult:
         done, rounds, last, stopped = 0, 0, None, None
-        while done < self.config.iterations:
+        while done < self.until:
             if not self.active:
                 stopped = f"no workers left after iteration {done}"
                 break
@@ -135,7 +136,9 @@ class FederatedTrainer:
                 self.active.remove(worker)
                 await tell_to_stop(worker, why_lost(error))
             seconds = (time.perf_counter() - started) / count
-            for i in range(count):
+            # stop_after inside this round: only its iterations up to there, with the G each of them had
+            recorded = min(count, self.until - done)
+            for i in range(recorded):
                 if i == count - 1 and results:  # worker-rank order, as everywhere: repeatable
                     # the average becomes the server's G at the round's last iteration, not before: an
                     # evaluation started at an iteration inside the round sees the G of that iteration
@@ -147,7 +150,10 @@ class FederatedTrainer:
                                rounds if i == count - 1 else None, dict(self.privacy))
                 if self.on_iteration:
                     self.on_iteration(last)
-            done += count
+            done += recorded
+            if recorded < count:  # stopped before its average: not a round of this run's record
+                rounds -= 1
+                break
             if self.on_round:
                 self.on_round({"round": rounds, "iteration": done, "workers": len(results)})
         for worker in list(self.active):
@@ -159,11 +165,14 @@ class FederatedTrainer:
 
 def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard],
               on_iteration: Callable[[IterationRecord], None] | None = None,
-              on_round: Callable[[dict], None] | None = None, discriminators: dict | None = None) -> RunResult:
-    """FL-GAN in one process; `server` ends with the federation's averaged G."""
+              on_round: Callable[[dict], None] | None = None, discriminators: dict | None = None,
+              stop_after: int | None = None) -> RunResult:
+    """FL-GAN in one process; `server` ends with the federation's averaged G (stop_after: with the G the
+    whole run holds after that many iterations)."""
     workers = [InProcessFederatedWorker(config, shard) for shard in shards]
     initial = workers[0].gan.d.discriminator.state_dict()
-    trainer = FederatedTrainer(config, server, workers, initial, on_iteration=on_iteration, on_round=on_round)
+    trainer = FederatedTrainer(config, server, workers, initial, on_iteration=on_iteration, on_round=on_round,
+                               stop_after=stop_after)
     result = asyncio.run(trainer.run())
     if discriminators is not None:
         discriminators.update(trainer.last_sent)
@@ -173,7 +182,7 @@ def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard]
 def run_in_process(run: InProcessRun) -> RunResult:
     """FL-GAN in `mdgan simulate`: its rounds are the run's swaps.jsonl lines."""
     return run_flgan(run.config, run.generator, run.shards, on_iteration=run.recorder, on_round=run.recorder.swap,
-                     discriminators=run.discriminators)
+                     discriminators=run.discriminators, stop_after=run.stop_after)
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
@@ -194,5 +203,4 @@ def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
 
 ALGORITHM = Algorithm(
     name="flgan", title="FL-GAN (federated averaging of G and D)", run_in_process=run_in_process,
-    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False, private=True,
-    closes_its_last_round=True)
+    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False, private=True)

@@ -379,8 +379,8 @@ class PWGANTrainer(FixedSetTrainer):
 
     def __init__(self, config: TrainingConfig, options: PWGANOptions, generator: GeneratorSide,
                  workers: list[CriticHandle], *, step_timeout: float | None = None,
-                 on_iteration: Callable[[IterationRecord], None] | None = None):
-        super().__init__(config, workers, step_timeout=step_timeout, on_iteration=on_iteration)
+                 on_iteration: Callable[[IterationRecord], None] | None = None, stop_after: int | None = None):
+        super().__init__(config, workers, step_timeout=step_timeout, on_iteration=on_iteration, stop_after=stop_after)
         self.options = options.validate()
         self.generator = generator
         self.masses: torch.Tensor | None = None  # p of the last iteration, averaged over its rounds (n_g,)
@@ -460,7 +460,8 @@ def run_in_process(run: InProcessRun) -> RunResult:
     options = (run.options or PWGANOptions()).check(run.config)
     workers = build_in_process_critics(run.config, options, run.shards)
     after = crashing(run.recorder, run.crash_every, lambda: [w for w in workers if not w.crashed])
-    return asyncio.run(PWGANTrainer(run.config, options, run.generator, workers, on_iteration=after).run())
+    return asyncio.run(PWGANTrainer(run.config, options, run.generator, workers, on_iteration=after,
+                                    stop_after=run.stop_after).run())
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options: PWGANOptions | None) -> dict[str, float]:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from mdgan.algorithms.base import Algorithm, InProcessRun, IterationRecord, RunResult, Traffic
+from mdgan.algorithms.base import Algorithm, InProcessRun, IterationRecord, RunResult, Traffic, last_iteration
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import DiscriminatorSide, GeneratorSide, discriminator_loss, generator_loss
@@ -80,10 +80,10 @@ def iteration_record(t: int, workers: int, answered: int, stats: list[dict], sec
 
 def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
                    on_iteration: Callable[[IterationRecord], None] | None = None,
-                   discriminators: dict | None = None) -> RunResult:
+                   discriminators: dict | None = None, stop_after: int | None = None) -> RunResult:
     gan = LocalGAN(config, dataset, generator)
-    last = None
-    for t in range(1, config.iterations + 1):
+    last, until = None, last_iteration(config, stop_after)
+    for t in range(1, until + 1):
         started = time.perf_counter()
         stats = gan.step()
         privacy = {"worker-0": {k: stats[k] for k in PRIVACY_STATS}} if "epsilon" in stats else None
@@ -92,7 +92,7 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
             on_iteration(last)
     if discriminators is not None:
         discriminators["worker-0"] = {k: v.detach().clone() for k, v in gan.d.discriminator.state_dict().items()}
-    return RunResult(iterations=config.iterations, workers=1, workers_alive=1, swaps=0, rejections=0,
+    return RunResult(iterations=until, workers=1, workers_alive=1, swaps=0, rejections=0,
                      swap_period=0, traffic=Traffic(), last=last, privacy=last.privacy if last else None)
 
 
@@ -100,7 +100,7 @@ def run_in_process(run: InProcessRun) -> RunResult:
     """The standalone GAN (`mdgan simulate --algorithm standalone`): run.config has one worker, whose
     shard is the whole dataset."""
     return run_standalone(run.config, run.generator, run.shards[0], on_iteration=run.recorder,
-                          discriminators=run.discriminators)
+                          discriminators=run.discriminators, stop_after=run.stop_after)
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:

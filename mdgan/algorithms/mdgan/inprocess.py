@@ -211,7 +211,7 @@ async def _run(run: InProcessRun) -> RunResult:
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
     trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
                       save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder),
-                      swap_lag=options.swap_lag)
+                      swap_lag=options.swap_lag, stop_after=run.stop_after)
     if run.run.state is not None:
         ServerCheckpoints.restore(run.run.state, generator_side, trainer, recorder)
 

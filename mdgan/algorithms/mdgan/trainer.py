@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 
 from mdgan import compression
-from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Traffic, WorkerLost, ask_all, mean,
-                                   sort_replies, tell_to_stop, why_lost, with_deadline)
+from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Traffic, WorkerLost, ask_all,
+                                   last_iteration, mean, sort_replies, tell_to_stop, why_lost, with_deadline)
 from mdgan.algorithms.mdgan.options import check_lag
 from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
@@ -135,8 +135,10 @@ class Trainer:
                  on_swap: Callable[[dict], None] | None = None,
                  on_boundary: Callable[[int], None] | None = None,
                  checkpoint_every: int = 0, checkpoint_timeout: float | None = None,
-                 save_checkpoint: Callable[[int, bool], None] | None = None, swap_lag: int = 0):
+                 save_checkpoint: Callable[[int, bool], None] | None = None, swap_lag: int = 0,
+                 stop_after: int | None = None):
         self.config = config
+        self.until = last_iteration(config, stop_after)  # (stop_after: no checkpoints; simulate refuses both)
         self.generator = generator
         if roster is None:  # a fixed set of workers, all present from the start
             roster = Roster(config.workers)
@@ -532,7 +534,7 @@ class Trainer:
         check_lag(self.swap_lag, self.swap_period)
         last, stopped = None, None
         t = self.completed
-        while t < self.config.iterations:
+        while t < self.until:
             if self.on_boundary is not None:
                 self.on_boundary(t)
             if self.stop_requested:
