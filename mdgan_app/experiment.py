@@ -211,8 +211,9 @@ def crash_period(run: dict) -> int | None:
 
 def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, score_first: bool = False) -> dict:
     """The run in this process. first: only its first this many iterations, as the whole run trains them
-    (its rounds and crash schedule are the whole run's), without checkpoints, and unscored unless
-    score_first: what experiments/replay.py and experiments/first_evaluation.py compare with a kept run."""
+    (its rounds and crash schedule are the whole run's), without checkpoints or saved discriminators, and
+    unscored unless score_first: what experiments/replay.py and experiments/first_evaluation.py compare
+    with a kept run."""
     from mdgan.run import EvaluationOptions
     from mdgan.simulation import simulate
 
@@ -231,7 +232,7 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, s
                     crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
                     attack=run["attack"] if run["byzantine"] else None,
                     options=algorithms.get(run["algorithm"]).options_from(run),
-                    save_discriminators=bool(run["save_discriminators"]), stop_after=first)
+                    save_discriminators=first is None and bool(run["save_discriminators"]), stop_after=first)
 
 
 def collect(runs: list[dict], out: str) -> list[dict]:
