@@ -89,8 +89,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     from mdgan.tracking import Tracking
 
     tracking = Tracking.open(run.run_id or algorithm, tensorboard, mlflow)
-    recorder = RunRecorder(out_dir, stop_after or config.iterations, progress, algorithm, evaluator, resume_at=run.resumed_from,
-                           tracking=tracking)
+    recorder = RunRecorder(out_dir, stop_after or config.iterations, progress, algorithm, evaluator,
+                           resume_at=run.resumed_from, tracking=tracking)
     result = None
     discriminators = {} if save_discriminators else None
     try:
