@@ -12,19 +12,17 @@ sys.path.insert(0, REPO)  # (mdgan_app without an install)
 DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 
 
-def _at_least_one(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number >= 1, not {text!r}")
-    return int(text)
-
-
 def add_retrain_flags(parser: argparse.ArgumentParser) -> None:
+    from services.common.settings import non_negative_int
+
     parser.add_argument("--data-root", default=DATA, help=f"where MNIST is (default: {DATA})")
-    parser.add_argument("--threads", type=_at_least_one, default=1,
-                        help="torch threads (default: 1, as `mdgan experiment` runs; more may sum in another order)")
+    parser.add_argument("--threads", type=non_negative_int, default=1,
+                        help="torch threads (default: 1, as `mdgan experiment` runs; 0: torch's default; more than "
+                             "one may sum in another order)")
 
 
 def use_threads(args: argparse.Namespace) -> None:
-    import torch
+    """As `mdgan experiment --threads` sets its process up (torch's threads, the allocator)."""
+    from services.common.settings import configure_compute
 
-    torch.set_num_threads(args.threads)
+    configure_compute(args.threads)

@@ -63,5 +63,5 @@ def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path
     assert foreign.returncode == 2 and "no run of the config has rows" in foreign.stderr
     missing = _check(path, tmp_path / "absent.csv")
     assert missing.returncode == 2 and "no such file" in missing.stderr
-    no_threads = _check(path, results, "--threads", "0")
-    assert no_threads.returncode == 2 and "--threads: a whole number >= 1, not '0'" in no_threads.stderr
+    no_threads = _check(path, results, "--threads", "-1")
+    assert no_threads.returncode == 2 and "--threads: must be >= 0, got -1" in no_threads.stderr
