@@ -48,7 +48,7 @@ def norm_clipped_mean(stack: torch.Tensor, clip_norm: float) -> torch.Tensor:
     """(n, b, *shape) -> (b, *shape): each worker's per-sample feedback clipped to L2 norm <= bound."""
     n, b = stack.shape[:2]
     norms = stack.reshape(n, b, -1).norm(dim=2)  # (n, b)
-    bound = median(norms) if clip_norm == 0 else torch.full((b,), float(clip_norm))  # (b,)
+    bound = median(norms) if clip_norm == 0 else norms.new_full((b,), float(clip_norm))  # (b,)
     factor = torch.where(norms > bound, bound / norms.clamp_min(torch.finfo(norms.dtype).tiny),
                          torch.ones_like(norms))  # (n, b)
     return (stack * factor.view(n, b, *([1] * (stack.dim() - 2)))).mean(dim=0)

@@ -83,7 +83,8 @@ def pack(t: torch.Tensor, wire_dtype: str) -> Packed:
         return Packed(t.to(torch.bfloat16))
     if wire_dtype == "int8":
         if t.numel() == 0:
-            return Packed(torch.zeros(t.shape, dtype=torch.int8), torch.zeros(scale_count(tuple(t.shape))))
+            return Packed(torch.zeros(t.shape, dtype=torch.int8, device=t.device),
+                          torch.zeros(scale_count(tuple(t.shape)), device=t.device))
         rows = _rows(t)
         scales = rows.abs().amax(dim=1) / INT8_LEVELS  # (rows,)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row stays zero
@@ -102,19 +103,27 @@ def unpack(packed: Packed) -> torch.Tensor:
                                          f"float32 scales, got {None if scales is None else tuple(scales.shape)}")
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise PackingError("scales", "int8 scales must be finite and >= 0")
-        if values.numel() == 0:
-            return torch.zeros(values.shape)
-        return (_rows(values).to(torch.float32) * scales[:, None]).view(values.shape)
-    if scales is not None:
+    elif scales is not None:
         raise PackingError("scales", f"a {values.dtype} tensor carries no scales")
-    if values.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    elif values.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise PackingError("dtype", f"{values.dtype} is not a wire dtype")
-    return values.to(torch.float32)
+    return _float32(packed)
+
+
+def _float32(packed: Packed) -> torch.Tensor:
+    """A packed tensor (checked, or our own) as float32, on its device."""
+    values, scales = packed.values, packed.scales
+    if values.dtype != torch.int8:
+        return values.to(torch.float32)
+    if values.numel() == 0:
+        return torch.zeros(values.shape, device=values.device)
+    return (_rows(values).to(torch.float32) * scales[:, None]).view(values.shape)
 
 
 def round_trip(t: torch.Tensor, wire_dtype: str) -> torch.Tensor:
-    """What the receiver of `t` gets: the same arithmetic as pack, send, unpack."""
-    return t if wire_dtype == "float32" else unpack(pack(t, wire_dtype))
+    """What the receiver of `t` gets: the same arithmetic as pack, send, unpack (our own packing needs no
+    checks, so nothing is read back to the host)."""
+    return t if wire_dtype == "float32" else _float32(pack(t, wire_dtype))
 
 
 def packed_nbytes(shape: tuple[int, ...], wire_dtype: str) -> int:

@@ -161,6 +161,10 @@ class TrainingConfig:
 
             if not torch.cuda.is_available():
                 raise ConfigError(f"--device {self.device}: no CUDA device is available here")
+            index = self.device.partition(":")[2]
+            if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+                raise ConfigError(f"--device {self.device}: this machine has CUDA devices 0 to "
+                                  f"{torch.cuda.device_count() - 1}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(f"unknown --wire-dtype {self.wire_dtype!r}; choose from {WIRE_DTYPES}")
         if self.aggregation not in AGGREGATIONS:

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 log = logging.getLogger("mdgan.roster")
 
 
+class WorkersFailed(RuntimeError):
+    """The workers a run needs to start reported their own errors (Roster.failures says which)."""
+
+
 class SlotRefused(Exception):
     """A join that the roster cannot take. `kind` says why, for the transport's status code:
     "out_of_range", "taken_by_other" (another identity holds the slot: a permission matter),
@@ -64,6 +68,9 @@ class Roster:
         self.started = False
         self.resumed_from = 0  # the checkpoint iteration this run resumed from (0: none)
         self.expected: set[int] | None = None  # on resume: the slots alive at the checkpoint
+        # slot -> (identity, "failed while ...: cause"): a worker that reported its own error, until it
+        # joins again. Nobody waits for it: a quorum that only it could make is lost at once.
+        self.faults: dict[int, tuple[str, str]] = {}
         self.changed = asyncio.Event()  # set on every arrival and departure
 
     # -- quorum ------------------------------------------------------------------------------
@@ -107,7 +114,21 @@ class Roster:
         self.claim(slot, identity)
         self.bindings[slot] = identity
         self._alive[slot] = handle
+        self.faults.pop(slot, None)
         self._notify()
+
+    def fault(self, slot: int, identity: str, cause: str) -> None:
+        """The worker in `slot` failed ("failed while ...: cause"); its departure is reported apart."""
+        self.faults[slot] = (identity, cause)
+        self._notify()
+
+    def failures(self) -> str:
+        """The faults in one line, workers with the same cause together ("" when none)."""
+        by_cause: dict[str, list[str]] = {}
+        for slot in sorted(self.faults):
+            identity, cause = self.faults[slot]
+            by_cause.setdefault(cause, []).append(identity)
+        return "; ".join(f"{', '.join(who)} {cause}" for cause, who in by_cause.items())
 
     def depart(self, handle) -> bool:
         """The worker behind `handle` left (crashed, disconnected, dropped). False if it was not in."""
@@ -141,9 +162,13 @@ class Roster:
         return next((s for s, h in self._alive.items() if h is handle), None)
 
     async def wait_for(self, count: int, timeout: float | None, slots: set[int] | None = None) -> bool:
-        """Wait until `count` workers are connected (all of `slots` when given); False on timeout."""
+        """Wait until `count` workers are connected (all of `slots` when given); False on timeout, or at
+        once when failed workers put it out of reach."""
         def enough() -> bool:
             return slots.issubset(self._alive) if slots else len(self._alive) >= count
+
+        def out_of_reach() -> bool:  # failed workers do not come back by themselves
+            return bool(slots & self.faults.keys()) if slots else self.slots - len(self.faults) < count
 
         need = len(slots) if slots else count
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -151,7 +176,7 @@ class Roster:
         while not enough():
             now = time.monotonic()
             remaining = None if deadline is None else deadline - now
-            if remaining is not None and remaining <= 0:
+            if (remaining is not None and remaining <= 0) or out_of_reach():
                 return False
             if now >= report:
                 have = len(slots & self._alive.keys()) if slots else len(self._alive)
@@ -184,6 +209,14 @@ class Roster:
         if held:
             return RejoinPlan(restore=max(held))
         return RejoinPlan(copy=self.iteration > 0)
+
+    def short_of(self, count: int, timeout: float | None) -> Exception:
+        """Why fewer than `count` workers are in: WorkersFailed when failed workers put them out of
+        reach, else a TimeoutError."""
+        alive, failures = len(self._alive), self.failures()
+        if failures:
+            return WorkersFailed(f"the run cannot start ({alive} of {count} workers in): {failures}")
+        return TimeoutError(f"{alive} of {count} workers joined within {timeout:.0f} s")
 
     # -- durable state -----------------------------------------------------------------------
     def state_dict(self) -> dict:

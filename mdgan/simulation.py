@@ -9,7 +9,7 @@ import dataclasses
 import os
 from dataclasses import replace
 
-from mdgan import algorithms, checkpoint
+from mdgan import algorithms, checkpoint, devices
 from mdgan.algorithms.base import InProcessRun
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
@@ -68,6 +68,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     if entry.whole_dataset:  # one G, one D, the whole dataset
         config = replace(config, workers=1, kappa=1)
     config.validate()
+    devices.deterministic(config.device)
     if stop_after is not None and not 0 < stop_after <= config.iterations:
         raise ConfigError(f"stop_after must be in 1..{config.iterations} (the run's iterations), not {stop_after!r}")
     run = open_run(out_dir, config, resume, run_id) if entry.durable else RunStart(run_id or "", config)

@@ -17,7 +17,7 @@ from services.common import scheduling
 from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
 
 from mdgan_app.launcher import (MACHINE_PORTS, LocalCluster, ServiceFailed, Terminated, _how_it_ended, _log_tail,
-                                _raise_terminated, workers_per_process)
+                                _raise_terminated, last_log_message, workers_per_process)
 from mdgan_app.run_folder import run_dir_lock, save_launch_settings, take_launch_settings
 
 def show_progress(args) -> bool:
@@ -171,7 +171,12 @@ def _run_local(args) -> int:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     if code != 0:
-        if not terminate:
+        if terminate:
+            pass  # (said already)
+        elif code == 1:  # the server ended its log with the one line that says why
+            print(f"mdgan local: {last_log_message(cluster.log_path('server'))}\nlogs in {cluster.logs}",
+                  file=sys.stderr)
+        else:
             print(f"mdgan local: the server {_how_it_ended(code)}; the end of its log:\n"
                   f"{_log_tail(cluster.log_path('server'))}\nlogs in {cluster.logs}", file=sys.stderr)
         return code if code > 0 else 1  # (a signal's negative code is no exit status)

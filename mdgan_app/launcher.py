@@ -20,6 +20,7 @@ import time
 import urllib.request
 
 from services.common import scheduling
+from mdgan.algorithms.base import RUN_FAILED
 from mdgan.config import ConfigError
 from mdgan_app.run_folder import save_launch_settings
 
@@ -189,6 +190,14 @@ def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
             return "".join(fh.readlines()[-lines:]).rstrip()
     except OSError as exc:
         return f"(no log: {exc})"
+
+
+def last_log_message(path: str) -> str:
+    """The message of a service's last log line, without its time, logger and level ("" if none): a
+    service that fails ends its log with one line that says why."""
+    last = _log_tail(path, 1)
+    parts = last.split(" ", 4)  # date, time, logger, level, message (services' LOG_FORMAT)
+    return parts[4] if len(parts) == 5 and parts[3] in ("ERROR", "WARNING", "INFO", "CRITICAL") else last
 
 
 def _complete_lines(path: str) -> int:
@@ -408,7 +417,9 @@ class LocalCluster:
         lines = []
 
         def tell(worker: str, code: int, log_name: str) -> None:
-            last = _log_tail(self.log_path(log_name), 1) if code > 0 else ""  # (a signal leaves no error line)
+            last = last_log_message(self.log_path(log_name)) if code > 0 else ""  # (a signal leaves no error line)
+            if last.startswith(RUN_FAILED):  # it left because the server failed: the server's line says why
+                return
             lines.append(f"{worker} {_how_it_ended(code)} {when}; the run goes on with the other workers "
                          f"(log: {self.log_path(log_name)}){': ' + last if last else ''}")
 

@@ -11,6 +11,21 @@ HAVE_MNIST = os.path.isdir(os.path.join(DATA_ROOT, "MNIST", "raw"))
 # The same arithmetic in every test process as in the services (one intra-op thread).
 torch.set_num_threads(1)
 
+CUDA = torch.cuda.is_available()
+NO_CUDA = "no CUDA device here (CI has none): scripts/gpu_check.sh runs the CUDA cases on a GPU"
+# A test that trains takes `device`: its CPU case everywhere, its CUDA case (marked `cuda`) where CUDA is.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+def cuda_only(test):
+    """A test that needs CUDA (marked `cuda`; skipped with its reason elsewhere)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not CUDA, reason=NO_CUDA)(test))
+
 
 def python() -> str:
     return sys.executable

@@ -50,9 +50,9 @@ class Proc:
         self._log.close()
 
 
-def python_module(name: str, argv: list[str], log_dir: str) -> Proc:
-    """`python -m argv...` from the repository, logging to LOG_DIR/NAME.log."""
-    return Proc(name, [sys.executable, "-m", *argv], os.path.join(log_dir, f"{name}.log"), env=dict(os.environ))
+def python_module(name: str, argv: list[str], log_dir: str, env: dict | None = None) -> Proc:
+    """`python -m argv...` from the repository, logging to LOG_DIR/NAME.log (env: this one's by default)."""
+    return Proc(name, [sys.executable, "-m", *argv], os.path.join(log_dir, f"{name}.log"), env=env or dict(os.environ))
 
 
 def _security(flags) -> list[str]:
@@ -67,11 +67,11 @@ def tls_flags(pki_dir: str, name: str) -> list[str]:
             "--tls-key", os.path.join(folder, "tls.key")]
 
 
-def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int]:
+def start_server(out: str, *flags: str, name: str = "server", env: dict | None = None) -> tuple[Proc, int]:
     port_file = os.path.join(out, "server.port")
     os.makedirs(out, exist_ok=True)
     server = python_module(name, ["services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", out,
-                         "--threads", "1", "--metrics-port", "0", *_security(flags), *flags], out)
+                         "--threads", "1", "--metrics-port", "0", *_security(flags), *flags], out, env)
     deadline = time.monotonic() + 60
     while not os.path.exists(port_file):
         if server.popen.poll() is not None or time.monotonic() > deadline:
@@ -81,11 +81,12 @@ def start_server(out: str, *flags: str, name: str = "server") -> tuple[Proc, int
         return server, int(fh.read())
 
 
-def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags: str, name: str | None = None) -> Proc:
+def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags: str, name: str | None = None,
+                 env: dict | None = None) -> Proc:
     return python_module(name or f"worker-{index}", ["services.worker", "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                                     "--advertise-address", "127.0.0.1", "--shard-index", str(index),
                                     "--num-shards", str(num_shards), "--threads", "1", "--metrics-port", "0",
-                                    *_security(flags), *flags], out)
+                                    *_security(flags), *flags], out, env)
 
 
 def read_jsonl(path: str) -> list[dict]:

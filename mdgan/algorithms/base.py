@@ -40,6 +40,7 @@ class InputRejected(Exception):
 
 DIRECTIONS = ("server_to_worker", "worker_to_server", "worker_to_worker")
 RUN_FINISHED = "run finished"  # the stop reason of a run that completed
+RUN_FAILED = "the server stopped the run"  # how a worker told that the run failed on the server says so
 
 
 @dataclass

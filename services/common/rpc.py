@@ -41,6 +41,18 @@ def options(max_message_bytes: int = MAX_MESSAGE_BYTES, *, max_send_bytes: int |
     return opts
 
 
+MAX_CAUSE_CHARS = 300  # a fault's cause on the wire: one line, bounded
+INTERNAL = grpc.StatusCode.INTERNAL.value[0]  # 13, the google.rpc.Code of an exception of our own
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for a status or a log: its type and the first line of its text (never
+    a traceback), at most MAX_CAUSE_CHARS characters."""
+    text = str(exc).strip().splitlines()
+    cause = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return cause if len(cause) <= MAX_CAUSE_CHARS else cause[:MAX_CAUSE_CHARS - 3] + "..."
+
+
 def message_bytes_for(*tensor_bytes: int) -> int:
     """A message bound from the largest tensor payload a message may carry, plus headroom."""
     return max(tensor_bytes, default=0) + MESSAGE_HEADROOM

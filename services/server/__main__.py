@@ -10,13 +10,13 @@ import signal
 import sys
 
 
-from mdgan import algorithms
+from mdgan import algorithms, devices
 from mdgan.checkpoint import CheckpointError
 from mdgan.config import DATASETS, ConfigError
 from mdgan.algorithms.base import IterationRecord
 from mdgan.gan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
-from mdgan.roster import Roster
+from mdgan.roster import Roster, WorkersFailed
 from mdgan.run import RESUME_MODES, RunRecorder, finished_run_ids, make_evaluator, open_run, write_outputs
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common import scheduling
@@ -108,6 +108,7 @@ async def serve(args) -> dict:
     allowed = [n.strip() for n in (args.allowed_workers or "").split(",") if n.strip()] or None
     run = open_run(args.out, training_config(args), args.resume, args.run_id)
     config = run.config
+    devices.deterministic(config.device)
     log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
     algorithm = ALGORITHMS[args.algorithm]
     algorithms.refuse(algorithms.get(args.algorithm, served=True), checkpoint_every=args.checkpoint_every,
@@ -167,7 +168,7 @@ async def serve(args) -> dict:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    result = None
+    result, failure = None, None
     try:  # (from here on, whatever happens stops the gRPC server before the event loop closes)
         if args.port_file:
             with open(args.port_file + ".tmp", "w") as fh:
@@ -191,10 +192,21 @@ async def serve(args) -> dict:
         })
         log.info("done: run %s, %d iterations, %d/%d workers alive, generator %s", run.run_id, result.iterations,
                  result.workers_alive, result.workers, summary["generator_sha256"][:16])
+        if result.stopped_early and not session.stop_requested:
+            failures = coordinator.roster.failures()
+            why = result.stopped_early if failures in result.stopped_early else f"{result.stopped_early}: {failures}"
+            raise RunStopped(f"the run stopped early ({result.iterations} of {config.iterations} iterations): {why}")
         return summary
+    except RunStopped:
+        raise
+    except Exception as exc:
+        failure = exc
+        raise
     finally:
         telemetry.dump(args.metrics_dump or os.path.join(args.out, "metrics", "server.prom"))
         await rpc.set_serving(health, [SERVICE], False)
+        if failure is not None:  # nobody will resume it by itself: the workers exit too
+            await coordinator.fail_run(f"the server failed: {rpc.one_line(failure)}")
         coordinator.end_streams()
         await server.stop(grace=5 if result is not None and not session.stop_requested else 1)
 
@@ -225,7 +237,27 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
 
 
 
+class RunStopped(Exception):
+    """The run ended before its last iteration (its workers failed or left): outputs written, exit 1."""
+
+
+def exit_code(exc: Exception) -> int:
+    """How the server exits when serve() raised `exc`, its cause logged as the log's last line: 1 the run
+    stopped early, its workers failed, or the server did; 2 a configuration, a checkpoint or the system
+    (a folder it cannot make, a full disk) refused it."""
+    if isinstance(exc, (ConfigError, CheckpointError, OSError)):
+        log.error("%s", exc or type(exc).__name__)
+        return 2
+    if isinstance(exc, (RunStopped, WorkersFailed)):
+        log.error("%s", exc)
+        return 1
+    log.error("traceback of the failure", exc_info=exc)  # a bug of ours: its traceback, then the line
+    log.error("the server failed: %s", rpc.one_line(exc))
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    """0 the run finished; otherwise exit_code's."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -234,9 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduling.apply(args.cpu_scheduling)
         scheduling.apply_pin(args.pin_cpu)
         rpc.run(serve(args))
-    except (ConfigError, CheckpointError, OSError) as exc:  # OSError: a folder it cannot make, a full disk
-        log.error("%s", exc or type(exc).__name__)
-        return 2
+    except Exception as exc:
+        return exit_code(exc)
     return 0
 
 

@@ -18,13 +18,19 @@ import grpc
 
 from mdgan.algorithms.base import RUN_FINISHED, WorkerLost
 from services.common.proto import coordinator_pb2 as pb
-from services.common.rpc import MalformedMessage
+from services.common.rpc import MAX_CAUSE_CHARS, MalformedMessage
 from services.common.telemetry import Telemetry
 from services.common.wire import CONTROL
 
 log = logging.getLogger("mdgan.server")
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]  # 3, the google.rpc.Code value
+
+
+def clean_line(text: str) -> str:
+    """A worker's text as one printable line, bounded (it reaches the server's logs and its exit line)."""
+    line = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return line if len(line) <= MAX_CAUSE_CHARS else line[:MAX_CAUSE_CHARS - 3] + "..."
 
 
 class StreamHandle:
@@ -69,7 +75,8 @@ class WorkerConnection:
     """The server's end of one admitted worker's Train stream."""
 
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
-                 telemetry: Telemetry, liveness_timeout: float, identity: str = ""):
+                 telemetry: Telemetry, liveness_timeout: float, identity: str = "",
+                 on_fault: Callable[[str], None] | None = None):
         self.worker_id = f"worker-{shard_index}"
         self.identity = identity or self.worker_id  # who holds the shard (certificate name under mTLS)
         self.shard_index = shard_index
@@ -81,6 +88,8 @@ class WorkerConnection:
         self.malformed: str | None = None  # the stream carried bytes that do not parse
         self.closed = asyncio.Event()
         self.lost_reason: str | None = None
+        self.fault: str | None = None  # the worker failed: "failed while ...: its cause" (from its Fault)
+        self.on_fault = on_fault  # told that cause (the roster: a failed worker does not come back by itself)
         self.last_write = time.monotonic()
         self._write_lock = asyncio.Lock()
         self._answers: dict[str, dict] = {}  # name -> key -> Future: the answers the handle awaits
@@ -152,6 +161,20 @@ class WorkerConnection:
             log.warning("%s lost: %s", self.worker_id, reason)
         self.end(reason)
 
+    def fail(self, fault: pb.Fault) -> None:
+        """The worker reports its own error, its last message: logged naming it, and it is lost (every pending
+        answer fails with WorkerLost saying why)."""
+        where = clean_line(fault.where) or "working"
+        self.fault = f"failed while {where}: {clean_line(fault.message) or 'no cause given'}"
+        if self.lost_reason is None and not self.closed.is_set():
+            self.lost_reason = self.fault
+            self.telemetry.departures.labels("failed").inc()
+            log.error("%s%s %s", self.worker_id, f" ({self.identity})" if self.identity != self.worker_id else "",
+                      self.fault)
+            if self.on_fault is not None:
+                self.on_fault(self.fault)
+        self.end(self.fault)
+
     def end(self, reason: str) -> None:
         """End the stream from our side (no departure counted): every pending answer fails with
         WorkerLost and the call returns."""
@@ -194,6 +217,9 @@ class WorkerConnection:
             body = message.WhichOneof("body")
             kind, payload = self._traffic(body, message)
             self.telemetry.count("worker_to_server", kind, "receiver", message, payload)
+            if body == "fault":
+                self.fail(message.fault)
+                return
             receive = self._receivers.get(body)
             if receive is not None:
                 await receive(getattr(message, body))

@@ -116,7 +116,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def wait_for_workers(self, timeout: float) -> list[StreamHandle]:
         """Block until every slot has a live worker (FL-GAN, whose rounds take a fixed set)."""
         if not await self.roster.wait_for(self.config.workers, timeout):
-            raise TimeoutError(f"{len(self._live())} of {self.config.workers} workers joined within {timeout:.0f} s")
+            raise self.roster.short_of(self.config.workers, timeout)
         self.roster.started = True
         return self._live()
 
@@ -126,6 +126,21 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         whose stream ends without a stop message reconnect, to this server's successor."""
         for connection in list(self._open):
             connection.end("the server is stopping")
+
+    async def fail_run(self, cause: str, timeout: float = 5.0) -> None:
+        """The run failed on the server: every connected worker is told (a failed stop) and exits,
+        instead of waiting for a successor that nobody will start."""
+        stop = pb.ServerMessage(stop=pb.Stop(reason=cause, failed=True))
+
+        async def tell(connection: WorkerConnection) -> None:
+            try:
+                await asyncio.wait_for(connection.send(stop), timeout)
+            except (WorkerLost, asyncio.TimeoutError):
+                pass
+            finally:
+                connection.closed.set()
+
+        await asyncio.gather(*(tell(c) for c in list(self._open)))
 
     def _live(self) -> list[StreamHandle]:
         return self.roster.alive()
@@ -257,7 +272,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             join, index, size, identity, plan = await self._join(context)
         finally:
             self._pending_joins -= 1
-        connection = WorkerConnection(index, size, join, context, self.telemetry, self.liveness_timeout, identity)
+        connection = WorkerConnection(index, size, join, context, self.telemetry, self.liveness_timeout, identity,
+                                      on_fault=lambda cause: self.roster.fault(index, identity, cause))
         worker = self.handle_class(connection, self.run_state, needs_copy=plan.copy)
         self.workers[index] = worker
         self.roster.arrive(index, identity, worker)  # takes part from the next iteration boundary

@@ -19,6 +19,7 @@ import uuid
 
 import grpc
 
+from mdgan import devices
 from mdgan.attacks import ATTACKS
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
@@ -31,6 +32,7 @@ from services.common import codec, pki, rpc, tls
 from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
 from mdgan.checkpoint import CheckpointError
+from services.worker.algorithms.base import RunFailed, WorkerFailed
 from services.worker.node import FINAL_REFUSALS, JoinRefused, ServerGone, WorkerNode
 from services.worker.peer import PEER_SERVICE, PeerServicer
 
@@ -178,6 +180,7 @@ async def serve(args) -> str:
     own_data = args.num_shards is None
     data = data_config(args, 1 if own_data else args.num_shards)
     TrainingConfig(device=args.device).validate()  # a CUDA device that is not there: say so before joining
+    devices.deterministic(args.device)
     if not args.slow_factor >= 1:
         raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
     index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
@@ -238,9 +241,13 @@ async def serve(args) -> str:
 
 
 def exit_code(exc: BaseException) -> int | None:
-    """How a worker that ended with `exc` exits, its reason logged: 0 stopped by a signal, 2 a
+    """How a worker that ended with `exc` exits, its reason logged in one line: 0 stopped by a signal,
+    1 this worker failed (told to the server) or the server stopped the run as failed, 2 a
     configuration, the system's or the server's fault, 3 refused by the server; None for an ending
-    it does not know (a bug)."""
+    it does not know."""
+    if isinstance(exc, (WorkerFailed, RunFailed)):
+        log.error("%s", exc)
+        return 1
     if isinstance(exc, JoinRefused):
         log.error("the server refused us: %s", exc)
         return 3

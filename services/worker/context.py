@@ -37,3 +37,7 @@ class WorkerContext(Protocol):
 
     def remember_run(self) -> None:
         """Record the run it is in, so that a restart rejoins it."""
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """This worker's own exception in a task of its own (`where`: what it was doing): logged, told to
+        the server as a Fault, and the worker's session ends; the worker exits 1."""

@@ -24,14 +24,15 @@ from mdgan.config import ConfigError, DataConfig
 from mdgan.data import Shard, take_shard
 from mdgan.images import NUMERIC_CLASSES, SiteData
 from mdgan.sites import map_labels
-from mdgan.algorithms.base import RUN_FINISHED
+from mdgan.algorithms.base import RUN_FAILED, RUN_FINISHED
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
 from services.common.telemetry import Telemetry
 from services.common.tls import TLSConfig
 from services.worker.algorithms import ALGORITHMS
-from services.worker.algorithms.base import BudgetSpent, ServerGone, StreamBroken, WorkerAlgorithm
+from services.worker.algorithms.base import (BudgetSpent, RunFailed, ServerGone, StreamBroken, WorkerAlgorithm,
+                                             WorkerFailed)
 
 log = logging.getLogger("mdgan.worker")
 
@@ -43,7 +44,7 @@ class JoinRefused(Exception):
 class DroppedByServer(StreamBroken):
     """The server stopped this worker before the run's end: it missed a deadline, or its swap or
     checkpoint failed. Each is passing, and the run is elastic: the worker rejoins as after a broken
-    stream, keeping its discriminator (before, it exited 0 as if the run were over, and stayed out)."""
+    stream, keeping its discriminator."""
 
 
 class RunEnded(Exception):
@@ -54,6 +55,10 @@ class RunEnded(Exception):
         self.run_id = run_id
 
 
+# How a session ends on purpose; any other exception in the worker's own code is a fault (WorkerNode.fail).
+ENDINGS = (ServerGone, BudgetSpent, JoinRefused, RunEnded, RunFailed, WorkerFailed)
+
+
 # Join refusals that retrying cannot change; anything else (UNAVAILABLE while the server restarts,
 # ALREADY_EXISTS while it has not yet noticed our previous stream died, ...) is retried.
 FINAL_REFUSALS = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
@@ -62,6 +67,7 @@ FINAL_REFUSALS = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSIO
 
 
 CONNECT_TRY_S = 5.0  # how long one connection attempt may take
+FAULT_REPORT_S = 5.0  # how long a failed worker tries to tell the server before it exits
 
 
 def backoff_delays(base: float = 0.5, cap: float = 10.0):
@@ -136,6 +142,11 @@ class WorkerNode:
         self.reconnect = reconnect
         self.run_id = run_id or self._saved_run().get("run_id")
         self.pinned_run = run_id  # --run-id: join that run only
+        self.fault: pb.Fault | None = None  # this worker's own error, once it failed
+        self._fault_sent = False
+        self._task: asyncio.Task | None = None  # the task running run(): a fault ends it
+        self._call = None  # the Train stream of the session under way (None: between sessions)
+        self._ending: asyncio.Task | None = None  # a fault found in another task, being reported
 
     # -- durable state ---------------------------------------------------------------------------
     def _saved_run(self) -> dict:
@@ -249,6 +260,72 @@ class WorkerNode:
         nothing from a server of its run for --server-timeout seconds."""
         deadline = time.monotonic() + self.connect_timeout  # the first contact
         delays = backoff_delays()
+        self._task = asyncio.current_task()
+        try:
+            return await self._run(deadline, delays)
+        except asyncio.CancelledError:
+            if self.fault is None:  # a signal
+                raise
+            self._task.uncancel()
+            raise self._failed() from None
+        finally:
+            self._task = None
+
+    # -- faults ----------------------------------------------------------------------------------
+    def fail(self, where: str, exc: BaseException) -> WorkerFailed:
+        """This worker's own exception while `where` ("answering batches", ...): logged here with its
+        traceback, told to the server as a Fault (a status code and one line), and the worker exits 1.
+
+        Raised by the task that runs the worker, the WorkerFailed returned ends its session. From any
+        other task (a swap, the Peer service), the Fault is written on the stream now; the server then
+        ends the stream, and with it the session (the task is cancelled only if that does not come)."""
+        if self.fault is None:
+            cause = rpc.one_line(exc)
+            trained = self.algorithm.trained_iteration if self.algorithm is not None else 0
+            log.error("%s failed while %s: %s", self.worker_id or self.identity or "this worker", where, cause,
+                      exc_info=exc)
+            self.fault = pb.Fault(code=rpc.INTERNAL, message=cause, where=where, iteration=trained)
+            task = self._task
+            if task is not None and task is not asyncio.current_task() and not task.done():
+                self._ending = asyncio.get_running_loop().create_task(self._end_for_fault(task))
+        return self._failed()
+
+    def _failed(self) -> WorkerFailed:
+        return WorkerFailed(f"{self.worker_id or self.identity or 'this worker'} failed while {self.fault.where}: "
+                            f"{self.fault.message}")
+
+    async def _send_fault(self, call) -> None:
+        """The Fault and the end of our writing, once (best effort, within FAULT_REPORT_S)."""
+        if self._fault_sent or call is None:
+            return
+        self._fault_sent = True
+        try:
+            async with asyncio.timeout(FAULT_REPORT_S):
+                await self.write(call, pb.WorkerMessage(fault=self.fault))
+                await call.done_writing()
+        except Exception as exc:  # (gone, a deadline, a broken stream): the worker exits all the same
+            log.debug("the fault was not sent: %r", exc)
+
+    async def _report_fault(self, call) -> None:
+        """From the session's own task (the stream's reader): the Fault, then wait for the server to end
+        the stream (its acknowledgement), within FAULT_REPORT_S."""
+        await self._send_fault(call)
+        try:
+            async with asyncio.timeout(FAULT_REPORT_S):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+        except Exception as exc:
+            log.debug("the fault was not acknowledged: %r", exc)
+
+    async def _end_for_fault(self, task: asyncio.Task) -> None:
+        """A fault found outside the session's task: report it on the stream, give the session the time the
+        server takes to end the stream, then end the task."""
+        await self._send_fault(self._call)
+        await asyncio.wait([task], timeout=2 * FAULT_REPORT_S)
+        if not task.done():
+            task.cancel()  # (no stream, or no answer: nothing is left to cut short)
+
+    async def _run(self, deadline: float, delays) -> str:
         while True:
             try:
                 return await self._session(deadline)
@@ -267,6 +344,8 @@ class WorkerNode:
                 self._start_afresh()
                 continue
             except (StreamBroken, grpc.aio.AioRpcError) as exc:
+                if self.fault is not None:  # the server ended the stream after our Fault
+                    raise self._failed() from None
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in FINAL_REFUSALS:
                     raise JoinRefused(f"{exc.code().name}: {exc.details()}") from None
                 why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -312,14 +391,32 @@ class WorkerNode:
                 raise
             if welcome.WhichOneof("body") != "welcome":
                 raise ServerGone(f"expected a welcome, got {welcome.WhichOneof('body')}")
-            await self._on_welcome(welcome.welcome)
-            self._contact = time.monotonic()
-            beats = asyncio.create_task(self._heartbeats(call, welcome.welcome.heartbeat_interval_ms / 1000))
+            beats = None
+            self._call = call
             try:
+                try:
+                    await self._on_welcome(welcome.welcome)
+                except ENDINGS:
+                    raise
+                except Exception as exc:  # our own error setting up the run (a model on a device, a state)
+                    raise self.fail("setting up the run", exc) from None
+                self._contact = time.monotonic()
+                beats = asyncio.create_task(self._heartbeats(call, welcome.welcome.heartbeat_interval_ms / 1000))
                 return await self._serve(call)
+            except asyncio.CancelledError:
+                if self.fault is None:  # a signal
+                    raise
+                asyncio.current_task().uncancel()  # a fault elsewhere, whose report got no answer
+                raise self._failed() from None
+            except WorkerFailed:
+                await self._report_fault(call)
+                raise
             finally:
-                beats.cancel()
-                await self.algorithm.end_session()
+                self._call = None
+                if beats is not None:
+                    beats.cancel()
+                if self.algorithm is not None:
+                    await self.algorithm.end_session()
 
     async def _on_welcome(self, welcome: pb.Welcome) -> None:
         if self.pinned_run and welcome.run_id != self.pinned_run:
@@ -380,7 +477,12 @@ class WorkerNode:
             body = message.WhichOneof("body")
             receive = receivers.get(body)
             if receive is not None:
-                await receive(call, getattr(message, body))
+                try:
+                    await receive(call, getattr(message, body))
+                except (*ENDINGS, grpc.aio.AioRpcError):
+                    raise
+                except Exception as exc:  # our own error answering the server
+                    raise self.fail(f"answering {body}", exc) from None
             elif body == "heartbeat":
                 continue
             elif body == "rejection":
@@ -388,6 +490,8 @@ class WorkerNode:
                 log.error("the server rejected our input at iteration %d: %s (%s)", r.iteration, r.message, r.reason)
             elif body == "stop":
                 await call.done_writing()
+                if message.stop.failed:
+                    raise RunFailed(f"{RUN_FAILED}: {message.stop.reason}")
                 if message.stop.reason != RUN_FINISHED:
                     raise DroppedByServer(message.stop.reason)
                 log.info("stopped by the server: %s", message.stop.reason)

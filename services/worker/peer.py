@@ -206,6 +206,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.active += 1
         try:
             return await self._receive(request_iterator, context)
+        except (grpc.aio.AbortError, grpc.aio.AioRpcError, grpc.aio.UsageError, rpc.MalformedMessage):
+            raise  # a refusal of ours, or the sender's stream: not our fault
+        except Exception as exc:  # our own error (the check, unpacking): the pusher hears one line, we fail
+            self.node.fail("receiving a discriminator", exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"the receiver failed: {rpc.one_line(exc)}")
         finally:
             self.active -= 1
 

@@ -109,7 +109,7 @@ def _loss(side: DiscriminatorSide, module: torch.nn.Module | None, check_set) ->
         for samples, labels, target in ((real, real_labels, 1.0), (fake, fake_labels, 0.0)):
             if samples is None:
                 continue
-            logits = torch.zeros(len(samples), outputs) if module is None else module(samples)
+            logits = samples.new_zeros(len(samples), outputs) if module is None else module(samples)
             loss = loss + _half_loss(spec, logits, labels, target).cpu()
     if real is None and fake is None:
         return math.nan

@@ -84,6 +84,10 @@ class WorkerHandle(abc.ABC):
     async def cancel_swap(self, swap_round: int, sender: str, reason: str, kind: str = SWAP) -> None:
         """`sender` left during the swap round (or the copy, kind COPY): stop waiting for its discriminator."""
 
+    async def cancel_push(self, swap_round: int, receiver: str, reason: str) -> None:
+        """`receiver`, to whom this worker pushes its discriminator in the swap round, left: stop pushing
+        (a push retries an unreachable peer until the swap deadline). In one process a push never waits."""
+
     @abc.abstractmethod
     async def stop(self, reason: str) -> None:
         """The run is over (or this worker is dropped from it)."""
@@ -212,7 +216,7 @@ class Trainer:
                 log.warning("resuming with %d workers: not every worker of the checkpoint came back within %.0f s "
                             "(the run goes on, no longer bit for bit the uninterrupted one)", alive, timeout)
             else:
-                raise TimeoutError(f"{alive} of {roster.start_quorum} workers joined within {timeout:.0f} s")
+                raise roster.short_of(roster.start_quorum, timeout)
         roster.started = True
 
     def count_batch(self, batch: WorkerBatch) -> None:
@@ -374,8 +378,8 @@ class Trainer:
 
     async def _ask_swap(self, orders: dict[WorkerHandle, SwapOrder], call, swap_round: int):
         """call(worker, its order) for every participant, each within the swap deadline; a worker lost
-        meanwhile has its receiver told at once, which would otherwise wait a whole deadline for a
-        discriminator that cannot come."""
+        meanwhile has its two peers told at once (the one that waits for its discriminator, and the one
+        that pushes to it), each of which would otherwise spend a whole deadline on it."""
         by_id = {w.worker_id: w for w in orders}
 
         async def one(worker: WorkerHandle):
@@ -383,18 +387,25 @@ class Trainer:
             try:
                 return await with_deadline(call(worker, order), self.swap_timeout)
             except (WorkerLost, asyncio.TimeoutError) as exc:
-                await self._cancel(by_id.get(order.send_to), swap_round, worker.worker_id, why_lost(exc, "deadline"))
+                await self._tell_peers(by_id, order, worker.worker_id, why_lost(exc, "deadline"))
                 raise
 
         return await ask_all(list(orders), one, None)
 
     @staticmethod
-    async def _cancel(receiver: WorkerHandle | None, swap_round: int, sender: str, why: str) -> None:
-        if receiver is None:
-            return
+    async def _tell_peers(by_id: dict[str, WorkerHandle], order: SwapOrder, left: str, why: str) -> None:
+        """`left` is gone from the round of `order` (its order): its receiver stops waiting for its
+        discriminator, its sender stops pushing to it."""
+        receiver, sender = by_id.get(order.send_to), by_id.get(order.receive_from)
         try:
-            await receiver.cancel_swap(swap_round, sender, why)
-        except Exception:  # the receiver may be gone too; its own call reports that
+            if receiver is not None:
+                await receiver.cancel_swap(order.swap_round, left, why)
+        except Exception:  # the peer may be gone too; its own call reports that
+            pass
+        try:
+            if sender is not None:
+                await sender.cancel_push(order.swap_round, left, why)
+        except Exception:
             pass
 
     async def _record(self, swap_round: int, t: int, plan: dict, participants: list[WorkerHandle], reports,
@@ -459,8 +470,7 @@ class Trainer:
                 continue
             if worker not in members:  # left since: whatever it sent may have arrived; nothing more will
                 pending.lost[worker] = "left during the swap round"
-                await self._cancel(by_id.get(order.send_to), pending.swap_round, worker.worker_id,
-                                   pending.lost[worker])
+                await self._tell_peers(by_id, order, worker.worker_id, pending.lost[worker])
                 continue
             installing[worker] = order
         reports = await self._ask_swap(installing, lambda w, order: w.install_swap(order), pending.swap_round)
@@ -554,6 +564,8 @@ class Trainer:
                     continue
                 stopped = f"no workers left after iteration {t}" if not members else \
                     f"only {len(members)} workers after iteration {t}, fewer than --min-workers {self.roster.keep_quorum}"
+                if self.roster.faults:
+                    stopped += f": {self.roster.failures()}"
                 log.error(stopped)
                 break
             waiting = [w for w in members if w.needs_copy]

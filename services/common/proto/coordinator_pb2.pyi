@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "feedback", "swap_report", "heartbeat", "model_part", "local_round_done", "checkpoint_done", "potential_counts", "replica_part", "replica_gradients")
+    __slots__ = ("join", "feedback", "swap_report", "heartbeat", "model_part", "local_round_done", "checkpoint_done", "fault", "potential_counts", "replica_part", "replica_gradients")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     SWAP_REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class WorkerMessage(_message.Message):
     MODEL_PART_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ROUND_DONE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DONE_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
     POTENTIAL_COUNTS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_PART_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -29,10 +30,11 @@ class WorkerMessage(_message.Message):
     model_part: ModelPart
     local_round_done: LocalRoundDone
     checkpoint_done: CheckpointDone
+    fault: Fault
     potential_counts: _pwgan_pb2.PotentialCounts
     replica_part: _dpgan_pb2.ReplicaPart
     replica_gradients: _dpgan_pb2.ReplicaGradients
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round_done: _Optional[_Union[LocalRoundDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ..., potential_counts: _Optional[_Union[_pwgan_pb2.PotentialCounts, _Mapping]] = ..., replica_part: _Optional[_Union[_dpgan_pb2.ReplicaPart, _Mapping]] = ..., replica_gradients: _Optional[_Union[_dpgan_pb2.ReplicaGradients, _Mapping]] = ...) -> None: ...
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., swap_report: _Optional[_Union[SwapReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round_done: _Optional[_Union[LocalRoundDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ..., fault: _Optional[_Union[Fault, _Mapping]] = ..., potential_counts: _Optional[_Union[_pwgan_pb2.PotentialCounts, _Mapping]] = ..., replica_part: _Optional[_Union[_dpgan_pb2.ReplicaPart, _Mapping]] = ..., replica_gradients: _Optional[_Union[_dpgan_pb2.ReplicaGradients, _Mapping]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("welcome", "batches", "swap_order", "rejection", "heartbeat", "stop", "model_part", "local_round", "swap_cancel", "checkpoint", "swap_install", "potential_round", "replica_part", "replica_round")
@@ -281,16 +283,18 @@ class CheckpointDone(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SwapCancel(_message.Message):
-    __slots__ = ("round", "sender_worker", "reason", "copy")
+    __slots__ = ("round", "sender_worker", "reason", "copy", "receiver_worker")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENDER_WORKER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_WORKER_FIELD_NUMBER: _ClassVar[int]
     round: int
     sender_worker: str
     reason: str
     copy: bool
-    def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., reason: _Optional[str] = ..., copy: _Optional[bool] = ...) -> None: ...
+    receiver_worker: str
+    def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., reason: _Optional[str] = ..., copy: _Optional[bool] = ..., receiver_worker: _Optional[str] = ...) -> None: ...
 
 class SwapReport(_message.Message):
     __slots__ = ("round", "sent", "received", "sent_payload_bytes", "sent_message_bytes", "error", "refused")
@@ -329,10 +333,24 @@ class Heartbeat(_message.Message):
     def __init__(self, unix_ms: _Optional[int] = ...) -> None: ...
 
 class Stop(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "failed")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    failed: bool
+    def __init__(self, reason: _Optional[str] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class Fault(_message.Message):
+    __slots__ = ("code", "message", "where", "iteration")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    where: str
+    iteration: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., where: _Optional[str] = ..., iteration: _Optional[int] = ...) -> None: ...
 
 class ModelPart(_message.Message):
     __slots__ = ("round", "model", "header", "data")

@@ -101,6 +101,10 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         await self.connection.send(pb.ServerMessage(swap_cancel=pb.SwapCancel(
             round=swap_round, sender_worker=sender, reason=reason, copy=kind == COPY)))
 
+    async def cancel_push(self, swap_round: int, receiver: str, reason: str) -> None:
+        await self.connection.send(pb.ServerMessage(swap_cancel=pb.SwapCancel(
+            round=swap_round, receiver_worker=receiver, reason=reason)))
+
     # -- the worker's messages ---------------------------------------------------------------
     async def _on_feedback(self, feedback: pb.Feedback) -> None:
         future = self._steps.get(feedback.iteration)

@@ -23,13 +23,25 @@ class StreamBroken(ServerGone):
     """The stream ended without a stop (the server restarted, the network blipped): reconnect."""
 
 
+class WorkerFailed(Exception):
+    """This worker's own exception: told to the server as a Fault (one line), then the worker exits 1."""
+
+
+class RunFailed(Exception):
+    """The server stopped the run because it failed on its side: the worker exits 1 (its state kept,
+    for a resume)."""
 
 
 class WorkerAlgorithm:
     """One algorithm's part of a worker: built at the first welcome of a run (the spec's
     `algorithm` picks the class, services/worker/algorithms/__init__.py), it takes the server's
     messages of that algorithm only and answers them through `node.write(call, message)`; `node`
-    is a WorkerContext (services/worker/context.py), all it may use of the connection. The node keeps the connection (join, welcome, heartbeats, reconnects, stop, rejections)."""
+    is a WorkerContext (services/worker/context.py), all it may use of the connection. The node
+    keeps the connection (join, welcome, heartbeats, reconnects, stop, rejections, faults).
+
+    An exception a receiver raises (other than the errors above) is this worker's fault: the node
+    reports it to the server and the worker exits. Work in a task of its own reports its exception
+    through `node.fail(where, exc)`."""
 
     name: ClassVar[str] = ""
     trained_iteration = 0  # the last iteration this worker trained (sent in the join of a rejoin)

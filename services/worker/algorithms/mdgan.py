@@ -59,6 +59,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         self._swaps: set[asyncio.Task] = set()  # swaps under way (a swap_cancel may come meanwhile)
         self._background: dict[int, tuple] = {}  # background round -> (its order, our push, when it began)
+        self._pushes: dict[int, asyncio.Task] = {}  # swap round -> our push under way
+        self._receiver_left: dict[int, str] = {}  # swap round -> why our push was called off
 
     def continues(self, config: TrainingConfig) -> bool:
         return self.side.config == config  # back in the same run: keep our discriminator
@@ -99,6 +101,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             task.cancel()
         self._swaps.clear()
         self._background.clear()
+        self._pushes.clear()
+        self._receiver_left.clear()
         channels, self._peer_channels = self._peer_channels, {}  # a later session opens its own
         for channel in channels.values():
             await channel.close()
@@ -208,18 +212,28 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         self._swaps.add(asyncio.create_task(self._report_when_done(call, install.round, self._install(install))))
 
     async def _on_swap_cancel(self, call, cancel: pb.SwapCancel) -> None:
+        if cancel.receiver_worker:  # the peer we push to left: our push would retry it until the deadline
+            log.warning("swap %d: %s, whom we push to, left (%s)", cancel.round, cancel.receiver_worker, cancel.reason)
+            push = self._pushes.get(cancel.round)
+            if push is not None and not push.done():
+                self._receiver_left[cancel.round] = f"{cancel.receiver_worker} left ({cancel.reason})"
+                push.cancel()
+            return
         log.warning("%s %d: %s left (%s)", "copy" if cancel.copy else "swap", cancel.round, cancel.sender_worker,
                     cancel.reason)
         (self.copies if cancel.copy else self.mailbox).deliver(cancel.round, cancel.sender_worker, None)
 
     async def _report_when_done(self, call, swap_round: int, swapping) -> None:
-        report = await swapping
+        try:
+            report = await swapping
+        except Exception as exc:  # our own error while swapping: the worker fails (in a task nobody awaits)
+            self.node.fail(f"swapping (round {swap_round})", exc)
+            return
         try:
             await self.node.write(call, pb.WorkerMessage(swap_report=report))
         except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             # The stream ended while we swapped (a swap takes up to the swap deadline): the read loop
-            # finds that out and reconnects. Raised here, in a task nobody awaits, it was logged as
-            # "Task exception was never retrieved", with a traceback.
+            # finds that out and reconnects.
             log.info("swap %d: the report was not sent (%s)", swap_round, exc)
 
     async def _copy(self, order: pb.SwapOrder) -> pb.SwapReport:
@@ -254,7 +268,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         started = time.perf_counter()
         # Ours goes out while we wait for our peer's: a round takes one swap deadline at most, not a push
         # deadline and then a wait deadline that began only after it (docs/WIDE_AREA.md).
-        push = asyncio.ensure_future(self._send(order, self._snapshot()))
+        push = self._pushes[order.round] = asyncio.ensure_future(self._send(order, self._snapshot()))
         errors: list[str] = []
         try:
             received, refused = await self._take(order, errors)
@@ -262,6 +276,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             push.cancel()
             raise
         sent, sent_payload, sent_messages, push_errors = await push
+        self._pushes.pop(order.round, None)
         return self._report(order, started, sent, received, sent_payload, sent_messages, push_errors + errors, refused)
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
@@ -274,7 +289,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
     def _begin_background(self, order: pb.SwapOrder) -> None:
         """A background round (--swap-lag): the snapshot now, in the order's handler, before the next
         batches are read (the same boundary as in simulate); the push goes on while we train."""
-        push = asyncio.create_task(self._send(order, self._snapshot(), deadline=False))
+        push = self._pushes[order.round] = asyncio.create_task(self._send(order, self._snapshot(), deadline=False))
         self._swaps.add(push)
         self._background[order.round] = (order, push, time.perf_counter())
 
@@ -285,6 +300,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         if entry is None:
             return pb.SwapReport(round=install.round, error=f"no background swap order for round {install.round}")
         order, push, started = entry
+        self._pushes.pop(install.round, None)
         errors: list[str] = []
         installing = time.monotonic()
         received, refused = await self._take(order, errors, check=True)
@@ -302,10 +318,17 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
 
     async def _send(self, order: pb.SwapOrder, state: dict[str, torch.Tensor],
                     deadline: bool = True) -> tuple[bool, int, int, list[str]]:
-        """Push `state` to order.send_to: (sent, payload bytes, message bytes, errors); never raises."""
+        """Push `state` to order.send_to: (sent, payload bytes, message bytes, errors); raises only when
+        cancelled for another reason than its receiver's departure."""
         try:
             sent_payload, sent_messages = await self._push(order, state, deadline=deadline)
             return True, sent_payload, sent_messages, []
+        except asyncio.CancelledError:
+            why = self._receiver_left.pop(order.round, None)
+            if why is None:
+                raise
+            asyncio.current_task().uncancel()
+            return False, 0, 0, [f"push to {order.send_to_worker} called off: {why}"]
         except PushRefused as exc:  # sent, as in simulate; the receiver kept its own D (its report says why)
             return True, exc.payload, exc.messages, [f"{order.send_to_worker} refused our discriminator: {exc.details}"]
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:

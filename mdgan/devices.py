@@ -1,0 +1,26 @@
+"""Where a process computes, and what makes CUDA's arithmetic repeatable.
+
+On CUDA the same run on the same card gives the same generator, and `mdgan local` the same as
+`mdgan simulate`, bit for bit, only with deterministic kernels: cuBLAS with a fixed workspace
+(CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts), cuDNN without benchmarking, and PyTorch's
+deterministic implementations (an embedding's backward, a transposed convolution's) where the
+default ones accumulate with atomics in any order. docs/ARCHITECTURES.md ("On a GPU") says what this
+costs and which ops stay outside it."""
+
+from __future__ import annotations
+
+import os
+
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's documented setting for reproducible results
+
+
+def deterministic(device: str) -> None:
+    """Once per process that computes on `device`, before its first CUDA kernel; nothing on a CPU.
+    An op without a deterministic CUDA implementation warns (warn_only) instead of failing the run."""
+    if device == "cpu":
+        return
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)

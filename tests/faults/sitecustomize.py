@@ -1,0 +1,78 @@
+"""Fault injection for the tests' service processes: with this folder on PYTHONPATH, Python imports
+this module at start-up, and MDGAN_TEST_FAULT makes a named function raise inside the real process.
+
+MDGAN_TEST_FAULT is a JSON list of faults, each
+    {"target": "package.module:Class.method" (or "package.module:function"),
+     "worker": "worker-1" (optional: only in that worker; read from the method's self),
+     "after": K (optional: the first K calls go through; default 0),
+     "error": "RuntimeError" (optional: the exception class, a builtin),
+     "message": "..." (optional)}
+The target is replaced in its module before anything imports it by name, so every caller gets the
+faulty one. Nothing happens without the variable: the product never reads it."""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import importlib
+import inspect
+import json
+import os
+
+
+def _worker_of(args) -> str | None:
+    """The worker a method runs for, from its self (an algorithm, a servicer, a handle or a node)."""
+    if not args:
+        return None
+    owner = args[0]
+    for path in (("node", "worker_id"), ("worker_id",), ("connection", "worker_id")):
+        value = owner
+        for name in path:
+            value = getattr(value, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def faulty(function, fault: dict):
+    error = getattr(builtins, fault.get("error", "RuntimeError"))
+    message = fault.get("message", f"injected fault in {fault['target']}")
+    after, worker = int(fault.get("after", 0)), fault.get("worker")
+    calls = {"n": 0}
+
+    def due(args) -> bool:
+        if worker is not None and _worker_of(args) != worker:
+            return False
+        calls["n"] += 1
+        return calls["n"] > after
+
+    if inspect.iscoroutinefunction(function):
+        @functools.wraps(function)
+        async def wrapper(*args, **kwargs):
+            if due(args):
+                raise error(message)
+            return await function(*args, **kwargs)
+    else:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if due(args):
+                raise error(message)
+            return function(*args, **kwargs)
+    return wrapper
+
+
+def _install(fault: dict) -> None:
+    module_name, _, qualified = fault["target"].partition(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualified.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = inspect.getattr_static(owner, name)
+    if isinstance(original, staticmethod):
+        setattr(owner, name, staticmethod(faulty(original.__func__, fault)))
+    else:
+        setattr(owner, name, faulty(original, fault))
+
+
+for _fault in json.loads(os.environ.get("MDGAN_TEST_FAULT") or "[]"):
+    _install(_fault)
