@@ -51,9 +51,9 @@ def wire_payload(run_dir) -> dict[tuple[str, str], int]:
 
 
 @pytest.mark.slow
-def test_local_equals_simulate_bit_for_bit_and_the_wire_carries_the_formula(tmp_path):
+def test_local_equals_simulate_bit_for_bit_and_the_wire_carries_the_formula(tmp_path, device):
     flags = ["--algorithm", "dpgan", "--workers", "3", "--iterations", "6", "--disc-steps", "2", "--seed", "2",
-             "--dataset", "synthetic", "--no-progress"]
+             "--dataset", "synthetic", "--no-progress", "--device", device]
     mdgan("local", *flags, "--out", str(tmp_path / "local"))  # mutual TLS: a throwaway CA in local/tls
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")

@@ -33,9 +33,9 @@ def table_iii(iterations: int, workers: int, b: int, swaps: int) -> dict:
             "worker_to_worker": swaps * workers * THETA * 4}
 
 
-def test_local_cluster_and_simulation_end_with_the_same_generator(tmp_path, mnist_root):
+def test_local_cluster_and_simulation_end_with_the_same_generator(tmp_path, mnist_root, device):
     flags = ["--workers", "3", "--kappa", "2", "--iterations", "12", "--batch-size", "10", "--disc-steps", "2",
-             "--swap-every", "5", "--seed", "4", "--data-root", mnist_root, "--no-progress"]
+             "--swap-every", "5", "--seed", "4", "--data-root", mnist_root, "--no-progress", "--device", device]
     # workers 0 and 1 share a process, worker 2 has one of its own: a swap crosses both kinds of boundary
     mdgan("local", *flags, "--workers-per-process", "2", "--out", str(tmp_path / "local"))
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
@@ -87,13 +87,13 @@ def test_local_cluster_and_simulation_end_with_the_same_generator(tmp_path, mnis
     assert "C->W" in table and "W->W" in table and "NO" not in table
 
 
-def test_background_swaps_over_grpc_equal_the_in_process_run_refusals_included(tmp_path, mnist_root):
+def test_background_swaps_over_grpc_equal_the_in_process_run_refusals_included(tmp_path, mnist_root, device):
     """--swap-lag 3: the discriminators of a round leave at its boundary and are installed 3 iterations later,
     on both transports at the same points; a member pushing a sign-flipped D is refused at the install, by
     the same check; Table III's bytes are those of the barrier's rounds."""
     flags = ["--workers", "3", "--iterations", "13", "--batch-size", "10", "--swap-every", "5", "--seed", "4",
              "--swap-lag", "3", "--byzantine", "1", "--attack", "swap-sign-flip", "--data-root", mnist_root,
-             "--no-progress"]
+             "--no-progress", "--device", device]
     mdgan("local", *flags, "--out", str(tmp_path / "local"))
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
@@ -165,9 +165,9 @@ def test_workers_can_take_shards_the_server_assigns(tmp_path):
     assert "assigned shard" in workers[0].log() + workers[1].log()
 
 
-def test_flgan_over_grpc_equals_flgan_in_process_and_table_iii(tmp_path):
+def test_flgan_over_grpc_equals_flgan_in_process_and_table_iii(tmp_path, device):
     flags = ["--algorithm", "flgan", "--workers", "3", "--iterations", "10", "--swap-every", "4", "--seed", "2",
-             "--dataset", "synthetic", "--no-progress"]
+             "--dataset", "synthetic", "--no-progress", "--device", device]
     mdgan("local", *flags, "--workers-per-process", "1", "--out", str(tmp_path / "local"))  # a process each
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")

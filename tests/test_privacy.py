@@ -123,10 +123,11 @@ def test_a_private_site_judges_an_incoming_discriminator_on_generated_samples_on
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["mdgan", "flgan"])
-def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path, algorithm):
+def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path, algorithm,
+                                                                                         device):
     flags = ["--workers", "2", "--iterations", "12", "--swap-every", "4", "--seed", "5", "--batch-size", "8",
              "--dataset", "synthetic", "--dp-noise-multiplier", "1.3", "--dp-max-grad-norm", "0.7", "--no-progress",
-             "--algorithm", algorithm]
+             "--algorithm", algorithm, "--device", device]
     runs = {}
     for mode in ("simulate", "local"):
         out = tmp_path / mode

@@ -39,10 +39,10 @@ def per_iteration(workers: int, b: int, rounds: int) -> int:
     return workers * (4 * b * D + 4 * rounds * b)
 
 
-def test_local_equals_simulate_bit_for_bit_and_the_counters_equal_the_formula(tmp_path):
+def test_local_equals_simulate_bit_for_bit_and_the_counters_equal_the_formula(tmp_path, device):
     flags = ["--algorithm", "pwgan", "--workers", "3", "--iterations", "8", "--batch-size", "10", "--disc-steps", "2",
              "--potential-rounds", "3", "--potential-lr", "0.5", "--gradient-penalty", "5", "--seed", "4",
-             "--dataset", "synthetic", "--no-progress"]
+             "--dataset", "synthetic", "--no-progress", "--device", device]
     mdgan("local", *flags, "--out", str(tmp_path / "local"))  # mutual TLS, a throwaway CA
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")

@@ -39,11 +39,11 @@ def test_float16_halves_table_iii_and_local_equals_simulate(tmp_path, mnist_root
         assert row["ratio_to_fp32"] == 0.5
 
 
-def test_int8_local_equals_simulate_at_a_quarter_of_the_bytes(tmp_path, mnist_root):
+def test_int8_local_equals_simulate_at_a_quarter_of_the_bytes(tmp_path, mnist_root, device):
     # with an emulated attacker (mdgan-worker --attack) and a robust rule on the way: both transports
     # still agree bit for bit (the attacker's noise is seeded, the median is summed in rank order)
     local, simulated = _local_and_simulated(tmp_path, mnist_root, "int8", "--aggregation", "median",
-                                            "--byzantine", "1", "--attack", "noise")
+                                            "--byzantine", "1", "--attack", "noise", "--device", device)
     assert local["generator_sha256"] == simulated["generator_sha256"]
     assert "emulating a Byzantine worker" in (tmp_path / "local" / "logs" / "worker-2.log").read_text()
     b = 10

@@ -328,7 +328,7 @@ class CriticSide:
         gen_loss = w + F.cross_entropy(out[:, 1:], b["labels"]) if spec.conditional else w
         (feedback,) = torch.autograd.grad(gen_loss, x)  # (n_g, *shape)
         self._batch, self._plan, self._iteration = {}, None, None  # the iteration is over
-        return CriticResult(feedback.cpu(), w.item(), disc_loss.item(), trained - started,
+        return CriticResult(feedback, w.item(), disc_loss.item(), trained - started,
                             time.perf_counter() - trained)
 
 

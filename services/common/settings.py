@@ -45,7 +45,8 @@ def program_version() -> str:
 
 EXIT_CODES = """exit status:
   0    done (the run finished, or the command did what it was asked)
-  1    the system refused (a folder that cannot be made, a full disk), or a service failed
+  1    the run failed: a worker's or the server's own error, or the run stopped early; the last line
+       says who and why (mdgan local prints it)
   2    a bad setting or input, said in one line (a flag, a variable, a data file, a certificate)
   3    (mdgan-worker) the server refused this worker: its reason is in the log
   128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM); a stopped run resumes with --resume"""
