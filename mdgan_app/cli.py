@@ -311,10 +311,16 @@ def cmd_experiment(args) -> int:
     from services.common.settings import configure_compute
 
     configure_compute(args.threads)
+    if args.dry_run:
+        from mdgan_app.experiment import dry_run, dry_run_table
+
+        report = dry_run(args.config, device=args.device, probe=args.probe, jobs=args.jobs)
+        print(json.dumps(report, indent=2) if args.json else dry_run_table(report))
+        return 0
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does
     try:
         result = run_experiment(args.config, progress=show_progress(args), only_plot=args.plot_only,
-                                jobs=args.jobs, threads=args.threads, keep=args.keep)
+                                jobs=args.jobs, threads=args.threads, keep=args.keep, device=args.device)
     except Terminated as exc:
         print(f"mdgan experiment: {exc}: stopped; run it again to resume", file=sys.stderr)
         return 128 + exc.signum
@@ -545,8 +551,15 @@ def build_parser() -> argparse.ArgumentParser:
                             help="copy each finished run's record (settings, summary, evaluations, samples) and "
                                  "the tables and plots into DIR, and take runs finished there as done: an "
                                  "experiment of many days on machines that keep nothing else")
+    experiment.add_argument("--dry-run", action="store_true",
+                            help="train nothing: time each unfinished run's first --probe iterations here (in a "
+                                 "temporary folder) and print how long each and all would take on this device")
+    experiment.add_argument("--probe", type=int, default=20, help="--dry-run: iterations timed per run")
+    experiment.add_argument("--json", action="store_true", help="--dry-run: print the estimate as JSON")
     add_threads_argument(experiment, default=1)
-    experiment.set_defaults(func=cmd_experiment)
+    # --device: every run's (cpu, cuda or cuda:N); unset, each run's own `device` (cpu by default). With
+    # --jobs K on a GPU, K runs share the card.
+    experiment.set_defaults(func=cmd_experiment, device=None)
     sample = command("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")
     sample.add_argument("run", help="run directory (holding checkpoint.pt and summary.json)")
     sample.add_argument("--n", type=int, default=100, help="number of samples")

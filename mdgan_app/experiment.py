@@ -503,16 +503,117 @@ def _run_in_child(task: tuple[dict, str, int]) -> str:
     return run["name"]
 
 
-def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jobs: int = 1,
-                   threads: int = 1, keep: str | None = None) -> dict:
-    """Runs what has not finished, then collects and plots. jobs > 1: that many runs at once, each in
-    its own process with `threads` torch threads (runs are independent and deterministic, so the
-    results are those of running them one by one). keep: a folder of finished runs' records, read
-    before and written after (and after each run)."""
+def _on_device(runs: list[dict], device: str | None) -> list[dict]:
+    """The runs with their `device` set to `device` (None: as the experiment says), checked."""
+    if device is not None:
+        TrainingConfig(device=device).validate()  # a device that is not here: one line, before anything
+        runs = [{**run, "device": device} for run in runs]
+    return runs
+
+
+def device_name(device: str) -> str:
+    """What computes on `device`: the GPU's name, or the CPU's model and how many cores this process has."""
+    import torch
+
+    if device != "cpu":
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    model = "CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {len(scheduling.usable_cpus())} cores, {torch.get_num_threads()} torch threads"
+
+
+PROBE_WARMUP = 3  # a probe's first iterations, not counted (allocations, CUDA kernels' first launches)
+
+
+def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1) -> dict:
+    """How long each run of the experiment that has not finished would take here: the first `probe`
+    iterations of each, trained as the run trains them (in a temporary folder: nothing is written under
+    the experiment's `out`), timed after PROBE_WARMUP of them (the median iteration), times the run's
+    iterations. Evaluations come on top (each scores eval_samples images every eval_every iterations)."""
+    import statistics
+    import tempfile
+
+    if probe <= PROBE_WARMUP:
+        raise ConfigError(f"--probe must be more than {PROBE_WARMUP} iterations, not {probe}")
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
     config = load_config(path)
-    runs = expand(config)
+    runs = _on_device(expand(config), device)
+    for run in runs:
+        training_config(run)  # every run's settings checked before the first probe
+    rows = []
+    for run in runs:
+        if os.path.exists(os.path.join(config["out"], "runs", run["name"], "summary.json")):
+            rows.append({"name": run["name"], "finished": True})
+            continue
+        first = min(probe, run["iterations"])
+        with tempfile.TemporaryDirectory(prefix="mdgan-dry-run-") as scratch:
+            run_one(run, scratch, progress=False, first=first)
+            with open(os.path.join(scratch, "history.jsonl"), encoding="utf-8") as fh:
+                seconds = [json.loads(line)["seconds"] for line in fh if line.strip()]
+        timed = seconds[PROBE_WARMUP:] or seconds
+        per_iteration = statistics.median(timed)
+        rows.append({"name": run["name"], "finished": False, "device": run["device"],
+                     "seconds_per_iteration": per_iteration, "iterations": run["iterations"],
+                     "expected_seconds": per_iteration * run["iterations"]})
+    todo = [r["expected_seconds"] for r in rows if not r["finished"]]
+    return {"experiment": config["name"], "machine": device_name(runs[0]["device"] if runs else "cpu"),
+            "probe_iterations": probe, "jobs": jobs, "runs": rows, "one_at_a_time_seconds": sum(todo),
+            # K runs at once finish in about the longest of K queues of the runs, if the device serves K as fast
+            # as one; a GPU kept busy by one run serves K slower, which only the runs themselves measure
+            "with_jobs_seconds": _longest_queue(todo, jobs)}
+
+
+def _longest_queue(durations: list[float], jobs: int) -> float:
+    """When `jobs` workers take the runs in order, each the next as it becomes free: the last one's end."""
+    ends = [0.0] * jobs
+    for duration in durations:
+        ends[ends.index(min(ends))] += duration
+    return max(ends, default=0.0)
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def dry_run_table(report: dict) -> str:
+    """The dry run as a person reads it."""
+    lines = [f"{report['experiment']}: expected time on {report['machine']} (each run timed over its first "
+             f"{report['probe_iterations']} iterations; evaluations not included)"]
+    width = max((len(r["name"]) for r in report["runs"]), default=4)
+    for row in report["runs"]:
+        if row["finished"]:
+            lines.append(f"  {row['name']:<{width}}  finished")
+        else:
+            lines.append(f"  {row['name']:<{width}}  {row['seconds_per_iteration'] * 1000:8.1f} ms an iteration x "
+                         f"{row['iterations']:,} = {format_duration(row['expected_seconds'])}")
+    lines.append(f"  all: {format_duration(report['one_at_a_time_seconds'])} one run at a time")
+    if report["jobs"] > 1:
+        lines.append(f"  with --jobs {report['jobs']}: about {format_duration(report['with_jobs_seconds'])}, if the "
+                     f"device serves {report['jobs']} runs at once as fast as one (it serves them slower when one "
+                     "run keeps it busy)")
+    return "\n".join(lines)
+
+
+def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jobs: int = 1,
+                   threads: int = 1, keep: str | None = None, device: str | None = None) -> dict:
+    """Runs what has not finished, then collects and plots. jobs > 1: that many runs at once, each in
+    its own process with `threads` torch threads (runs are independent and deterministic, so the
+    results are those of running them one by one; on a GPU they share the card). keep: a folder of
+    finished runs' records, read before and written after (and after each run). device: every run's
+    (None: each run's own `device`, cpu by default)."""
+    if jobs < 1:
+        raise ConfigError(f"jobs must be at least 1, not {jobs}")
+    config = load_config(path)
+    runs = _on_device(expand(config), device)
     out = config["out"]
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     if keep:

@@ -351,3 +351,44 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, changed),
                            "--no-progress", "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode != 0 and "other settings" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_dry_run_times_each_unfinished_run_here_and_writes_nothing(tmp_path, capsys):
+    from mdgan_app.cli import main
+    from mdgan_app.experiment import dry_run
+
+    out = tmp_path / "out"
+    path = _write(tmp_path, {"name": "probe", "out": str(out), "base": {
+        "dataset": "synthetic", "workers": 2, "iterations": 400, "eval_every": -1},
+        "runs": [{"algorithm": "mdgan"}, {"algorithm": "flgan"}, {"algorithm": "standalone"}]})
+    report = dry_run(path, probe=5, jobs=2)
+    assert not out.exists()  # nothing under the experiment's out
+    timed = [r for r in report["runs"] if not r["finished"]]
+    assert [r["name"] for r in timed] == ["mdgan-N2", "flgan-N2", "standalone-N1"] and report["jobs"] == 2
+    for row in timed:
+        assert row["seconds_per_iteration"] > 0 and row["expected_seconds"] == row["seconds_per_iteration"] * 400
+    total = sum(r["expected_seconds"] for r in timed)
+    assert report["one_at_a_time_seconds"] == pytest.approx(total)
+    assert max(r["expected_seconds"] for r in timed) <= report["with_jobs_seconds"] <= total
+    assert report["machine"].startswith(("CPU", "Intel", "AMD")) or "cores" in report["machine"]
+
+    assert main(["experiment", path, "--dry-run", "--probe", "4", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("probe: expected time on ") and "first 4 iterations" in lines[0]
+    assert [line.split()[0] for line in lines[1:4]] == ["mdgan-N2", "flgan-N2", "standalone-N1"]
+    assert "ms an iteration x 400 = " in lines[1] and lines[4].startswith("  all: ")
+    assert not out.exists()
+
+
+def test_an_experiments_device_is_every_runs_and_a_missing_one_is_one_line(tmp_path):
+    from mdgan_app.experiment import _on_device
+
+    runs = expand(load_config(_write(tmp_path, {"out": str(tmp_path / "o"), "runs": [{"kappa": 1}, {"kappa": 2}]})))
+    assert {r["device"] for r in _on_device(runs, None)} == {"cpu"}
+    assert {r["device"] for r in _on_device(runs, "cpu")} == {"cpu"}
+    with pytest.raises(ConfigError, match="--device must be cpu, cuda or cuda:N, got 'tpu'"):
+        _on_device(runs, "tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            run_experiment(_write(tmp_path, {"out": str(tmp_path / "o"), "runs": [{"kappa": 1}]}), device="cuda")
+        assert not (tmp_path / "o").exists()
