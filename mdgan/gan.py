@@ -172,15 +172,40 @@ class GeneratorSide:
 
 @dataclass
 class StepResult:
+    """A worker's answer. Its losses and accuracies may be 0-dim float32 tensors on D's device, as a step
+    leaves them: read_stats reads those of a whole iteration to the host at once."""
+
     feedback: torch.Tensor  # F_n: (b, *sample_shape) float32
-    disc_loss: float
-    gen_loss: float  # J_gen(X_g) under this worker's D
-    real_accuracy: float  # share of real samples D calls real (last D step)
-    fake_accuracy: float  # share of X_d samples D calls generated (last D step)
+    disc_loss: float | torch.Tensor
+    gen_loss: float | torch.Tensor  # J_gen(X_g) under this worker's D
+    real_accuracy: float | torch.Tensor  # share of real samples D calls real (last D step)
+    fake_accuracy: float | torch.Tensor  # share of X_d samples D calls generated (last D step)
     disc_seconds: float = 0.0  # wall time of the L discriminator steps
     feedback_seconds: float = 0.0  # wall time of computing F_n
     epsilon: float = float("nan")  # DP: the epsilon this site has spent so far (nan: not private)
     delta: float = float("nan")  # DP: the delta it is spent at
+
+
+STATS = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy")
+
+
+def read_stats(results: list[StepResult]) -> list[StepResult]:
+    """The results with their losses and accuracies as floats: the tensors among them read from their
+    device in one transfer a device (one host synchronisation, where an .item() each was one each). The
+    same floats as .item() gives: float32 values, converted exactly."""
+    pending: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+    for i, result in enumerate(results):
+        for name in STATS:
+            value = getattr(result, name)
+            if isinstance(value, torch.Tensor):
+                pending.setdefault(value.device, []).append((i, name, value))
+    if not pending:
+        return results
+    read = [dict() for _ in results]
+    for entries in pending.values():
+        for (i, name, _), value in zip(entries, torch.stack([v for _, _, v in entries]).tolist()):
+            read[i][name] = value
+    return [dataclasses.replace(result, **changes) if changes else result for result, changes in zip(results, read)]
 
 
 class DiscriminatorSide:
@@ -229,8 +254,8 @@ class DiscriminatorSide:
             batch = dataclasses.replace(batch, **{k: None if v is None else v.to(self.device) for k, v in (
                 ("generated", batch.generated), ("generated_labels", batch.generated_labels),
                 ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
-        disc_loss = torch.tensor(float("nan"))
-        real_acc = fake_acc = float("nan")
+        disc_loss = real_acc = fake_acc = float("nan")
+        real_logits = fake_logits = None
         for _ in range(self.config.disc_steps):
             real_logits = disc(real)
             fake_logits = disc(batch.discriminated)
@@ -238,15 +263,17 @@ class DiscriminatorSide:
             self.optimizer.zero_grad(set_to_none=True)
             disc_loss.backward()
             self.optimizer.step()
-            real_acc = (real_logits[:, 0] > 0).float().mean().item()
-            fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
+        if real_logits is not None:  # the last D step's, left on the device (read_stats)
+            disc_loss = disc_loss.detach()
+            real_acc = (real_logits[:, 0] > 0).float().mean()
+            fake_acc = (fake_logits[:, 0] <= 0).float().mean()
         self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
 
         trained = time.perf_counter()
         generated = batch.generated.detach().clone().requires_grad_(True)
         gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
         (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
-        return StepResult(feedback, disc_loss.item(), gen_loss.item(), real_acc, fake_acc,
+        return StepResult(feedback, disc_loss, gen_loss.detach(), real_acc, fake_acc,
                           trained - started, time.perf_counter() - trained)
 
     def _private_step(self, batch: WorkerBatch) -> StepResult:

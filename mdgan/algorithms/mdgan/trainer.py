@@ -24,7 +24,7 @@ from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Tra
 from mdgan.algorithms.mdgan.options import check_lag
 from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
-from mdgan.gan import GeneratorSide, StepResult, WorkerBatch, derangement
+from mdgan.gan import GeneratorSide, StepResult, WorkerBatch, derangement, read_stats
 from mdgan.roster import Roster
 
 log = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ class Trainer:
         answered = time.perf_counter()
         for batch in sent:
             self.count_batch(batch)
-        feedback, stats, lost = [], replies.answers, 0
+        feedback, stats, lost = [], read_stats(replies.answers), 0
         for worker, reply in replies.good:
             self.count_feedback(reply, worker)
             feedback.append((batch_of[worker].generated_index, reply.feedback))
@@ -345,6 +345,7 @@ class Trainer:
         """--sync quorum|async (mdgan/algorithms/mdgan/synchrony.py): wait for some of the workers, not all."""
         started = time.perf_counter()
         issued, stats, rejected, lost, late, waited, updating = await self.partial.exchange(self, t)
+        stats = read_stats(stats)
         self.rejections += rejected
         updated = time.perf_counter()
         swap_round, lost_in_swap = await self._swaps_after(t)

@@ -18,7 +18,7 @@ from mdgan.attacks import make_attacks
 from mdgan.config import ConfigError
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
-from mdgan.gan import DiscriminatorSide, WorkerBatch
+from mdgan.gan import DiscriminatorSide, WorkerBatch, read_stats
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire as wire_traffic
@@ -145,7 +145,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
         # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
         # heartbeats wait at most one step; the server sends nothing else until this feedback.
-        result = self.side.step(batch)
+        (result,) = read_stats([self.side.step(batch)])  # (the wire carries them: one read a step)
         self.trained_iteration = batches.iteration
         if self.slow_factor > 1:  # an emulated straggler
             await asyncio.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
