@@ -305,3 +305,22 @@ def test_bare_services_a_failed_worker_exits_1_and_the_server_goes_on_or_stops(t
             "the run stopped early (10 of 30 iterations): only 1 workers after iteration 10, fewer than "
             "--min-workers 2: worker-1 failed while swapping (round 1): RuntimeError: injected fault in "
             f"{W}.mdgan:MDGANWorker._swap")
+
+
+@pytest.mark.slow
+def test_bare_services_a_server_error_ends_every_process_with_its_line(tmp_path):
+    env = _env({"target": "mdgan.gan:GeneratorSide.update", "after": 8})
+    out = str(tmp_path)
+    server, port = start_server(out, "--workers", "2", "--dataset", "synthetic", "--iterations", "30",
+                                "--swap-every", "10", "--eval-every", "-1", env=env)
+    workers = [start_worker(out, port, i, 2, "--dataset", "synthetic", env=env) for i in range(2)]
+    try:
+        assert server.wait(HANG_GUARD_S) == 1, server.log()
+        assert [w.wait(30) for w in workers] == [1, 1]
+    finally:
+        for proc in (server, *workers):
+            proc.stop()
+    line = "the server failed: RuntimeError: injected fault in mdgan.gan:GeneratorSide.update"
+    assert server.log().rstrip().endswith(line)
+    for worker in workers:
+        assert worker.log().rstrip().endswith(f"the server stopped the run: {line}")

@@ -320,8 +320,9 @@ class WorkerNode:
     async def _end_for_fault(self, task: asyncio.Task) -> None:
         """A fault found outside the session's task: report it on the stream, give the session the time the
         server takes to end the stream, then end the task."""
-        await self._send_fault(self._call)
-        await asyncio.wait([task], timeout=2 * FAULT_REPORT_S)
+        if self._call is not None:  # (between sessions there is nobody to tell)
+            await self._send_fault(self._call)
+            await asyncio.wait([task], timeout=2 * FAULT_REPORT_S)
         if not task.done():
             task.cancel()  # (no stream, or no answer: nothing is left to cut short)
 
