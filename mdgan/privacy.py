@@ -26,6 +26,7 @@ secret (a production deployment would use Opacus's secure_mode, which this proje
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -75,17 +76,24 @@ def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int
     steps = max(1, iterations * disc_steps)
     sigma = spec.noise_multiplier
     if spec.target_epsilon:
-        from opacus.accountants.utils import get_noise_multiplier
-
         try:
-            with warnings.catch_warnings():  # (its search tries tiny sigmas, whose best RDP order is the largest)
-                warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-                sigma = get_noise_multiplier(target_epsilon=spec.target_epsilon, target_delta=delta, sample_rate=q,
-                                             steps=steps, accountant=ACCOUNTANT, epsilon_tolerance=0.01)
+            sigma = _sigma_for(spec.target_epsilon, delta, q, steps)
         except ValueError as exc:
             raise ConfigError(f"--dp-target-epsilon {spec.target_epsilon:g}: no noise reaches it over {steps} steps "
                               f"at sampling rate {q:.3g} and delta {delta:g} ({exc})") from None
     return SitePrivacy(sigma, spec.max_grad_norm, delta, q, steps, spec.target_epsilon or None)
+
+
+@functools.lru_cache(maxsize=64)
+def _sigma_for(target_epsilon: float, delta: float, q: float, steps: int) -> float:
+    """Opacus's search for the sigma that spends `target_epsilon` (seconds a search; a process asks for the
+    same site's several times: the check before the run, then the site's discriminator)."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    with warnings.catch_warnings():  # (its search tries tiny sigmas, whose best RDP order is the largest)
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q, steps=steps,
+                                    accountant=ACCOUNTANT, epsilon_tolerance=0.01)
 
 
 def check_module(module: torch.nn.Module, architecture: str) -> None:

@@ -241,7 +241,7 @@ def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
     assert aucs["private"] <= aucs["plain"] - 0.1, aucs
 
 
-MEMORISE_ITERATIONS = 500
+MEMORISE_ITERATIONS = 250  # 125 epochs of 16 images: far past memorisation (AUC 0.96 plain, 0.49 at epsilon 1)
 
 
 def test_a_site_that_leaves_and_rejoins_keeps_spending_from_its_saved_budget(tmp_path):
