@@ -38,3 +38,9 @@ def mnist_root() -> str:
             pytest.fail(f"MNIST is missing under {DATA_ROOT} (CI needs ../shared/data)")
         pytest.skip(f"MNIST not found under {DATA_ROOT}")
     return DATA_ROOT
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (stable otherwise): with several test processes (-n), the long ones start early and
+    the short ones fill the gaps, instead of one long test running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -27,6 +27,7 @@ def documented_variables() -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_a_services_variable_never_changes_an_mdgan_command(tmp_path):
     """The worker's documented MDGAN_SERVER=host:port once made `mdgan certs issue` exit 2 (read as its
     boolean --server). With every variable the docs name set to a value no command takes, every `mdgan`
@@ -57,6 +58,7 @@ def test_a_services_variable_never_changes_an_mdgan_command(tmp_path):
     assert "[env MDGAN_WORKERS]" in help_of("services.server", "--help")  # the services keep MDGAN_*
 
 
+@pytest.mark.slow
 def test_every_program_has_a_version_and_its_exit_statuses_in_its_help():
     from importlib.metadata import version
 
@@ -77,6 +79,7 @@ def test_no_progress_bar_where_nobody_watches(tmp_path):
     assert "it/s" not in result.stderr and "s/it" not in result.stderr and "\r" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path):
     """--config FILE (TOML, a key per flag) for local, simulate and both services: flag > variable >
     file > default, printed by --print-config; an unknown key or a wrong type is one line naming it."""

@@ -116,6 +116,7 @@ def test_mnist_score_of_500_real_images_is_high(clf, test_set):
         assert s == pytest.approx(_ref_inception_score(clf(x)), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_the_mnist_score_of_the_same_images_is_the_same_whatever_drew_from_the_rng_before(clf, test_set):
     # torchmetrics permutes the samples with the global RNG; the order moved the float64 mean by
     # an ulp, so a crash run and the run without crashes differed in the last digit at the same
@@ -160,6 +161,7 @@ def test_scores_do_not_consume_the_global_rng(clf, test_set):
 # --------------------------------------------------------------------------- #
 # FID
 # --------------------------------------------------------------------------- #
+@pytest.mark.slow
 def test_fid_real_vs_real_far_below_real_vs_noise(clf, test_set):
     x = test_set[0]
     a, b = x[:1000], x[1000:2000]

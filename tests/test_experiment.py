@@ -173,6 +173,7 @@ def test_pwgan_and_dpgan_runs_take_their_options_and_the_runs_table_compares_the
     assert float(rows["mdgan"]["server_to_worker_bytes_per_iteration"]) == 3 * 2 * 5 * 784 * 4  # Table III
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM to the command", "Ctrl-C to its process group", "SIGKILL to the command"])
 def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
     # A SIGTERM or a Ctrl-C used to wait for the runs under way to finish (hours), or to print a
@@ -263,6 +264,7 @@ def test_bands_average_the_seeds_of_a_setting(tmp_path):
         assert os.path.getsize(png) > 1000
 
 
+@pytest.mark.slow
 def test_the_kept_tables_count_each_run_as_it_finishes(tmp_path, mnist_root):
     """An experiment that dies midway (here its second run fails) leaves in its --keep folder the tables
     and plots of the runs finished before, not those of an older collection or none."""
@@ -282,6 +284,7 @@ def test_the_kept_tables_count_each_run_as_it_finishes(tmp_path, mnist_root):
     assert (keep / "fid.png").stat().st_size > 100
 
 
+@pytest.mark.slow
 def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     """--keep DIR: what a multi-day experiment keeps under git. A machine that starts with only DIR
     takes its finished runs as done, draws the same tables, and adds its own runs to DIR."""

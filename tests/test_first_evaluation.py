@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -16,6 +17,7 @@ def _check(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, CHECK, *map(str, args)], cwd=REPO, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_a_table_kept_as_results_csv_is_checked_by_its_first_evaluation(tmp_path, mnist_root):
     config = {"name": "two", "out": str(tmp_path / "out"),
               "base": {"dataset": "mnist", "data_root": mnist_root, "iterations": 8, "eval_every": 4,

@@ -105,6 +105,7 @@ def secrets(api: FakeSecretsAPI, tmp_path, workers: int, token: str = TOKEN) -> 
         cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_charts_pki_makes_what_is_missing_and_keeps_what_exists(api, tmp_path):
     first = secrets(api, tmp_path, 2)
     assert first.returncode == 0, first.stderr

@@ -196,6 +196,7 @@ def test_the_statistics_of_the_audit():
     assert tpr_at_fpr(apart, rng.normal(size=2000), 0.01) > 0.5
 
 
+@pytest.mark.slow
 def test_an_audit_of_a_run_whose_split_cannot_be_recovered_is_one_line(tmp_path):
     from mdgan.audit import audit
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -17,6 +18,7 @@ def _replay(run_dir, iterations: int, mnist_root: str) -> subprocess.CompletedPr
                            "--data-root", mnist_root], cwd=REPO, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_a_kept_crash_run_replays_to_the_last_digit_and_a_changed_record_is_found(tmp_path, mnist_root):
     keep = tmp_path / "kept"
     config = {"name": "crashes", "out": str(tmp_path / "out"),

@@ -57,6 +57,7 @@ def check(board, client, run, iterations: int) -> None:
     assert len(client.list_artifacts(run.info.run_id, "samples")) >= 2  # a grid at every evaluation
 
 
+@pytest.mark.slow
 def test_simulate_tracks_to_tensorboard_and_mlflow_and_trains_the_same_generator(tmp_path, mnist_root):
     common = ["simulate", "--dataset", "mnist", "--data-root", mnist_root, *TRAINING]
     mdgan(*common, "--out", str(tmp_path / "plain"))
@@ -78,6 +79,7 @@ def test_mdgan_local_tracks_from_the_server(tmp_path, mnist_root):
     check(board, client, run, 12)
 
 
+@pytest.mark.slow
 def test_a_tracking_server_that_is_not_there_never_stops_the_run(tmp_path):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
