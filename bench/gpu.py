@@ -27,10 +27,12 @@ WARMUP = 5  # first iterations not counted (allocation, cuDNN's and CUDA's first
 class BusySampler:
     """The GPU's utilization (percent of time a kernel ran, NVML's), sampled while a run trains."""
 
-    def __init__(self, index: int):
-        self.index, self.samples, self._process = index, [], None
+    def __init__(self, index: int | None):
+        self.index, self.samples, self._process = index, [], None  # index None: the CPU, nothing to sample
 
     def __enter__(self):
+        if self.index is None:
+            return self
         try:
             self._process = subprocess.Popen(
                 ["nvidia-smi", f"--id={self.index}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
@@ -64,7 +66,7 @@ def time_run(command: str, device: str, workers: int, iterations: int, data_root
                 "--eval-every", "-1", "--data-root", data_root, "--out", out, "--no-progress", "--threads", str(threads)]
         index = int(device.partition(":")[2] or 0)
         started = time.perf_counter()
-        with BusySampler(index) if device != "cpu" else _Nothing() as sampler:
+        with BusySampler(index if device != "cpu" else None) as sampler:
             done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
         wall = time.perf_counter() - started
         if done.returncode != 0:
@@ -73,17 +75,6 @@ def time_run(command: str, device: str, workers: int, iterations: int, data_root
             seconds = [json.loads(line)["seconds"] for line in fh if line.strip()]
     timed = seconds[WARMUP:] or seconds
     return {"seconds": statistics.median(timed), "wall": wall, "busy": sampler.busy()}
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def busy(self):
-        return None
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import REPO
-from faults.sitecustomize import faulty
+from faults.sitecustomize import faulty, resolve
 from mdgan.roster import Roster, WorkersFailed
 from procs import start_server, start_worker
 
@@ -125,13 +125,7 @@ async def _run_cluster(out: str, server_flags: list[str], worker_flags=()) -> tu
 
 def _inject(monkeypatch, target: str, worker: str | None = None, after: int = 0) -> str:
     """Patch `target` to raise RuntimeError (in `worker` only, from its call after+1 on); the message."""
-    import importlib
-
-    module_name, _, qualified = target.partition(":")
-    owner = importlib.import_module(module_name)
-    *path, name = qualified.split(".")
-    for part in path:
-        owner = getattr(owner, part)
+    owner, name = resolve(target)
     message = f"injected fault in {name}"
     monkeypatch.setattr(owner, name, faulty(getattr(owner, name), {"target": target, "worker": worker,
                                                                    "after": after, "message": message}))

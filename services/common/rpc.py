@@ -49,8 +49,12 @@ def one_line(exc: BaseException) -> str:
     """An exception as one line for a status or a log: its type and the first line of its text (never
     a traceback), at most MAX_CAUSE_CHARS characters."""
     text = str(exc).strip().splitlines()
-    cause = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return cause if len(cause) <= MAX_CAUSE_CHARS else cause[:MAX_CAUSE_CHARS - 3] + "..."
+    return bounded(f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__)
+
+
+def bounded(line: str) -> str:
+    """A line cut to MAX_CAUSE_CHARS characters (an ellipsis says it was)."""
+    return line if len(line) <= MAX_CAUSE_CHARS else line[:MAX_CAUSE_CHARS - 3] + "..."
 
 
 def message_bytes_for(*tensor_bytes: int) -> int:

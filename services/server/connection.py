@@ -18,7 +18,7 @@ import grpc
 
 from mdgan.algorithms.base import RUN_FINISHED, WorkerLost
 from services.common.proto import coordinator_pb2 as pb
-from services.common.rpc import MAX_CAUSE_CHARS, MalformedMessage
+from services.common.rpc import MalformedMessage, bounded
 from services.common.telemetry import Telemetry
 from services.common.wire import CONTROL
 
@@ -29,8 +29,7 @@ INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]  # 3, the google.rp
 
 def clean_line(text: str) -> str:
     """A worker's text as one printable line, bounded (it reaches the server's logs and its exit line)."""
-    line = " ".join("".join(c if c.isprintable() else " " for c in text).split())
-    return line if len(line) <= MAX_CAUSE_CHARS else line[:MAX_CAUSE_CHARS - 3] + "..."
+    return bounded(" ".join("".join(c if c.isprintable() else " " for c in text).split()))
 
 
 class StreamHandle:

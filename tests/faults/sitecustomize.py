@@ -61,12 +61,18 @@ def faulty(function, fault: dict):
     return wrapper
 
 
-def _install(fault: dict) -> None:
-    module_name, _, qualified = fault["target"].partition(":")
+def resolve(target: str) -> tuple[object, str]:
+    """("package.module:Class.method") -> (the module or class that holds it, its name)."""
+    module_name, _, qualified = target.partition(":")
     owner = importlib.import_module(module_name)
     *path, name = qualified.split(".")
     for part in path:
         owner = getattr(owner, part)
+    return owner, name
+
+
+def _install(fault: dict) -> None:
+    owner, name = resolve(fault["target"])
     original = inspect.getattr_static(owner, name)
     if isinstance(original, staticmethod):
         setattr(owner, name, staticmethod(faulty(original.__func__, fault)))
