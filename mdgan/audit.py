@@ -108,25 +108,32 @@ class AuditSettings:
     generated: int = 5000
     bootstrap: int = 200
     seed: int = 0
+    data_root: str | None = None  # where the run's shared dataset is here (a run of the services records none)
 
 
 def _pick(count: int, size: int, seed: int) -> torch.Tensor:
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:count].sort().values
 
 
-def recover_sites(summary: dict, config: TrainingConfig):
+def recover_sites(summary: dict, config: TrainingConfig, settings: AuditSettings = AuditSettings()):
     """Each site's shard and the held-out images, from the run's record of its data; one clear line
     (ConfigError) when the split cannot be recovered."""
     from mdgan.data import load_all_shards, load_stored_dataset, shard_indices, to_unit_range
 
     data = summary.get("data")
     if not data:
-        if summary.get("site_dirs"):
-            raise ConfigError("this run trained on its sites' own folders (--site-dirs): the audit recovers "
-                              "emulated splits only (give the sites' folders to a run of `mdgan simulate "
-                              "--dataset ...` to audit them)")
-        raise ConfigError("this run's summary.json does not record its data split (runs of `mdgan simulate` record "
-                          "it; `mdgan local` and the services do not yet): nothing to audit against")
+        if summary.get("site_dirs") or summary.get("mode") in ("grpc", "local"):
+            raise ConfigError("this run's workers trained on their sites' own data, not on a split of one dataset: "
+                              "each site audits its own exposure on its own machine (mdgan audit RUN --site-data "
+                              "ITS_FOLDER --held-out ITS_HELD_OUT_FOLDER --state-dir ITS_STATE_DIR)")
+        raise ConfigError("this run's summary.json does not record its data split (a run of an older mdgan): "
+                          "nothing to audit against")
+    data = dict(data)
+    if settings.data_root is not None:
+        data["data_root"] = settings.data_root
+    elif data.get("data_root") is None:
+        raise ConfigError(f"this run records how its workers cut {data['dataset']} into shards, not where that data "
+                          "is on this machine: give --data-root (the folder its workers loaded it from)")
     data = DataConfig(**data)
     try:
         shards = load_all_shards(data, config.model.sample_shape)
@@ -154,9 +161,28 @@ def recover_sites(summary: dict, config: TrainingConfig):
     return shards, held_images.reshape(-1, *config.model.sample_shape), held_labels
 
 
-def load_discriminators(run_dir: str, config: TrainingConfig) -> dict[str, dict] | None:
-    """worker id -> its final D: discriminators.pt (simulate --save-discriminators), else each worker's
-    latest checkpoint (OUT/workers/RUN/worker-K); None when neither exists."""
+def final_discriminator(state_dir: str, run_id: str | None) -> dict | None:
+    """What a worker kept of a finished run in its state dir (STATE/finished/RUN/discriminator.pt):
+    {"discriminator", "worker_id", "run_id", ...}; with run_id None the newest run's. None: nothing kept."""
+    from mdgan import checkpoint
+
+    kept = os.path.join(state_dir, checkpoint.FINISHED_DIR)
+    if run_id is None:
+        try:
+            runs = sorted(os.scandir(kept), key=lambda e: e.stat().st_mtime)
+        except FileNotFoundError:
+            return None
+        if not runs:
+            return None
+        run_id = runs[-1].name
+    path = os.path.join(kept, run_id, checkpoint.FINAL_DISCRIMINATOR_FILE)
+    return checkpoint.load(path) if os.path.exists(path) else None
+
+
+def load_discriminators(run_dir: str, config: TrainingConfig, run_id: str | None = None) -> dict[str, dict] | None:
+    """worker id -> its final D: discriminators.pt (simulate --save-discriminators), else what each worker
+    of `mdgan local` kept at the run's end (OUT/workers/worker-K/finished/RUN), else each worker's
+    latest checkpoint (OUT/workers/RUN/worker-K); None when none exists."""
     from mdgan import checkpoint
 
     path = os.path.join(run_dir, "discriminators.pt")
@@ -164,6 +190,13 @@ def load_discriminators(run_dir: str, config: TrainingConfig) -> dict[str, dict]
         return checkpoint.load(path)["discriminators"]
     root = os.path.join(run_dir, "workers")
     found = {}
+    if run_id and os.path.isdir(root):
+        for name in sorted(os.listdir(root)):
+            kept = final_discriminator(os.path.join(root, name), run_id)
+            if kept is not None:
+                found[kept["worker_id"]] = kept["discriminator"]
+    if found:
+        return found
     if os.path.isdir(root):
         for run_id in os.listdir(root):
             for name in sorted(os.listdir(os.path.join(root, run_id))):
@@ -176,14 +209,67 @@ def load_discriminators(run_dir: str, config: TrainingConfig) -> dict[str, dict]
 
 def audit(run_dir: str, settings: AuditSettings = AuditSettings()) -> dict:
     """Every attack on every site of the run in run_dir: the report that audit.json holds."""
-    from mdgan.models import build_discriminator
     from mdgan.sampling import load_run
 
     run = load_run(run_dir)
     config, summary = run.config, run.summary
+    shards, held_images, held_labels = recover_sites(summary, config, settings)
+    discriminators = load_discriminators(run_dir, config, summary.get("run_id"))
+    nonmember_source = "unused training images" if (summary["data"] or {}).get("max_samples") else "MNIST test set"
+    return _attack(run, [(f"worker-{s.index}", s.images, s.labels) for s in shards], held_images, held_labels,
+                   discriminators, nonmember_source, settings)
+
+
+def audit_site(run_dir: str, site_data: str, held_out: str, dataset: str = "imagefolder",
+               state_dir: str | None = None, settings: AuditSettings = AuditSettings()) -> dict:
+    """One site's own audit, on its own machine: its images (site_data, in the `dataset` format its worker
+    read) the members, images of its own it never trained on (held_out, the same format) the non-members;
+    attacked with the run's final generator (run_dir: its checkpoint.pt, from the server) and, from the
+    worker's state dir, the discriminator it held at the run's end."""
+    from mdgan.sampling import load_run, load_generator
+    from mdgan.sites import load_site, map_labels
+
+    if os.path.exists(os.path.join(run_dir, "summary.json")):
+        run = load_run(run_dir)
+    else:  # the generator alone (checkpoint.pt), as a server's operator may hand it to a site
+        from mdgan.sampling import Run
+
+        generator = load_generator(run_dir)
+        run = Run(run_dir, generator, None, {})
+    spec = run.generator.spec
+    classes = tuple(run.summary.get("classes") or ()) or None
+
+    def images_of(folder: str, what: str):
+        try:
+            site = load_site(dataset, folder)
+            return site.conform(spec.sample_shape), map_labels(site, classes)
+        except (ConfigError, OSError) as exc:
+            raise ConfigError(f"{what} {folder}: {exc}") from None
+
+    members, member_labels = images_of(site_data, "--site-data")
+    held_images, held_labels = images_of(held_out, "--held-out")
+    discriminators, worker = None, "site"
+    if state_dir is not None:
+        kept = final_discriminator(state_dir, run.summary.get("run_id"))
+        if kept is None:
+            raise ConfigError(f"--state-dir {state_dir}: no discriminator kept there for run "
+                              f"{run.summary.get('run_id') or '(the newest)'} (a worker keeps the one it held at a "
+                              "finished run's end, with --state-dir)")
+        worker = kept["worker_id"] or worker
+        discriminators = {worker: kept["discriminator"]}
+    return _attack(run, [(worker, members, member_labels)], held_images, held_labels, discriminators,
+                   f"held-out images of the site ({held_out})", settings)
+
+
+def _attack(run, sites: list[tuple[str, torch.Tensor, torch.Tensor]], held_images: torch.Tensor,
+            held_labels: torch.Tensor, discriminators: dict | None, nonmember_source: str,
+            settings: AuditSettings) -> dict:
+    """Every attack on every site [(worker id, its images (m, *shape), labels (m,))], against non-members
+    drawn from the held-out images: the report."""
+    from mdgan.models import build_discriminator
+
+    summary = run.summary
     algorithm = summary.get("algorithm", "mdgan")
-    shards, held_images, held_labels = recover_sites(summary, config)
-    discriminators = load_discriminators(run_dir, config)
     nonmember_pick = _pick(settings.nonmembers, len(held_labels), settings.seed + 1)
     non_images, non_labels = held_images[nonmember_pick], held_labels[nonmember_pick]
     spec = run.generator.spec
@@ -193,15 +279,14 @@ def audit(run_dir: str, settings: AuditSettings = AuditSettings()) -> dict:
     with torch.no_grad():
         generated = run.generator(z, fake_labels)  # (g, d)
     non_g = generator_distance_scores(generated, non_images)
-    report = {"run": os.path.abspath(run_dir), "algorithm": algorithm, "iterations": summary.get("iterations"),
+    report = {"run": os.path.abspath(run.path), "algorithm": algorithm, "iterations": summary.get("iterations"),
               "privacy": summary.get("privacy"), "settings": settings.__dict__,
-              "nonmember_source": "unused training images" if (summary["data"] or {}).get("max_samples")
-              else "MNIST test set", "discriminators": discriminators is not None, "sites": {}}
+              "nonmember_source": nonmember_source, "discriminators": discriminators is not None, "sites": {}}
     curves = {}
-    for shard in shards:
-        worker = f"worker-{shard.index}"
-        pick = _pick(min(settings.members, len(shard)), len(shard), settings.seed + 3 + shard.index)
-        images, labels = shard.images[pick], shard.labels[pick]
+    for k, (worker, site_images, site_labels) in enumerate(sites):
+        index = int(worker.rpartition("-")[2]) if worker.rpartition("-")[2].isdigit() else k
+        pick = _pick(min(settings.members, len(site_labels)), len(site_labels), settings.seed + 3 + index)
+        images, labels = site_images[pick], site_labels[pick]
         site = {"members": len(pick), "nonmembers": len(nonmember_pick), "attacks": {}}
         member_scores = {"g_distance": generator_distance_scores(generated, images)}
         nonmember_scores = {"g_distance": non_g}
@@ -213,7 +298,7 @@ def audit(run_dir: str, settings: AuditSettings = AuditSettings()) -> dict:
         for attack in ATTACKS:
             if attack in member_scores:
                 site["attacks"][attack] = attack_statistics(member_scores[attack], nonmember_scores[attack],
-                                                            settings.bootstrap, settings.seed + shard.index)
+                                                            settings.bootstrap, settings.seed + index)
                 curves.setdefault(attack, []).append((member_scores[attack], nonmember_scores[attack]))
         report["sites"][worker] = site
     report["summary"] = {}

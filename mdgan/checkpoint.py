@@ -26,6 +26,11 @@ import torch
 
 COMPLETE = "COMPLETE"
 RUN_FILE = "run_identity.json"  # a run directory's identity: {"run_id", "config", ...}
+# A worker's state dir keeps the discriminator it held at each finished run's end (the newest few),
+# for the site's own audit: STATE/finished/RUN/discriminator.pt
+FINISHED_DIR = "finished"
+FINAL_DISCRIMINATOR_FILE = "discriminator.pt"
+FINISHED_KEPT = 5
 _ITERATION_DIR = re.compile(r"^\d{9}$")
 
 

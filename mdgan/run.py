@@ -7,6 +7,7 @@ same files.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -361,12 +362,7 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
         "machine": machine(),
     }
     if config.privacy.enabled:  # DP-SGD (mdgan/privacy.py): what each site spent, by its own accountant
-        sites = result.privacy or {}
-        summary["privacy"] = {
-            "sites": sites, "epsilon_max": max((p["epsilon"] for p in sites.values()), default=None),
-            "noise_multiplier": config.privacy.noise_multiplier or None,
-            "target_epsilon": config.privacy.target_epsilon or None, "max_grad_norm": config.privacy.max_grad_norm,
-            "accountant": "rdp", "sampling": "poisson"}
+        summary["privacy"] = privacy_summary(config, result.privacy or {}, (extra or {}).get("worker_sizes") or {})
     summary.update(extra or {})
     save_sample_grid(generator_side, os.path.join(out_dir, "samples.png"))
     checkpoint.atomic_save({"generator": generator_side.generator.state_dict(),
@@ -385,6 +381,27 @@ def write_outputs(out_dir: str, config: TrainingConfig, generator_side: Generato
                 tracking.artifact(os.path.join(out_dir, name))
         tracking.close()
     return summary
+
+
+def privacy_summary(config: TrainingConfig, spent: dict, worker_sizes: dict) -> dict:
+    """summary.json's privacy: what each site spent (sites: its accountant's report) and the sigma it
+    trained with (noise_multipliers), resolved from the run's settings and its size as the site resolves
+    it (a target epsilon's sigma depends on m_n); noise_multiplier: the sites' sigma when they share one."""
+    from mdgan import privacy
+
+    sigmas = {}
+    for worker, size in worker_sizes.items():
+        try:
+            site = privacy.resolve(config.privacy, size, config.batch_size, config.iterations, config.disc_steps)
+        except ConfigError:  # (a site that could not have trained: it reported nothing either)
+            continue
+        sigmas[worker] = site.noise_multiplier
+    shared = set(sigmas.values())
+    return {"sites": spent, "epsilon_max": max((p["epsilon"] for p in spent.values()), default=None),
+            "noise_multiplier": config.privacy.noise_multiplier or (shared.pop() if len(shared) == 1 else None),
+            "noise_multipliers": sigmas,
+            "target_epsilon": config.privacy.target_epsilon or None, "max_grad_norm": config.privacy.max_grad_norm,
+            "accountant": "rdp", "sampling": "poisson"}
 
 
 def _flat(values: dict, prefix: str = "") -> dict:
@@ -419,24 +436,47 @@ class RunStart:
     config: TrainingConfig
     resumed_from: int | None = None  # None: from iteration 0
     state: dict | None = None  # the server's state at resumed_from
+    new: bool = False  # a new run: start_run writes its identity (and clears what an older run left)
+    replaces_finished: bool = False  # new, in a folder whose finished run it replaces (--overwrite)
 
     @property
     def resuming(self) -> bool:
         return self.resumed_from is not None
 
 
-def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: str | None = None) -> RunStart:
-    """A new run in out_dir (run_identity.json written, old checkpoints removed), or the one already there
-    continued from its last complete checkpoint (its saved config wins over the flags)."""
+class RunFinished(ConfigError):
+    """The run folder holds a finished run, and replacing it was not asked for (--overwrite)."""
+
+
+def is_finished(out_dir: str) -> bool:
+    """A run folder whose run has ended: its summary.json is written last."""
+    return os.path.exists(os.path.join(out_dir, "summary.json"))
+
+
+def check_out_dir(out_dir: str, resume: str = "no", overwrite: bool = False) -> None:
+    """Refuses, reading only, a run that would overwrite a finished one without `overwrite`, or
+    resume one that has finished: called before anything is written to out_dir."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"--resume must be one of {RESUME_MODES}, got {resume!r}")
+    if not is_finished(out_dir):
+        return
+    if resume == "yes":
+        raise RunFinished(f"--resume: the run in {out_dir} has finished (summary.json); nothing to resume")
+    if not overwrite:
+        raise RunFinished(f"--out {out_dir} holds a finished run (summary.json): give --overwrite to replace it "
+                          f"with a new run, or choose another --out")
+
+
+def plan_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: str | None = None,
+             overwrite: bool = False) -> RunStart:
+    """How the run in out_dir starts, reading only: a new run, or the unfinished one there continued from
+    its last complete checkpoint (its saved config wins over the flags). A finished run there is replaced
+    only with `overwrite`; start_run then writes."""
     if run_id is not None:
         check_run_id(run_id)
+    check_out_dir(out_dir, resume, overwrite)
     path = os.path.join(out_dir, checkpoint.RUN_FILE)
-    store = CheckpointStore(os.path.join(out_dir, "checkpoints"))
-    finished = os.path.exists(os.path.join(out_dir, "summary.json"))
-    if resume == "yes" and finished:
-        raise CheckpointError(f"--resume: the run in {out_dir} has finished (summary.json); nothing to resume")
+    finished = is_finished(out_dir)
     if resume != "no" and os.path.exists(path) and not finished:
         saved = checkpoint.read_json(path)
         if run_id is not None and run_id != saved["run_id"]:
@@ -444,6 +484,7 @@ def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: s
         saved_config = replace(TrainingConfig.from_dict(saved["config"]), device=config.device)
         if saved_config != replace(config, device=config.device):
             log.info("resuming with the run's saved configuration, not the flags given")
+        store = CheckpointStore(os.path.join(out_dir, "checkpoints"))
         latest = store.latest_complete()
         if latest is None:  # stopped before its first complete checkpoint: the same run, from the start
             log.warning("run %s has no complete checkpoint: starting it again from iteration 0", saved["run_id"])
@@ -455,16 +496,31 @@ def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: s
         return RunStart(saved["run_id"], saved_config, latest, state)
     if resume == "yes":
         raise CheckpointError(f"--resume: {out_dir} holds no run to resume (no {checkpoint.RUN_FILE})")
+    return RunStart(run_id or uuid.uuid4().hex[:12], config, new=True, replaces_finished=finished)
+
+
+def start_run(out_dir: str, run: RunStart) -> RunStart:
+    """Writes a new run's identity in out_dir (a finished run it replaces is recorded as ended, and an
+    older run's checkpoints and summary are removed); a resumed run is left as it is."""
+    if not run.new:
+        return run
     os.makedirs(out_dir, exist_ok=True)
-    run_id = run_id or uuid.uuid4().hex[:12]
-    if finished:
-        log.info("the run in %s has finished: starting a new one there", out_dir)
+    if run.replaces_finished:
+        log.info("the run in %s has finished: starting a new one there (--overwrite)", out_dir)
         _record_finished_run(out_dir)
-    shutil.rmtree(store.root, ignore_errors=True)  # an earlier run's checkpoints must never be resumed into this one
-    if finished:  # a new run: a crash before its end must not look like the old run's end
-        os.remove(os.path.join(out_dir, "summary.json"))
-    checkpoint.atomic_write_json(path, {"run_id": run_id, "config": config.to_dict()})
-    return RunStart(run_id, config)
+    shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)  # never resumed into this run
+    if run.replaces_finished:  # a new run: a crash before its end must not look like the old run's end
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, "summary.json"))
+    checkpoint.atomic_write_json(os.path.join(out_dir, checkpoint.RUN_FILE),
+                                 {"run_id": run.run_id, "config": run.config.to_dict()})
+    return run
+
+
+def open_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: str | None = None,
+             overwrite: bool = False) -> RunStart:
+    """plan_run, then start_run: for callers with nothing to check in between."""
+    return start_run(out_dir, plan_run(out_dir, config, resume, run_id, overwrite))
 
 
 FINISHED_RUNS_FILE = "finished_runs.json"  # the ids of the runs a run directory held before its current one

@@ -14,7 +14,8 @@ from mdgan.algorithms.base import InProcessRun
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
-from mdgan.run import EvaluationOptions, RunRecorder, RunStart, make_evaluator, open_run, write_outputs
+from mdgan.run import (EvaluationOptions, RunRecorder, RunStart, check_out_dir, make_evaluator, plan_run, start_run,
+                       write_outputs)
 from mdgan.sites import RunClasses, site_shards
 
 DISCRIMINATORS_FILE = "discriminators.pt"  # --save-discriminators: worker id -> its final D (mdgan audit)
@@ -27,7 +28,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
              run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
              site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
              options=None, tensorboard: str | None = None, mlflow: str | None = None,
-             save_discriminators: bool = False, stop_after: int | None = None) -> dict:
+             save_discriminators: bool = False, stop_after: int | None = None, overwrite: bool = False,
+             before_writing=None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
@@ -50,6 +52,9 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     stop_after: train only the run's first this many iterations, as the whole run of config.iterations
     trains them (its rounds, crash schedule and records are the whole run's; experiments/replay.py), and
     write the outputs of the G it holds there. Not with checkpoints: a stopped run is not resumed.
+    overwrite: a finished run in out_dir is replaced by this one (without it: a RunFinished error).
+    before_writing: called once every setting is accepted, before anything is written to out_dir.
+    Every refusal comes before it: a refused run leaves out_dir as it was.
     """
     entry = algorithms.get(algorithm)
     algorithms.refuse(entry, checkpoint_every=checkpoint_every, resume=resume != "no", churn=bool(churn),
@@ -71,7 +76,11 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     devices.deterministic(config.device)
     if stop_after is not None and not 0 < stop_after <= config.iterations:
         raise ConfigError(f"stop_after must be in 1..{config.iterations} (the run's iterations), not {stop_after!r}")
-    run = open_run(out_dir, config, resume, run_id) if entry.durable else RunStart(run_id or "", config)
+    if entry.durable:
+        run = plan_run(out_dir, config, resume, run_id, overwrite)
+    else:
+        check_out_dir(out_dir, resume, overwrite)
+        run = RunStart(run_id or "", config)
     config = run.config
     options = None if entry.options is None else (options or entry.default_options()).check(config)
     if site_dirs:
@@ -84,6 +93,9 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
         from mdgan import privacy
 
         privacy.check_run(config, [len(s) for s in shards])
+    if before_writing is not None:
+        before_writing()
+    start_run(out_dir, run)
     generator_side = GeneratorSide(config)
     evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
                                evaluation.reference, evaluation.large_every, evaluation.large_samples)

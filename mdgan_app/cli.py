@@ -7,6 +7,7 @@ this module never imports gRPC itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -56,22 +57,31 @@ def cmd_simulate(args) -> int:
                                           evaluation_options, training_config)
     from mdgan_app.launcher import _eval_root
 
+    from mdgan.run import check_out_dir
+
     if args.resume:
         take_launch_settings(args)
     configure_compute(args.threads)
     _resolve_workers(args)
     config = training_config(args)
-    with run_dir_lock(args.out, "simulate"):
-        save_launch_settings(args)
+    resume = "yes" if args.resume else "no"
+    check_out_dir(args.out, resume, args.overwrite)
+
+    with contextlib.ExitStack() as held:
+        def accepted() -> None:  # every setting accepted: the run folder is ours from here on
+            held.enter_context(run_dir_lock(args.out, "simulate"))
+            check_out_dir(args.out, resume, args.overwrite)  # (again, now that no other command can write there)
+            save_launch_settings(args)
+
         summary = simulate(
             config, data_config(args, config.workers), args.out, progress=show_progress(args),
             evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
             churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
-            keep_checkpoints=args.keep_checkpoints, resume="yes" if args.resume else "no",
+            keep_checkpoints=args.keep_checkpoints, resume=resume,
             run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
             byzantine=args.byzantine, attack=args.attack,
             options=algorithm_options(args.algorithm, args), tensorboard=args.tensorboard, mlflow=args.mlflow,
-            save_discriminators=args.save_discriminators)
+            save_discriminators=args.save_discriminators, overwrite=args.overwrite, before_writing=accepted)
     _print_summary(summary, args.out)
     return 0
 
@@ -118,12 +128,14 @@ def _check_site_privacy(args, config) -> None:
 
 def cmd_local(args) -> int:
     from mdgan import algorithms
+    from mdgan.run import check_out_dir
     from services.common.settings import algorithm_options, training_config
 
     if args.resume:  # the run's own settings, from its run directory
         take_launch_settings(args)
     _resolve_workers(args)
     config = training_config(args)  # fail here, with a clear message, rather than in a child process
+    check_out_dir(args.out, "yes" if args.resume else "no", args.overwrite)
     _check_site_privacy(args, config)
     if bool(args.byzantine) != bool(args.attack):
         raise ConfigError("--byzantine K and --attack go together")
@@ -142,6 +154,7 @@ def cmd_local(args) -> int:
         raise ConfigError(f"--workers {args.workers}: a cluster on one machine needs {needed} ports (a /metrics "
                           f"port and a Peer service port per worker) and a machine has {MACHINE_PORTS}")
     with run_dir_lock(args.out, "local"):
+        check_out_dir(args.out, "yes" if args.resume else "no", args.overwrite)  # (again, under the lock)
         return _run_local(args)
 
 
@@ -184,6 +197,10 @@ def _run_local(args) -> int:
         summary = json.load(fh)
     summary["mode"] = "local"
     summary["exit_codes"] = codes
+    # what `mdgan audit` recovers each worker's members from (the server knows the split, not the data's folder)
+    summary["site_dirs"] = os.path.abspath(args.site_dirs) if args.site_dirs else None
+    if summary.get("data"):
+        summary["data"]["data_root"] = os.path.abspath(args.data_root)
     from mdgan.checkpoint import atomic_write_json
 
     atomic_write_json(os.path.join(cluster.out, "summary.json"), summary)
@@ -346,11 +363,23 @@ def cmd_audit(args) -> int:
             raise ConfigError(f"--{flag} must be at least 2, got {getattr(args, flag)}")
     if args.bootstrap < 0:
         raise ConfigError(f"--bootstrap must be >= 0, got {args.bootstrap}")
-    report = audit(args.run, AuditSettings(args.members, args.nonmembers, args.generated, args.bootstrap, args.seed))
+    settings = AuditSettings(args.members, args.nonmembers, args.generated, args.bootstrap, args.seed, args.data_root)
+    if args.site_data or args.held_out:
+        if not (args.site_data and args.held_out):
+            raise ConfigError("a site's own audit needs both --site-data (its training images) and --held-out "
+                              "(images of its own it never trained on)")
+        from mdgan.audit import audit_site
+
+        report = audit_site(args.run, args.site_data, args.held_out, args.dataset, args.state_dir, settings)
+    elif args.state_dir:
+        raise ConfigError("--state-dir goes with a site's own audit (--site-data, --held-out)")
+    else:
+        report = audit(args.run, settings)
     written = write_report(report, args.out or os.path.join(args.run, "audit"))
     print(table(report))
     if not report["discriminators"]:
-        print("(no discriminators in the run folder: run `mdgan simulate --save-discriminators` for the D attacks)")
+        print("(no discriminators attacked: run `mdgan simulate --save-discriminators`, or give a site's audit its "
+              "worker's --state-dir, for the D attacks)")
     print("wrote " + ", ".join(written))
     return 0
 
@@ -388,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
         # in-process run and the gRPC cluster agree bit for bit.
         add_threads_argument(p, default=1)
         p.add_argument("--out", default=f"runs/{name}", help="run directory")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace a finished run in --out with this one (without it such a run is refused, and "
+                            "the finished run is left as it is)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         durable = p.add_argument_group("durable runs (MD-GAN)")
         add_durable_arguments(durable, keep_help="complete checkpoints kept (in OUT/checkpoints; workers keep theirs "
@@ -569,8 +601,21 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=cmd_sample)
     audit = command("audit", help="Membership inference against a run's discriminators and generator, per site "
                                   "(docs/PRIVACY.md): AUC and TPR at low FPR with bootstrap intervals.")
-    audit.add_argument("run", help="run directory of `mdgan simulate` (summary.json, checkpoint.pt; the "
-                                   "discriminators from --save-discriminators or the workers' checkpoints)")
+    audit.add_argument("run", help="a finished run's folder (summary.json, checkpoint.pt; the discriminators from "
+                                   "--save-discriminators, or what the workers of `mdgan local` kept)")
+    audit.add_argument("--data-root", default=None,
+                       help="where the run's shared dataset is on this machine (default: where the run read it; a "
+                            "run of the services records its split, not where the data is)")
+    site = audit.add_argument_group("a site's own audit, on its own machine (RUN: the run's checkpoint.pt, from "
+                                    "its server)")
+    site.add_argument("--site-data", metavar="DIR", default=None,
+                      help="the site's training images, as its worker read them: the members")
+    site.add_argument("--held-out", metavar="DIR", default=None,
+                      help="images of the site's own that it never trained on, in the same format: the non-members")
+    site.add_argument("--dataset", choices=("imagefolder", "mnist", "cifar10", "synthetic"), default="imagefolder",
+                      help="the format of both folders (the worker's --dataset)")
+    site.add_argument("--state-dir", metavar="DIR", default=None,
+                      help="the worker's --state-dir: the discriminator it held at the run's end is attacked too")
     audit.add_argument("--members", type=int, default=500, help="each site's training images attacked (at most)")
     audit.add_argument("--nonmembers", type=int, default=1000, help="held-out images attacked")
     audit.add_argument("--generated", type=int, default=5000,

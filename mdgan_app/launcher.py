@@ -367,7 +367,8 @@ class LocalCluster:
                 data = ["--data-root", site_dir(os.path.abspath(a.site_dirs), index), "--bad-images", a.bad_images]
             else:  # emulation: every worker is given the shared dataset and keeps shard i
                 data = ["--num-shards", str(a.workers), "--data-root", a.data_root, "--split-seed", str(a.split_seed),
-                        "--split", a.split, "--dirichlet-alpha", str(a.dirichlet_alpha)]
+                        "--split", a.split, "--dirichlet-alpha", str(a.dirichlet_alpha),
+                        "--max-samples", str(a.max_samples)]
             workers.append((name, [
                 "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
                 "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -85,31 +86,114 @@ def test_the_accountant_is_in_the_state_a_rejoin_or_resume_restores():
         _side(PrivacySpec(noise_multiplier=1.0)).load_state_dict(_side(PrivacySpec()).state_dict())
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--dp-target-epsilon", "0.01"], r"--dp-target-epsilon 0.01: no noise reaches it"),
-    (["--dp-noise-multiplier", "1", "--dp-delta", "0.01"], r"--dp-delta 0.01 must be in \(0, 1/m\)"),
-    (["--dp-noise-multiplier", "0"], r"--dp-noise-multiplier must be > 0"),
-    (["--dp-noise-multiplier", "-2"], r"--dp-noise-multiplier must be > 0"),
-    (["--dp-noise-multiplier", "1", "--algorithm", "pwgan"], r"implemented for mdgan, flgan, standalone only, not "
-                                                              r"--algorithm pwgan"),
-    (["--dp-noise-multiplier", "1", "--architecture", "cnn-mnist", "--dataset", "mnist"],
-     r"MinibatchDiscrimination has no per-sample gradient"),
-    (["--dp-noise-multiplier", "1", "--dp-target-epsilon", "2"], r"not both"),
-])
-@pytest.mark.parametrize("command", ["simulate", "local"])
-def test_a_budget_or_setting_dp_cannot_have_is_one_line_before_anything_runs(tmp_path, capsys, command, flags,
-                                                                              message):
+def _files(folder) -> dict[str, bytes]:
+    """Every file under `folder`, by its path there: what a refused command must leave as it was."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as fh:
+                found[os.path.relpath(path, folder)] = fh.read()
+    return found
+
+
+SMALL_RUN = ["--workers", "2", "--iterations", "4", "--dataset", "synthetic", "--eval-every", "-1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished `mdgan simulate` run: its folder, and every file in it."""
     from mdgan_app.cli import main
 
-    out = tmp_path / "run"
-    code = main([command, "--workers", "2", "--iterations", "20", "--dataset", "synthetic",
-                 "--data-root", os.path.join(REPO, "..", "shared", "data"), "--no-progress", "--out", str(out),
-                 *flags])
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["simulate", *SMALL_RUN, "--out", str(out)]) == 0
+    return out, _files(out)
+
+
+def _refused_in_one_line(capsys, code: int, message: str) -> None:
     stderr = capsys.readouterr().err
     assert code == 2, stderr
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and re.search(message, lines[0]), stderr
-    assert not (out / "history.jsonl").exists() and not (out / "logs").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dp-target-epsilon", "0.01"], r"--dp-target-epsilon 0.01: no noise reaches it"),
+    (["--dp-noise-multiplier", "1", "--dp-delta", "0.01"], r"--dp-delta 0.01 must be in \(0, 1/m\)"),
+    (["--dp-noise-multiplier", "1", "--dp-delta", "0.001"], r"--dp-delta 0.001 must be in \(0, 1/m\)"),  # = 1/m
+    (["--dp-noise-multiplier", "0"], r"--dp-noise-multiplier must be > 0"),
+    (["--dp-noise-multiplier", "-2"], r"--dp-noise-multiplier must be > 0"),
+    (["--dp-noise-multiplier", "1", "--algorithm", "pwgan"], r"implemented for mdgan, flgan, standalone only, not "
+                                                              r"--algorithm pwgan"),
+    (["--dp-noise-multiplier", "1", "--architecture", "cnn-mnist"], r"MinibatchDiscrimination has no per-sample gradient"),
+    (["--dp-noise-multiplier", "1", "--dp-target-epsilon", "2"], r"not both"),
+])
+@pytest.mark.parametrize("command", ["simulate", "local"])
+def test_a_setting_dp_cannot_have_is_one_line_and_touches_no_run_folder(tmp_path, capsys, finished_run, command,
+                                                                        flags, message):
+    """Refused before anything is written: a new --out is not made, a finished run's is left byte for byte
+    (before, simulate wrote launch.toml and run_identity.json and removed summary.json, then refused)."""
+    from mdgan_app.cli import main
+
+    new = tmp_path / "new"
+    _refused_in_one_line(capsys, main([command, *SMALL_RUN, "--out", str(new), *flags]), message)
+    assert not new.exists()
+    folder, files = finished_run
+    kept = tmp_path / "finished"
+    shutil.copytree(folder, kept)
+    # refused for the setting, or first for the finished run; and where replacing it was asked for, for the setting
+    for overwrite, refusal in (([], f"{message}|holds a finished run"), (["--overwrite"], message)):
+        _refused_in_one_line(capsys, main([command, *SMALL_RUN, "--out", str(kept), *flags, *overwrite]), refusal)
+        assert _files(kept) == files
+
+
+@pytest.mark.parametrize("command", ["simulate", "local"])
+def test_a_finished_run_is_replaced_only_when_asked_and_never_resumed(tmp_path, capsys, finished_run, command):
+    from mdgan_app.cli import main
+
+    folder, files = finished_run
+    kept = tmp_path / "finished"
+    shutil.copytree(folder, kept)
+    _refused_in_one_line(capsys, main([command, *SMALL_RUN, "--out", str(kept)]),
+                         r"holds a finished run \(summary.json\): give --overwrite to replace it")
+    _refused_in_one_line(capsys, main([command, "--resume", str(kept), "--no-progress"]),
+                         r"has finished \(summary.json\); nothing to resume")
+    assert _files(kept) == files
+
+
+def test_overwrite_replaces_a_finished_run_and_remembers_it_ended(tmp_path, finished_run):
+    from mdgan_app.cli import main
+
+    folder, files = finished_run
+    kept = tmp_path / "finished"
+    shutil.copytree(folder, kept)
+    old = read_json(kept / "run_identity.json")["run_id"]
+    assert main(["simulate", *SMALL_RUN, "--iterations", "3", "--out", str(kept), "--overwrite"]) == 0
+    summary = read_json(kept / "summary.json")
+    assert summary["iterations"] == 3 and summary["run_id"] not in (None, old)
+    assert read_json(kept / "finished_runs.json") == [old]
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")
+def test_the_sigma_a_target_epsilon_chose_is_recorded_for_each_site(tmp_path):
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from mdgan.run import EvaluationOptions
+    from mdgan.simulation import simulate
+
+    config = TrainingConfig(workers=3, iterations=5, batch_size=8, swap_every=3,
+                            privacy=PrivacySpec(target_epsilon=4.0)).validate()
+    summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "run"), progress=False,
+                       evaluation=EvaluationOptions(every=-1))
+    recorded = summary["privacy"]["noise_multipliers"]
+    assert set(recorded) == set(summary["worker_sizes"]) == {"worker-0", "worker-1", "worker-2"}
+    for worker, size in summary["worker_sizes"].items():
+        delta = summary["privacy"]["sites"][worker]["delta"]
+        assert recorded[worker] == pytest.approx(get_noise_multiplier(
+            target_epsilon=4.0, target_delta=delta, sample_rate=8 / size, steps=5, accountant="rdp",
+            epsilon_tolerance=0.01), rel=1e-12)
+    shared = set(recorded.values())  # (sites of 667, 667 and 666 samples: Opacus's search may land on one sigma)
+    assert summary["privacy"]["noise_multiplier"] == (shared.pop() if len(shared) == 1 else None)
 
 
 def test_a_private_site_judges_an_incoming_discriminator_on_generated_samples_only():
@@ -197,24 +281,23 @@ def test_the_statistics_of_the_audit():
 
 
 @pytest.mark.slow
-def test_an_audit_of_a_run_whose_split_cannot_be_recovered_is_one_line(tmp_path):
+def test_an_audit_of_a_run_whose_split_cannot_be_recovered_is_one_line(tmp_path, capsys):
     from mdgan.audit import audit
+    from mdgan_app.cli import main
 
     (tmp_path / "run").mkdir()
     with pytest.raises(ConfigError, match="no summary.json"):
         audit(str(tmp_path / "run"))
-    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "simulate", "--workers", "2", "--iterations", "2",
-                           "--dataset", "synthetic", "--no-progress", "--out", str(tmp_path / "syn")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert main(["simulate", "--workers", "2", "--iterations", "2", "--dataset", "synthetic", "--no-progress",
+                 "--out", str(tmp_path / "syn")]) == 0
     summary = read_json(tmp_path / "syn" / "summary.json")
-    summary.pop("data")  # as a run of `mdgan local` records it
+    summary.pop("data")  # as an older mdgan recorded it
     with open(tmp_path / "syn" / "summary.json", "w") as fh:
         json.dump(summary, fh)
-    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "audit", str(tmp_path / "syn")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "does not record its data split" in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
+    capsys.readouterr()
+    assert main(["audit", str(tmp_path / "syn")]) == 2
+    stderr = capsys.readouterr().err
+    assert "does not record its data split" in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
 @pytest.mark.slow

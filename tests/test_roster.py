@@ -17,7 +17,7 @@ from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Tr
 from mdgan.algorithms.base import WorkerLost
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
-from mdgan.run import EvaluationOptions
+from mdgan.run import EvaluationOptions, RunFinished
 from mdgan.algorithms.mdgan.inprocess import parse_churn
 from mdgan.simulation import simulate
 
@@ -324,7 +324,7 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
     full = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10)
     store = CheckpointStore(os.path.join(out, "checkpoints"))
     assert store.complete() == [20, 30, 40]  # the last three: 40 is the run's end
-    with pytest.raises(CheckpointError, match="finished"):
+    with pytest.raises(RunFinished, match="finished"):
         simulate(config, data, out, progress=False, evaluation=quiet, resume="yes")
     # as if the process died after the last iteration, before its outputs: nothing is trained again
     os.remove(os.path.join(out, "summary.json"))

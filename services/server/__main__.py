@@ -17,7 +17,8 @@ from mdgan.algorithms.base import IterationRecord
 from mdgan.gan import GeneratorSide, derive_seed
 from mdgan.models import build_discriminator
 from mdgan.roster import Roster, WorkersFailed
-from mdgan.run import RESUME_MODES, RunRecorder, finished_run_ids, make_evaluator, open_run, write_outputs
+from mdgan.run import (RESUME_MODES, RunRecorder, finished_run_ids, make_evaluator, plan_run, start_run,
+                       write_outputs)
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common import scheduling
 from services.common.settings import (add_version, EnvArgumentParser, add_affinity_argument, add_algorithm_argument,
@@ -42,6 +43,9 @@ def build_parser() -> EnvArgumentParser:
     add_version(parser, "mdgan-server")
     parser.add_argument("--listen", type=listen_address, default="0.0.0.0:50051", help="host:port to serve the Coordinator on (port 0: any)")
     parser.add_argument("--out", default="runs/server", help="run directory (summary, history, samples, checkpoint)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a finished run in --out with a new one (without it the server refuses to start "
+                             "there, and the finished run is left as it is)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
     parser.add_argument("--join-timeout", type=positive_seconds, default=600.0, help="seconds to wait for all workers to join")
     parser.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
@@ -106,14 +110,19 @@ def message_limits(config) -> tuple[int, int]:
 async def serve(args) -> dict:
     credentials = tls.from_args(args, "mdgan-server")
     allowed = [n.strip() for n in (args.allowed_workers or "").split(",") if n.strip()] or None
-    run = open_run(args.out, training_config(args), args.resume, args.run_id)
+    run = plan_run(args.out, training_config(args), args.resume, args.run_id, args.overwrite)
     config = run.config
-    devices.deterministic(config.device)
-    log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
     algorithm = ALGORITHMS[args.algorithm]
     algorithms.refuse(algorithms.get(args.algorithm, served=True), checkpoint_every=args.checkpoint_every,
                       resume=run.state is not None, in_process=False, private=config.privacy.enabled)
     algorithm.check(args, run)
+    if config.privacy.enabled:  # the layers here; each site checks its own size's budget at its welcome
+        from mdgan import privacy
+
+        privacy.check_run(config, [])
+    start_run(args.out, run)  # every setting accepted: the run folder is written from here on
+    devices.deterministic(config.device)
+    log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
     liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")
     telemetry.run_info.labels(run.run_id).set(1)
@@ -183,6 +192,7 @@ async def serve(args) -> dict:
             "run_id": run.run_id,
             "resumed_from": run.resumed_from,
             "worker_sizes": {w.worker_id: w.shard_size for w in coordinator.workers.values()},  # each worker's m
+            "data": shared_split(coordinator.workers.values()),  # what `mdgan audit` recovers the members from
             "message_bytes": {
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",
@@ -235,6 +245,15 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
     telemetry.workers_alive.set(alive)
     telemetry.last_iteration.set_to_current_time()
 
+
+
+def shared_split(workers) -> dict | None:
+    """The split of the shared dataset every worker reported (DataConfig's fields; data_root None: where the
+    data is is each machine's own), or None: sites with their own data, or workers that disagree."""
+    splits = [w.connection.split for w in workers]
+    if not splits or any(s is None or s != splits[0] for s in splits):
+        return None
+    return {**splits[0], "data_root": None}
 
 
 class RunStopped(Exception):

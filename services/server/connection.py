@@ -81,6 +81,9 @@ class WorkerConnection:
         self.shard_index = shard_index
         self.shard_size = shard_size
         self.peer_address = join.peer_address
+        # an emulated worker's split of the shared dataset (DataConfig's fields but data_root); None: a site
+        self.split = ({f.name: getattr(join.split, f.name) for f in join.split.DESCRIPTOR.fields}
+                      if join.HasField("split") else None)
         self.context = context
         self.telemetry = telemetry
         self.liveness_timeout = liveness_timeout

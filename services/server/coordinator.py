@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mdgan.algorithms.base import WorkerLost
-from mdgan.config import TrainingConfig
+from mdgan.config import DATASETS, SPLITS, TrainingConfig
 from mdgan.data import shard_sizes
 from mdgan.sites import RunClasses
 from mdgan.images import check_class_names, model_image_shape, resizable
@@ -262,6 +263,15 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         if not join.own_data and join.num_classes != model.num_classes:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"data with {join.num_classes} classes does not fit the model ({model.num_classes} classes)"))
+        if join.HasField("split"):
+            split = join.split
+            if join.own_data or split.dataset not in DATASETS or split.split not in SPLITS \
+                    or not (math.isfinite(split.dirichlet_alpha) and split.dirichlet_alpha > 0) \
+                    or split.num_shards != self.config.workers or split.max_samples > MAX_SAMPLES:
+                raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"bad split of the shared dataset: {split.dataset[:40]!r}, {split.split[:40]!r}, alpha "
+                    f"{split.dirichlet_alpha}, {split.num_shards} shards for a run of {self.config.workers} workers"
+                    + (" (a site with its own data has no split)" if join.own_data else "")))
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         if self._pending_joins >= MAX_PENDING_JOINS:

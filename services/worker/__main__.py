@@ -207,7 +207,7 @@ async def serve(args) -> str:
         log.info("loaded %d samples; the server will assign a shard", images.shape[0])
     else:
         shard = load_shard(data, index)
-        source = {"shard": shard}
+        source = {"shard": shard, "split": data}
         log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
 
     credentials = tls.from_args(args, "mdgan-worker")

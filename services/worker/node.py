@@ -108,11 +108,14 @@ class WorkerNode:
                  identity: str = "", server_name: str | None = None, state_dir: str | None = None,
                  keep_checkpoints: int = 3, run_id: str | None = None, reconnect: bool = True,
                  attack: str | None = None, slow_factor: float = 1.0, swap_check: str | None = None,
-                 dp_max_epsilon: float = 0.0):
+                 dp_max_epsilon: float = 0.0, split: DataConfig | None = None):
         if sum(x is not None for x in (shard, dataset, site)) != 1:
             raise ValueError("give a site's data, a shard, or a dataset to take the assigned shard from")
         self.shard = shard
         self.dataset = dataset
+        # how the shared dataset an emulated worker's shard comes from was cut (the server records it for
+        # `mdgan audit`); a worker assigned its shard has it with its dataset
+        self.split = split if split is not None else (dataset[2] if dataset is not None else None)
         self.site = site
         self._site_join: pb.Join | None = None  # a site's data facts, sent again on every rejoin
         self.slot = slot  # sites: the slot (rank) asked for; None: the server assigns one
@@ -170,6 +173,24 @@ class WorkerNode:
         checkpoint.atomic_write_json(os.path.join(self.state_dir, "current.json"),
                                      {"run_id": self.run_id, "shard_index": index, "finished": True})
         shutil.rmtree(os.path.join(self.state_dir, self.run_id), ignore_errors=True)
+
+    def _keep_final_discriminator(self) -> None:
+        """The run finished: the discriminator this site holds at its end goes to
+        STATE/finished/RUN/discriminator.pt (the newest few runs' kept), for the site's own audit
+        (`mdgan audit --site-data`). Nothing leaves the site."""
+        state = self.algorithm.final_discriminator() if self.algorithm is not None else None
+        if not (self.state_dir and self.run_id) or state is None:
+            return
+        kept = os.path.join(self.state_dir, checkpoint.FINISHED_DIR)
+        try:
+            checkpoint.atomic_save({"discriminator": state, "run_id": self.run_id, "worker_id": self.worker_id,
+                                    "algorithm": self.algorithm.name},
+                                   os.path.join(kept, self.run_id, checkpoint.FINAL_DISCRIMINATOR_FILE))
+            runs = sorted(os.scandir(kept), key=lambda e: e.stat().st_mtime)
+            for old in runs[:-checkpoint.FINISHED_KEPT]:
+                shutil.rmtree(old.path, ignore_errors=True)
+        except OSError as exc:  # (a full disk): the run is done all the same
+            log.warning("could not keep the final discriminator in %s: %s", kept, exc)
 
     def _start_afresh(self) -> None:
         """Out of an ended run: join the server's as a newcomer, with a new discriminator."""
@@ -246,6 +267,11 @@ class WorkerNode:
             join.sample_shape.extend(images.shape[1:])
             # the dataset's classes, not the shard's: a non-i.i.d. shard may lack the last ones
             join.num_classes = max(NUMERIC_CLASSES, int(labels.max()) + 1)
+        if self.split is not None and not join.own_data:
+            d = self.split
+            join.split.CopyFrom(pb.EmulatedSplit(dataset=d.dataset, split=d.split, split_seed=d.split_seed,
+                                                 dirichlet_alpha=d.dirichlet_alpha, max_samples=d.max_samples,
+                                                 num_shards=d.num_shards))
         join.peer_address = self.advertise_address
         join.name = self.identity
         if self.run_id:
@@ -496,6 +522,7 @@ class WorkerNode:
                 if message.stop.reason != RUN_FINISHED:
                     raise DroppedByServer(message.stop.reason)
                 log.info("stopped by the server: %s", message.stop.reason)
+                self._keep_final_discriminator()
                 self._forget_run()
                 return message.stop.reason
             else:  # another algorithm's message, or one that has no place after the welcome

@@ -69,7 +69,7 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointOrder, _Mapping]] = ..., swap_install: _Optional[_Union[SwapInstall, _Mapping]] = ..., potential_round: _Optional[_Union[_pwgan_pb2.PotentialRound, _Mapping]] = ..., replica_part: _Optional[_Union[_dpgan_pb2.ReplicaPart, _Mapping]] = ..., replica_round: _Optional[_Union[_dpgan_pb2.ReplicaRound, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name", "run_id", "checkpoints", "trained_iteration", "own_data", "class_names", "image_shape")
+    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name", "run_id", "checkpoints", "trained_iteration", "own_data", "class_names", "image_shape", "split")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class Join(_message.Message):
     OWN_DATA_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_size: int
     peer_address: str
@@ -96,7 +97,24 @@ class Join(_message.Message):
     own_data: bool
     class_names: _containers.RepeatedScalarFieldContainer[str]
     image_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[int]] = ..., trained_iteration: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    split: EmulatedSplit
+    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[int]] = ..., trained_iteration: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ..., split: _Optional[_Union[EmulatedSplit, _Mapping]] = ...) -> None: ...
+
+class EmulatedSplit(_message.Message):
+    __slots__ = ("dataset", "split", "split_seed", "dirichlet_alpha", "max_samples", "num_shards")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SEED_FIELD_NUMBER: _ClassVar[int]
+    DIRICHLET_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    split: str
+    split_seed: int
+    dirichlet_alpha: float
+    max_samples: int
+    num_shards: int
+    def __init__(self, dataset: _Optional[str] = ..., split: _Optional[str] = ..., split_seed: _Optional[int] = ..., dirichlet_alpha: _Optional[float] = ..., max_samples: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
     __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "potential_rounds", "potential_lr", "gradient_penalty", "dp_threshold", "swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_check_min_cosine_set", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon", "iterations")

@@ -58,6 +58,11 @@ class WorkerAlgorithm:
     async def welcome(self, welcome) -> None:
         """A (re)join was welcomed: set up what the welcome says (saved state to restore, ...)."""
 
+    def final_discriminator(self) -> dict | None:
+        """The weights of the discriminator this site holds when its run finishes (kept for the site's own
+        audit); None: the algorithm's workers hold none of their own."""
+        return None
+
     def receivers(self) -> dict[str, Callable[[object, object], Awaitable[None]]]:
         """Body name (of ServerMessage's oneof) -> coroutine taking (call, that body)."""
         return {}

@@ -25,6 +25,9 @@ class FLGANWorker(WorkerAlgorithm):
         self.gan: LocalGAN = make_flgan_worker_gan(config, shard)
         self._incoming: dict[tuple[int, str], codec.StateAssembler] = {}
 
+    def final_discriminator(self) -> dict:
+        return self.gan.d.discriminator.state_dict()  # the local D it sent to be averaged at the last round
+
     def receivers(self):
         return {"model_part": self._on_model_part, "local_round": self._on_local_round}
 

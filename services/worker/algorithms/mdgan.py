@@ -62,6 +62,9 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         self._pushes: dict[int, asyncio.Task] = {}  # swap round -> our push under way
         self._receiver_left: dict[int, str] = {}  # swap round -> why our push was called off
 
+    def final_discriminator(self) -> dict:
+        return self.side.discriminator.state_dict()
+
     def continues(self, config: TrainingConfig) -> bool:
         return self.side.config == config  # back in the same run: keep our discriminator
 
