@@ -58,26 +58,21 @@ import yaml
 from tqdm import tqdm
 
 from services.common import scheduling
-from services.common.settings import privacy_spec
 from mdgan import algorithms
 from mdgan.algorithms import ALGORITHMS
 from mdgan.algorithms.base import option_key
-from mdgan.config import ConfigError, DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
+from mdgan import settings
+from mdgan.config import ConfigError, DataConfig, TrainingConfig
 
+# An experiment's keys: every training setting (mdgan/settings.py) with its default, and these of its own
 DEFAULTS = {
-    "algorithm": "mdgan", "workers": 10, "batch_size": 10, "kappa": 1, "disc_steps": 1, "swap_epochs": 1.0,
-    "swap_every": None, "swap_optimizer_state": False, "iterations": 1000, "seed": 0, "architecture": "mlp",
-    "gan": "acgan", "loss": "non-saturating", "gen_lr": 2e-4, "disc_lr": 2e-4, "beta1": 0.5, "beta2": 0.999,
+    "algorithm": "mdgan", **settings.defaults(),
     "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
     "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
-    # beyond the paper (docs/GUIDE.md "Beyond the paper")
-    "wire_dtype": "float32", "aggregation": "mean", "trim_fraction": 0.2, "clip_norm": 0.0, "byzantine": 0,
-    "attack": None, "sync": "all", "quorum": 0, "max_staleness": 4,
+    "byzantine": 0, "attack": None,  # (emulated Byzantine workers: docs/GUIDE.md "Beyond the paper")
     # long runs: scores on eval_large_samples images too, every eval_large_every iterations and at the end;
     # a checkpoint every checkpoint_every iterations (durable algorithms), from which a resume continues
     "eval_large_every": 0, "eval_large_samples": 5000, "checkpoint_every": 0,
-    # differentially private discriminators (docs/PRIVACY.md): None, None: not private
-    "dp_noise_multiplier": None, "dp_target_epsilon": None, "dp_max_grad_norm": 1.0, "dp_delta": 0.0,
     "save_discriminators": False,  # each run's final discriminators, for `mdgan audit` (docs/PRIVACY.md)
 }
 # every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the data-parallel GAN's Q, ...), with their defaults
@@ -179,24 +174,14 @@ def expand(config: dict) -> list[dict]:
 
 
 def training_config(run: dict) -> TrainingConfig:
-    from mdgan.data import DATASET_SAMPLE_SHAPES
-
-    swap_every = run["iterations"] + 1 if run["swap_every"] == "never" else run["swap_every"]
+    """A run's TrainingConfig (mdgan.settings.training_config), with an experiment's own spellings:
+    swap_every "never" (one more than the run's iterations)."""
     if not isinstance(run["swap_optimizer_state"], bool):
         raise ConfigError(f"swap_optimizer_state must be true or false, not {run['swap_optimizer_state']!r}")
-    return TrainingConfig(
-        workers=run["workers"], iterations=run["iterations"], batch_size=run["batch_size"], kappa=run["kappa"],
-        disc_steps=run["disc_steps"], swap_epochs=run["swap_epochs"], swap_every=swap_every, seed=run["seed"],
-        swap_optimizer_state=run["swap_optimizer_state"], device=run["device"],
-        model=ModelSpec(architecture=run["architecture"], gan=run["gan"], loss=run["loss"],
-                        sample_shape=tuple(DATASET_SAMPLE_SHAPES[run["dataset"]])),
-        generator_optimizer=OptimizerSpec(run["gen_lr"], run["beta1"], run["beta2"]),
-        discriminator_optimizer=OptimizerSpec(run["disc_lr"], run["beta1"], run["beta2"]),
-        wire_dtype=run["wire_dtype"], aggregation=run["aggregation"], trim_fraction=run["trim_fraction"],
-        clip_norm=run["clip_norm"], sync=run["sync"], quorum=run["quorum"], max_staleness=run["max_staleness"],
-        privacy=privacy_spec(run["dp_noise_multiplier"], run["dp_max_grad_norm"], run["dp_delta"],
-                             run["dp_target_epsilon"]),
-    ).validate()
+    values = dict(run)
+    if values["swap_every"] == "never":
+        values["swap_every"] = run["iterations"] + 1
+    return settings.training_config(values, dataset=run["dataset"], device=run["device"])
 
 
 def crash_period(run: dict) -> int | None:

@@ -24,12 +24,6 @@ from mdgan.algorithms.base import RUN_FAILED
 from mdgan.config import ConfigError
 from mdgan_app.run_folder import save_launch_settings
 
-TRAINING_FLAGS = ("workers", "iterations", "batch_size", "kappa", "disc_steps", "swap_epochs", "swap_every",
-                  "seed", "architecture", "gan", "loss", "gen_lr", "disc_lr", "beta1", "beta2",
-                  "wire_dtype", "aggregation", "trim_fraction", "clip_norm", "sync", "quorum", "max_staleness",
-                  "dp_noise_multiplier", "dp_target_epsilon", "dp_max_grad_norm", "dp_delta")
-
-
 def _eval_root(args) -> str | None:
     """Scores need the MNIST test set: only for MNIST runs (with --site-dirs, --data-root may still hold it)."""
     if args.dataset == "mnist" and args.eval_every >= 0 and not args.site_dirs:
@@ -41,15 +35,18 @@ def _eval_root(args) -> str | None:
 
 def _forwarded_training_flags(args) -> list[str]:
     """The run's training and checkpoint settings, for mdgan-server (which defines the same flags)."""
+    from mdgan.settings import TRAINING_SETTINGS
     from services.common.settings import DURABLE_FLAGS
 
     flags = []
-    for dest in (*TRAINING_FLAGS, *DURABLE_FLAGS):
-        value = getattr(args, dest)
-        if value is not None:
-            flags += [f"--{dest.replace('_', '-')}", str(value)]
-    if args.swap_optimizer_state:
-        flags.append("--swap-optimizer-state")
+    for setting in TRAINING_SETTINGS:
+        value = getattr(args, setting.key)
+        if setting.kind is bool:
+            flags += [setting.flag] if value else []
+        elif value is not None:
+            flags += [setting.flag, str(value)]
+    for dest in DURABLE_FLAGS:
+        flags += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
     return flags
 
 

@@ -174,7 +174,8 @@ def test_hostile_counts_and_feedback_are_refused_and_the_run_goes_on(tmp_path):
         server.kill()
         worker.kill()
     spec = welcome.spec
-    assert (spec.algorithm, spec.potential_rounds, spec.potential_lr, spec.gradient_penalty) == ("pwgan", 2, 1.0, 10.0)
+    assert (spec.algorithm, spec.pwgan.potential_rounds, spec.pwgan.potential_lr,
+            spec.pwgan.gradient_penalty) == ("pwgan", 2, 1.0, 10.0)
     # a worker refused in a round sits out the rest of that iteration, and is back for the next
     assert [t for t, r in rounds if r == 2] == [3, 5, 6, 8]
     assert all(r.code == INVALID_ARGUMENT for r in rejections)
@@ -208,7 +209,8 @@ class _HostileCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 @pytest.mark.parametrize("case", ["zero_rounds", "potentials_shape", "late_round"])
 def test_a_worker_refuses_a_server_that_breaks_the_protocol(tmp_path, case):
     spec = codec.spec_from_config(TrainingConfig(workers=2, batch_size=10).validate(), "pwgan")
-    spec.potential_rounds, spec.potential_lr, spec.gradient_penalty = 0 if case == "zero_rounds" else 2, 1.0, 10.0
+    spec.pwgan.potential_rounds = 0 if case == "zero_rounds" else 2
+    spec.pwgan.potential_lr, spec.pwgan.gradient_penalty = 1.0, 10.0
     phi = codec.encode_tensor(torch.zeros(10 if case != "potentials_shape" else 11))
     bad = {"zero_rounds": None,
            "potentials_shape": pwgan_pb2.PotentialRound(iteration=1, round=1, potentials=phi,

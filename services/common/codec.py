@@ -6,6 +6,7 @@ everything a peer could get wrong: dtype, shape, byte count, size bound, finiten
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import warnings
@@ -401,36 +402,27 @@ def config_from_spec(spec) -> "TrainingConfig":
                           discriminator_optimizer=OptimizerSpec(spec.disc_lr, spec.disc_beta1, spec.disc_beta2)).validate()
 
 
-def swap_check_spec_fields(options) -> dict:
-    """MD-GAN's swap check (mdgan.algorithms.mdgan.options.MDGANOptions) as TrainingSpec fields 40..44."""
-    return {"swap_check": options.swap_check, "swap_check_norm_ratio": options.swap_check_norm_ratio,
-            "swap_check_loss_ratio": options.swap_check_loss_ratio,
-            "swap_check_min_cosine": options.swap_check_min_cosine, "swap_check_min_cosine_set": True}
+def describe_options(spec, algorithm: str, options) -> None:
+    """An algorithm's options into the spec's message of its own (spec.<algorithm>), field for field;
+    an option that is None is left unset."""
+    message = getattr(spec, algorithm)
+    message.SetInParent()
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if value is not None:
+            setattr(message, field.name, value)
 
 
-def swap_check_from_spec(spec, override: str | None = None):
-    """The swap check a worker applies: the run's (the spec; a server that sends none: the defaults),
-    or `override` on/off (the worker's own --swap-check). Raises ConfigError on nonsense."""
-    from mdgan.algorithms.mdgan.options import MDGANOptions
+def options_from_spec(spec, algorithm: str, **overrides):
+    """The worker's view of an algorithm's options: what the spec's message sets, the defaults for the
+    rest (a spec without the message: all of them), `overrides` (not None) over both; validated
+    (raises mdgan.config.ConfigError on nonsense, e.g. T = 0)."""
+    from mdgan import algorithms
 
-    default = MDGANOptions()
-    options = MDGANOptions(
-        swap_check=override or spec.swap_check or default.swap_check,
-        swap_check_norm_ratio=spec.swap_check_norm_ratio or default.swap_check_norm_ratio,
-        swap_check_loss_ratio=spec.swap_check_loss_ratio or default.swap_check_loss_ratio,
-        swap_check_min_cosine=spec.swap_check_min_cosine if spec.swap_check_min_cosine_set
-        else default.swap_check_min_cosine)
-    return options.validate().as_check()
-
-
-def pwgan_spec_fields(options) -> dict:
-    """P-WGAN's options (mdgan.algorithms.pwgan.PWGANOptions) as TrainingSpec fields 30..32."""
-    return {"potential_rounds": options.potential_rounds, "potential_lr": options.potential_lr,
-            "gradient_penalty": options.gradient_penalty}
-
-
-def pwgan_options_from_spec(spec):
-    """The worker's view of P-WGAN's options; raises mdgan.config.ConfigError on nonsense (e.g. T = 0)."""
-    from mdgan.algorithms.pwgan import PWGANOptions
-
-    return PWGANOptions(spec.potential_rounds, spec.potential_lr, spec.gradient_penalty).validate()
+    entry = algorithms.get(algorithm)
+    given = {}
+    if spec.WhichOneof("options") == algorithm:
+        message = getattr(spec, algorithm)
+        given = {f.name: getattr(message, f.name) for f in entry.option_fields() if message.HasField(f.name)}
+    options = entry.options(**{**given, **{k: v for k, v in overrides.items() if v is not None}})
+    return options.validate() if hasattr(options, "validate") else options

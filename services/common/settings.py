@@ -21,8 +21,7 @@ import os
 import sys
 
 from services.common import allocator, scheduling
-from mdgan.config import (AGGREGATIONS, DATASETS, GAN_KINDS, LOSSES, SPLITS, SYNC_MODES, WIRE_DTYPES, ConfigError,
-                          DataConfig, ModelSpec, OptimizerSpec, PrivacySpec, TrainingConfig)
+from mdgan.config import DATASETS, SPLITS, ConfigError, DataConfig, TrainingConfig
 
 ENV_PREFIX = "MDGAN_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -334,58 +333,19 @@ DURABLE_FLAGS = ("checkpoint_every", "keep_checkpoints")  # what `mdgan local` h
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("training (the paper's N, I, b, kappa, L, E)")
-    g.add_argument("--workers", type=int, default=4, help="N: number of workers (one shard each)")
-    g.add_argument("--iterations", type=int, default=1000, help="I: global iterations")
-    g.add_argument("--batch-size", type=int, default=10, help="b: samples per batch")
-    g.add_argument("--kappa", type=int, default=1, help="k: generated batches per iteration (<= N)")
-    g.add_argument("--disc-steps", type=int, default=1, help="L: discriminator steps per iteration")
-    g.add_argument("--swap-epochs", type=float, default=1.0, help="E: local epochs between swaps")
-    g.add_argument("--swap-every", type=int, default=None,
-                   help="swap every this many iterations instead of ceil(E*m/b)")
-    g.add_argument("--swap-optimizer-state", action="store_true",
-                   help="send Adam moments along with a swapped discriminator (default: weights only)")
-    g.add_argument("--seed", type=int, default=0, help="run seed (every role's randomness derives from it)")
-    g.add_argument("--architecture", default="mlp", help="network architecture (see `mdgan models`)")
-    g.add_argument("--gan", choices=GAN_KINDS, default="acgan", help="ACGAN (class conditional) or plain GAN")
-    g.add_argument("--loss", choices=LOSSES, default="non-saturating",
-                   help="generator loss: -log D(G(z)) (default) or log(1 - D(G(z))) as written in the paper")
-    g.add_argument("--gen-lr", type=float, default=2e-4, help="generator Adam learning rate")
-    g.add_argument("--disc-lr", type=float, default=2e-4, help="discriminator Adam learning rate")
-    g.add_argument("--beta1", type=float, default=0.5, help="Adam beta1 (both networks)")
-    g.add_argument("--beta2", type=float, default=0.999, help="Adam beta2 (both networks)")
-    g = parser.add_argument_group("beyond the paper: wire compression, robust aggregation, partial synchronisation")
-    g.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="float32",
-                   help="how generated batches, feedback and swapped discriminators travel: float32 (the paper), "
-                        "float16, bfloat16, or int8 with a float32 scale per row (per sample)")
-    g.add_argument("--aggregation", choices=AGGREGATIONS, default="mean",
-                   help="how the feedback of the workers that got the same X_g is combined, per sample: mean (the "
-                        "paper), coordinate-wise median, trimmed-mean, or norm-clip (each sample's feedback scaled "
-                        "to L2 norm <= --clip-norm, then the mean)")
-    g.add_argument("--trim-fraction", type=float, default=0.2,
-                   help="trimmed-mean: share of the workers dropped at each end of every coordinate")
-    g.add_argument("--sync", choices=SYNC_MODES, default="all",
-                   help="all: every iteration waits for every worker (the paper); quorum: G is updated once "
-                        "--quorum workers answered, late answers are dropped; async: every answer is applied as it "
-                        "comes, weighted by 1/(1 + staleness)")
-    g.add_argument("--quorum", type=int, default=0, help="--sync quorum: answers to wait for (0: N - 1)")
-    g.add_argument("--max-staleness", type=int, default=4,
-                   help="--sync async: drop feedback computed more than this many iterations ago")
-    g.add_argument("--clip-norm", type=float, default=0.0,
-                   help="norm-clip: largest L2 norm of one sample's feedback (0: the median of the norms the "
-                        "workers sent for that sample)")
-    g = parser.add_argument_group("privacy: differentially private discriminators (DP-SGD with Opacus; "
-                                  "docs/PRIVACY.md)")
-    g.add_argument("--dp-noise-multiplier", type=float, default=None,
-                   help="sigma > 0: Gaussian noise of std sigma x C on every D step's clipped real-data gradients, "
-                        "on every site (default: not private, unless --dp-target-epsilon)")
-    g.add_argument("--dp-target-epsilon", type=float, default=None,
-                   help="instead of --dp-noise-multiplier: each site computes the sigma that spends this epsilon "
-                        "over the planned run (I x L steps at sampling rate b / m_n)")
-    g.add_argument("--dp-max-grad-norm", type=float, default=1.0, help="C: every real sample's gradient is "
-                   "clipped to this L2 norm")
-    g.add_argument("--dp-delta", type=float, default=0.0,
-                   help="delta of each site's (epsilon, delta) (0: min(1e-5, 1/(10 m_n)); must be below 1/m_n)")
+    """Every training setting's flag (mdgan/settings.py declares them), in its help group."""
+    from mdgan.settings import TRAINING_SETTINGS
+
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for setting in TRAINING_SETTINGS:
+        if setting.group not in groups:
+            groups[setting.group] = parser.add_argument_group(setting.group)
+        group = groups[setting.group]
+        if setting.kind is bool:
+            group.add_argument(setting.flag, action="store_true", default=setting.default, help=setting.help)
+        else:
+            group.add_argument(setting.flag, type=setting.kind, default=setting.default, choices=setting.choices,
+                               help=setting.help)
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -461,45 +421,12 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
 
 
 def training_config(args: argparse.Namespace) -> TrainingConfig:
-    """The run's TrainingConfig; the samples' flat shape comes from the dataset and the architecture.
+    """The run's TrainingConfig from its parsed flags (mdgan.settings.training_config: the samples' shape
+    from --dataset where the command has one, else from --architecture)."""
+    from mdgan import settings
 
-    With a --dataset (simulate, local) the shape is the dataset's (mnist/synthetic (784,), cifar10
-    (3072,)) and an architecture built for another image size is refused; without one (the server)
-    it is the architecture's own (cnn-cifar10: (3072,)), (784,) for the MLP.
-    """
-    from mdgan.data import DATASET_SAMPLE_SHAPES
-    from mdgan.models import ARCHITECTURE_SAMPLE_SHAPES
-
-    native = ARCHITECTURE_SAMPLE_SHAPES.get(args.architecture)  # None: any shape (mlp) or unknown (refused below)
-    dataset = getattr(args, "dataset", None)
-    sample_shape = DATASET_SAMPLE_SHAPES.get(dataset) if dataset is not None else None
-    if sample_shape is None:
-        sample_shape = native or ModelSpec().sample_shape
-    elif native is not None and tuple(native) != tuple(sample_shape):
-        raise ConfigError(f"--architecture {args.architecture} works on samples of shape {tuple(native)}, but "
-                          f"--dataset {dataset} has samples of shape {tuple(sample_shape)}")
-    classes = class_names(args)
-    return TrainingConfig(
-        workers=args.workers, iterations=args.iterations, batch_size=args.batch_size, kappa=args.kappa,
-        disc_steps=args.disc_steps, swap_epochs=args.swap_epochs, swap_every=args.swap_every,
-        swap_optimizer_state=args.swap_optimizer_state, seed=args.seed, device=getattr(args, "device", "cpu"),
-        model=ModelSpec(architecture=args.architecture, gan=args.gan, loss=args.loss, sample_shape=tuple(sample_shape),
-                        num_classes=len(classes) if classes else ModelSpec.num_classes),
-        generator_optimizer=OptimizerSpec(args.gen_lr, args.beta1, args.beta2),
-        discriminator_optimizer=OptimizerSpec(args.disc_lr, args.beta1, args.beta2),
-        wire_dtype=args.wire_dtype, aggregation=args.aggregation, trim_fraction=args.trim_fraction,
-        clip_norm=args.clip_norm, sync=args.sync, quorum=args.quorum, max_staleness=args.max_staleness,
-        privacy=privacy_spec(args.dp_noise_multiplier, args.dp_max_grad_norm, args.dp_delta, args.dp_target_epsilon),
-    ).validate()
-
-
-def privacy_spec(noise_multiplier: float | None, max_grad_norm: float, delta: float,
-                 target_epsilon: float | None) -> PrivacySpec:
-    """The run's DP settings; a sigma or target given must be > 0 (leave the flag out for a run without DP)."""
-    for flag, value in (("--dp-noise-multiplier", noise_multiplier), ("--dp-target-epsilon", target_epsilon)):
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag} must be > 0, got {value} (leave it out for a run without differential privacy)")
-    return PrivacySpec(noise_multiplier or 0.0, max_grad_norm, delta, target_epsilon or 0.0)
+    return settings.training_config(vars(args), dataset=getattr(args, "dataset", None),
+                                    device=getattr(args, "device", "cpu"), classes=class_names(args))
 
 
 def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> None:

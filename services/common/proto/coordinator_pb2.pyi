@@ -117,7 +117,7 @@ class EmulatedSplit(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., split: _Optional[str] = ..., split_seed: _Optional[int] = ..., dirichlet_alpha: _Optional[float] = ..., max_samples: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "potential_rounds", "potential_lr", "gradient_penalty", "dp_threshold", "swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_check_min_cosine_set", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon", "iterations")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon", "iterations", "mdgan", "pwgan", "dpgan")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -139,20 +139,14 @@ class TrainingSpec(_message.Message):
     GEN_BETA2_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
-    POTENTIAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    POTENTIAL_LR_FIELD_NUMBER: _ClassVar[int]
-    GRADIENT_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    DP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
-    SWAP_CHECK_FIELD_NUMBER: _ClassVar[int]
-    SWAP_CHECK_NORM_RATIO_FIELD_NUMBER: _ClassVar[int]
-    SWAP_CHECK_LOSS_RATIO_FIELD_NUMBER: _ClassVar[int]
-    SWAP_CHECK_MIN_COSINE_FIELD_NUMBER: _ClassVar[int]
-    SWAP_CHECK_MIN_COSINE_SET_FIELD_NUMBER: _ClassVar[int]
     DP_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     DP_MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     DP_DELTA_FIELD_NUMBER: _ClassVar[int]
     DP_TARGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    MDGAN_FIELD_NUMBER: _ClassVar[int]
+    PWGAN_FIELD_NUMBER: _ClassVar[int]
+    DPGAN_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     gan: str
     loss: str
@@ -174,21 +168,45 @@ class TrainingSpec(_message.Message):
     gen_beta2: float
     class_names: _containers.RepeatedScalarFieldContainer[str]
     wire_dtype: str
-    potential_rounds: int
-    potential_lr: float
-    gradient_penalty: float
-    dp_threshold: int
-    swap_check: str
-    swap_check_norm_ratio: float
-    swap_check_loss_ratio: float
-    swap_check_min_cosine: float
-    swap_check_min_cosine_set: bool
     dp_noise_multiplier: float
     dp_max_grad_norm: float
     dp_delta: float
     dp_target_epsilon: float
     iterations: int
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., potential_rounds: _Optional[int] = ..., potential_lr: _Optional[float] = ..., gradient_penalty: _Optional[float] = ..., dp_threshold: _Optional[int] = ..., swap_check: _Optional[str] = ..., swap_check_norm_ratio: _Optional[float] = ..., swap_check_loss_ratio: _Optional[float] = ..., swap_check_min_cosine: _Optional[float] = ..., swap_check_min_cosine_set: _Optional[bool] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ..., dp_target_epsilon: _Optional[float] = ..., iterations: _Optional[int] = ...) -> None: ...
+    mdgan: MDGANSpec
+    pwgan: PWGANSpec
+    dpgan: DPGANSpec
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ..., dp_target_epsilon: _Optional[float] = ..., iterations: _Optional[int] = ..., mdgan: _Optional[_Union[MDGANSpec, _Mapping]] = ..., pwgan: _Optional[_Union[PWGANSpec, _Mapping]] = ..., dpgan: _Optional[_Union[DPGANSpec, _Mapping]] = ...) -> None: ...
+
+class MDGANSpec(_message.Message):
+    __slots__ = ("swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_lag")
+    SWAP_CHECK_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_NORM_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_LOSS_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CHECK_MIN_COSINE_FIELD_NUMBER: _ClassVar[int]
+    SWAP_LAG_FIELD_NUMBER: _ClassVar[int]
+    swap_check: str
+    swap_check_norm_ratio: float
+    swap_check_loss_ratio: float
+    swap_check_min_cosine: float
+    swap_lag: int
+    def __init__(self, swap_check: _Optional[str] = ..., swap_check_norm_ratio: _Optional[float] = ..., swap_check_loss_ratio: _Optional[float] = ..., swap_check_min_cosine: _Optional[float] = ..., swap_lag: _Optional[int] = ...) -> None: ...
+
+class PWGANSpec(_message.Message):
+    __slots__ = ("potential_rounds", "potential_lr", "gradient_penalty")
+    POTENTIAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    POTENTIAL_LR_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    potential_rounds: int
+    potential_lr: float
+    gradient_penalty: float
+    def __init__(self, potential_rounds: _Optional[int] = ..., potential_lr: _Optional[float] = ..., gradient_penalty: _Optional[float] = ...) -> None: ...
+
+class DPGANSpec(_message.Message):
+    __slots__ = ("threshold",)
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    threshold: int
+    def __init__(self, threshold: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members", "run_id", "swap_round", "restore_iteration", "copy")

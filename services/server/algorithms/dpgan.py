@@ -155,7 +155,7 @@ class DataParallelServer(FixedSetServer):
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec records Q (the run's record; only the server uses it)."""
-        spec.dp_threshold = self.options.resolve(self.ctx.config.workers)
+        spec.dpgan.threshold = self.options.resolve(self.ctx.config.workers)
 
     def build_trainer(self, workers: list[GrpcReplica]) -> DataParallelTrainer:
         ctx = self.ctx

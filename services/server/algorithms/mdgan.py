@@ -176,8 +176,7 @@ class MDGANServer:
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec carries the swap check to the workers."""
-        for name, value in codec.swap_check_spec_fields(self.options).items():
-            setattr(spec, name, value)
+        codec.describe_options(spec, "mdgan", self.options)
 
     def summary_fields(self) -> dict:
         """summary.json's record of MD-GAN's options, as `mdgan simulate` writes it."""

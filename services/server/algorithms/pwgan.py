@@ -120,8 +120,7 @@ class PWGANServer(FixedSetServer):
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec carries T, eta and lambda to the workers."""
-        for name, value in codec.pwgan_spec_fields(self.options).items():
-            setattr(spec, name, value)
+        codec.describe_options(spec, "pwgan", self.options)
 
     def build_trainer(self, workers: list[GrpcCritic]) -> PWGANTrainer:
         ctx = self.ctx

@@ -72,7 +72,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         """The swap rounds done, our own saved state or a copy to wait for."""
         node = self.node
         try:
-            self.swap_check = codec.swap_check_from_spec(welcome.spec, node.swap_check)
+            self.swap_check = codec.options_from_spec(welcome.spec, "mdgan", swap_check=node.swap_check).as_check()
         except ConfigError as exc:
             raise ServerGone(f"the server's swap check settings are invalid: {exc}") from exc
         self.mailbox = SwapMailbox()

@@ -31,7 +31,7 @@ class PWGANWorker(WorkerAlgorithm):
 
     async def welcome(self, welcome: pb.Welcome) -> None:
         try:
-            options = codec.pwgan_options_from_spec(welcome.spec)
+            options = codec.options_from_spec(welcome.spec, "pwgan")
         except ConfigError as exc:
             raise ServerGone(f"the server's P-WGAN options are invalid: {exc}") from exc
         self.side = CriticSide(self.config, self.shard, options)
