@@ -16,18 +16,16 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
                                # label, over seeds: mean +- std, and bands.csv), or
                                # final-vs-workers (Figure 4: final scores against N)
 
-Run keys: algorithm, workers, batch_size, kappa, disc_steps, swap_epochs, swap_every ("never": no
-swap), swap_optimizer_state (true: a swap moves the discriminator's Adam state too), iterations, seed,
-architecture, gan, loss, gen_lr, disc_lr, beta1, beta2, dataset, data_root,
-split, dirichlet_alpha, eval_every, eval_samples, eval_reference, eval_large_every and eval_large_samples
-(scores on that many images too, every so many iterations and at the end: fid_large, mnist_score_large),
-checkpoint_every (durable algorithms: a stopped run resumes from its last checkpoint), save_discriminators
-(for `mdgan audit`), device (cpu, cuda), crash ("every I/N": one worker fails
-every I/N iterations, the paper's crash experiment; MD-GAN, P-WGAN and data-parallel runs), wire_dtype,
-aggregation, trim_fraction, clip_norm, byzantine, attack, sync, quorum, max_staleness (beyond the paper:
-docs/GUIDE.md), dp_noise_multiplier, dp_target_epsilon, dp_max_grad_norm, dp_delta (docs/PRIVACY.md), potential_rounds, potential_lr, gradient_penalty (P-WGAN), dp_threshold (data-parallel GAN;
-docs/ALGORITHMS.md), label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a name
-or a list; default: its name without N).
+Run keys: algorithm; every training setting, named as its flag (workers, batch_size, ..., the full list
+in mdgan/settings.py), with the same defaults as on the command line; swap_every also "never" (no
+swap); each algorithm's own options (potential_rounds, dp_threshold, swap_lag, ...); and an
+experiment's own: dataset, data_root, split, dirichlet_alpha, eval_every, eval_samples, eval_reference,
+eval_large_every and eval_large_samples (scores on that many images too, every so many iterations and
+at the end: fid_large, mnist_score_large), checkpoint_every (durable algorithms: a stopped run resumes
+from its last checkpoint), save_discriminators (for `mdgan audit`), device (cpu, cuda), crash ("every
+I/N": one worker fails every I/N iterations, the paper's crash experiment), byzantine and attack
+(docs/GUIDE.md), label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a
+name or a list; default: its name without N).
 
 Every run is an ordinary run directory under OUT/runs/; a run whose summary.json exists is not run
 again, so an interrupted experiment resumes where it stopped (its label and series may change in

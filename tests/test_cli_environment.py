@@ -1,22 +1,48 @@
 """Each program reads its own variables; every program has --version and its exit statuses in --help;
-progress bars only on a terminal."""
+progress bars only on a terminal. Every program runs in this process, from its main(argv), with the
+environment it is given (tests/test_launcher.py and the e2e tests start the real processes)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
-import subprocess
-import sys
+from dataclasses import dataclass
 
 import pytest
 
 from conftest import REPO
 
 
-def run(argv: list[str], env: dict | None = None, cwd: str = REPO) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MDGAN_")}
-    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**clean, **(env or {})})
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(monkeypatch, capsys):
+    """run([module, *argv], env): that program's main(argv), with only `env`'s MDGAN_* variables set."""
+
+    def run(argv: list[str], env: dict | None = None) -> Result:
+        module, args = argv[0], argv[1:]
+        main = importlib.import_module("services.server.__main__" if module == "services.server" else
+                                       "services.worker.__main__" if module == "services.worker" else module).main
+        capsys.readouterr()
+        with monkeypatch.context() as patch:
+            for name in [k for k in os.environ if k.startswith("MDGAN_")]:
+                patch.delenv(name)
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            try:
+                code = main(args)
+            except SystemExit as exit:  # (argparse: --help, --version, a bad flag)
+                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
 
 
 def documented_variables() -> set[str]:
@@ -27,8 +53,7 @@ def documented_variables() -> set[str]:
     return names
 
 
-@pytest.mark.slow
-def test_a_services_variable_never_changes_an_mdgan_command(tmp_path):
+def test_a_services_variable_never_changes_an_mdgan_command(tmp_path, run):
     """The worker's documented MDGAN_SERVER=host:port once made `mdgan certs issue` exit 2 (read as its
     boolean --server). With every variable the docs name set to a value no command takes, every `mdgan`
     command still runs as asked."""
@@ -58,8 +83,7 @@ def test_a_services_variable_never_changes_an_mdgan_command(tmp_path):
     assert "[env MDGAN_WORKERS]" in help_of("services.server", "--help")  # the services keep MDGAN_*
 
 
-@pytest.mark.slow
-def test_every_program_has_a_version_and_its_exit_statuses_in_its_help():
+def test_every_program_has_a_version_and_its_exit_statuses_in_its_help(run):
     from importlib.metadata import version
 
     for module, program in (("mdgan_app.cli", "mdgan"), ("services.server", "mdgan-server"),
@@ -71,7 +95,7 @@ def test_every_program_has_a_version_and_its_exit_statuses_in_its_help():
     assert run(["services.worker", "--help"]).stdout.count("server refused this worker") == 1
 
 
-def test_no_progress_bar_where_nobody_watches(tmp_path):
+def test_no_progress_bar_where_nobody_watches(tmp_path, run):
     """Logs of compose, CI or nohup get no bar (stderr is not a terminal here)."""
     result = run(["mdgan_app.cli", "simulate", "--dataset", "synthetic", "--workers", "2", "--batch-size", "8",
                   "--iterations", "3", "--eval-every", "-1", "--out", str(tmp_path / "run")])
@@ -79,8 +103,7 @@ def test_no_progress_bar_where_nobody_watches(tmp_path):
     assert "it/s" not in result.stderr and "s/it" not in result.stderr and "\r" not in result.stderr
 
 
-@pytest.mark.slow
-def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path):
+def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path, run):
     """--config FILE (TOML, a key per flag) for local, simulate and both services: flag > variable >
     file > default, printed by --print-config; an unknown key or a wrong type is one line naming it."""
     config = tmp_path / "run.toml"
@@ -114,7 +137,7 @@ def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path):
 
 
 @pytest.mark.slow
-def test_mdgan_local_runs_from_a_config_file(tmp_path):
+def test_mdgan_local_runs_from_a_config_file(tmp_path, run):
     config = tmp_path / "run.toml"
     config.write_text('workers = 2\niterations = 3\nbatch-size = 8\ndataset = "synthetic"\neval-every = -1\n'
                       'swap-every = 2\n')
