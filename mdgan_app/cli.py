@@ -347,6 +347,40 @@ def cmd_experiment(args) -> int:
     return 0
 
 
+def cmd_score(args) -> int:
+    import torch
+
+    from mdgan.checkpoint import atomic_write_json
+    from mdgan.evaluation import ScoreEvaluator
+    from mdgan.sampling import load_generator
+
+    if args.samples < 2:
+        raise ConfigError(f"--samples must be at least 2, got {args.samples}")
+    generator = load_generator(args.run, args.device)
+    spec = generator.spec
+    if tuple(spec.sample_shape) != (784,):
+        raise ConfigError(f"the scores are MNIST's: this run's samples have shape {tuple(spec.sample_shape)}")
+    noise = torch.Generator().manual_seed(args.seed)
+    z = torch.randn(args.samples, spec.latent_dim, generator=noise).to(args.device)
+    labels = (torch.arange(args.samples) % spec.num_classes).to(args.device) if spec.conditional else None
+    with torch.no_grad():
+        images = generator(z, labels)  # (n, 784) in [-1, 1]
+    scorer = ScoreEvaluator.from_mnist_test(args.data_root, n=args.reference, seed=0, device=args.device)
+    scores = {"samples": args.samples, **scorer.evaluate(images)}
+    if args.downstream:
+        from mdgan.downstream import downstream_accuracy
+
+        result = downstream_accuracy(generator, args.data_root, samples=args.downstream_samples,
+                                     epochs=args.downstream_epochs, seed=args.seed, device=args.device)
+        scores.update(downstream_accuracy=result.accuracy, downstream_samples=result.samples,
+                      downstream_epochs=result.epochs)
+    out = args.out or os.path.join(args.run, "scores.json")
+    atomic_write_json(out, scores)
+    print(json.dumps(scores, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def cmd_sample(args) -> int:
     from mdgan.sampling import sample_run
 
@@ -592,6 +626,22 @@ def build_parser() -> argparse.ArgumentParser:
     # --device: every run's (cpu, cuda or cuda:N); unset, each run's own `device` (cpu by default). With
     # --jobs K on a GPU, K runs share the card.
     experiment.set_defaults(func=cmd_experiment, device=None)
+    score = command("score", help="Score a run's generator: MNIST score and FID, and with --downstream the accuracy "
+                                  "on real MNIST of a classifier trained on its images.")
+    score.add_argument("run", help="run directory (holding checkpoint.pt)")
+    score.add_argument("--data-root", default="data", help="folder holding MNIST/raw (its test set is the reference)")
+    score.add_argument("--samples", type=int, default=500, help="generated images scored (the paper's 500)")
+    score.add_argument("--reference", type=int, default=2000, help="MNIST test images FID compares against")
+    score.add_argument("--downstream", action="store_true",
+                       help="also train a fixed small CNN on --downstream-samples generated labelled images and test "
+                            "it on the 10,000 real MNIST test images (ACGAN runs)")
+    score.add_argument("--downstream-samples", type=int, default=60000, help="generated training images")
+    score.add_argument("--downstream-epochs", type=int, default=2, help="epochs of the downstream classifier")
+    score.add_argument("--seed", type=int, default=0, help="the noise, labels and classifier initialisation")
+    score.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    score.add_argument("--out", default=None, help="where the scores go (default: RUN/scores.json)")
+    score.set_defaults(func=cmd_score)
+
     sample = command("sample", help="Draw samples from a run's generator (class-balanced for ACGAN).")
     sample.add_argument("run", help="run directory (holding checkpoint.pt and summary.json)")
     sample.add_argument("--n", type=int, default=100, help="number of samples")

@@ -22,7 +22,8 @@ swap); each algorithm's own options (potential_rounds, dp_threshold, swap_lag, .
 experiment's own: dataset, data_root, split, dirichlet_alpha, eval_every, eval_samples, eval_reference,
 eval_large_every and eval_large_samples (scores on that many images too, every so many iterations and
 at the end: fid_large, mnist_score_large), checkpoint_every (durable algorithms: a stopped run resumes
-from its last checkpoint), save_discriminators (for `mdgan audit`), device (cpu, cuda), crash ("every
+from its last checkpoint), save_discriminators (for `mdgan audit`), eval_downstream (> 0: the final generator's downstream accuracy, mdgan score
+--downstream, on that many generated images), device (cpu, cuda), crash ("every
 I/N": one worker fails every I/N iterations, the paper's crash experiment), byzantine and attack
 (docs/GUIDE.md), label (the curve's name), series (final-vs-workers: the line(s) a run belongs to, a
 name or a list; default: its name without N).
@@ -72,6 +73,7 @@ DEFAULTS = {
     # a checkpoint every checkpoint_every iterations (durable algorithms), from which a resume continues
     "eval_large_every": 0, "eval_large_samples": 5000, "checkpoint_every": 0,
     "save_discriminators": False,  # each run's final discriminators, for `mdgan audit` (docs/PRIVACY.md)
+    "eval_downstream": 0,  # > 0: the final generator's downstream accuracy on that many images (mdgan/downstream.py)
 }
 # every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the data-parallel GAN's Q, ...), with their defaults
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
@@ -210,12 +212,32 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, s
                                    large_samples=run["eval_large_samples"])
     # (the algorithms that cannot checkpoint run through: a stop restarts them)
     durable = first is None and run["checkpoint_every"] > 0 and algorithms.get(run["algorithm"]).durable
-    return simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
+    summary = simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
                     checkpoint_every=run["checkpoint_every"] if durable else 0, resume="auto" if durable else "no",
                     crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
                     attack=run["attack"] if run["byzantine"] else None,
                     options=algorithms.get(run["algorithm"]).options_from(run),
                     save_discriminators=first is None and bool(run["save_discriminators"]), stop_after=first)
+    if run["eval_downstream"] and first is None:
+        summary = _score_downstream(run, out_dir, summary)
+    return summary
+
+
+def _score_downstream(run: dict, out_dir: str, summary: dict) -> dict:
+    """eval_downstream: the run's final generator's downstream accuracy (mdgan/downstream.py) on that many
+    generated images, into its summary's scores."""
+    from mdgan.checkpoint import atomic_write_json
+    from mdgan.downstream import downstream_accuracy
+    from mdgan.sampling import load_generator
+
+    if run["dataset"] != "mnist":
+        raise ConfigError(f"eval_downstream: downstream accuracy is measured on MNIST, not {run['dataset']}")
+    result = downstream_accuracy(load_generator(out_dir, run["device"]), run["data_root"],
+                                 samples=int(run["eval_downstream"]), device=run["device"])
+    summary["scores"] = {**(summary.get("scores") or {}), "downstream_accuracy": result.accuracy,
+                         "downstream_samples": result.samples}
+    atomic_write_json(os.path.join(out_dir, "summary.json"), summary)
+    return summary
 
 
 def collect(runs: list[dict], out: str) -> list[dict]:
@@ -268,6 +290,8 @@ def summarize(runs: list[dict], out: str) -> list[dict]:
                      "stopped_early": summary.get("stopped_early") or "",
                      "epsilon": (summary.get("privacy") or {}).get("epsilon_max"),
                      "fid_large": scores.get("fid_large"), "mnist_score_large": scores.get("mnist_score_large"),
+                     **({"downstream_accuracy": scores["downstream_accuracy"]} if "downstream_accuracy" in scores
+                        else {}),
                      # floating-point results agree bit for bit only on the same kernels (docs/RESULTS.md)
                      **{f"machine_{key}": value for key, value in (summary.get("machine") or {}).items()}})
     return rows

@@ -12,10 +12,11 @@ import pytest
 
 from conftest import REPO
 
-DOCS = ["README.md", "docs/GUIDE.md", "docs/DEPLOY.md", "docs/ALGORITHMS.md", "docs/API.md", "docs/OUTPUTS.md",
-        "docs/MONITORING.md", "docs/RESULTS.md", "docs/PERFORMANCE.md", "docs/PRIVACY.md", "docs/WIDE_AREA.md"]
+DOCS = ["README.md", "docs/GUIDE.md", "docs/DEPLOY.md", "docs/ALGORITHMS.md", "docs/ARCHITECTURE.md", "docs/API.md",
+        "docs/OUTPUTS.md", "docs/MONITORING.md", "docs/RESULTS.md", "docs/PERFORMANCE.md", "docs/PRIVACY.md",
+        "docs/WIDE_AREA.md"]
 COMMAND = re.compile(r"(?:^|[\s`(])(mdgan-server|mdgan-worker|mdgan-healthcheck|mdgan\s+certs\s+[a-z]+|"
-                     r"mdgan\s+(?:local|simulate|experiment|split|traffic|sample|models|audit))(?=\s|$|`)(.*)")
+                     r"mdgan\s+(?:local|simulate|experiment|split|traffic|sample|score|models|audit))(?=\s|$|`)(.*)")
 
 
 @functools.lru_cache(maxsize=1)

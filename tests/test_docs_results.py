@@ -20,21 +20,33 @@ def _tables():
     return module
 
 
+def _documents() -> list[str]:
+    """docs/RESULTS.md and the README of every experiment's folder in docs/results/."""
+    import glob
+
+    return [RESULTS, *sorted(glob.glob(os.path.join(REPO, "docs", "results", "**", "README.md"), recursive=True))]
+
+
 def _blocks():
-    with open(RESULTS, encoding="utf-8") as fh:
-        return _tables().generated_blocks(fh.read())
+    found = []
+    for path in _documents():
+        with open(path, encoding="utf-8") as fh:
+            found += [(argv, shown, os.path.relpath(path, REPO)) for argv, shown in _tables().generated_blocks(fh.read())]
+    return found
 
 
 def test_results_has_generated_blocks():
-    assert _blocks(), "docs/RESULTS.md shows no table generated from kept runs"
+    assert _blocks(), "docs/RESULTS.md and docs/results/ show no table generated from kept runs"
 
 
-@pytest.mark.parametrize("argv, shown", _blocks(), ids=lambda v: " ".join(v) if isinstance(v, list) else "")
-def test_every_generated_table_is_what_its_command_gives(argv, shown):
+@pytest.mark.parametrize("argv, shown, document", _blocks(),
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_every_generated_table_is_what_its_command_gives(argv, shown, document):
     tables = _tables()
     args = tables.parser().parse_args(argv)
+    assert args.into == document, f"{document}: a block whose command writes into {args.into}"
     args.keep = os.path.join(REPO, args.keep)
-    assert shown == tables.render(args), f"docs/RESULTS.md's tables are stale: python experiments/tables.py {' '.join(argv)}"
+    assert shown == tables.render(args), f"{document}'s tables are stale: python experiments/tables.py {' '.join(argv)}"
 
 
 def test_into_replaces_only_its_own_block(tmp_path):

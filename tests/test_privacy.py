@@ -373,3 +373,33 @@ def test_the_baselines_train_their_discriminators_privately_too(tmp_path):
             for _ in range(steps):
                 accountant.step(noise_multiplier=1.2, sample_rate=8 / summary["worker_sizes"][worker])
             assert site["epsilon"] == pytest.approx(accountant.get_epsilon(site["delta"]), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_downstream_accuracy_tells_a_trained_generator_from_an_untrained_one(tmp_path, capsys):
+    """`mdgan score RUN --downstream`: a classifier trained on the generator's images, tested on real MNIST.
+    An untrained generator's images teach it nothing (about chance); a generator trained briefly, more."""
+    from mdgan_app.cli import main
+
+    data_root = os.path.join(REPO, "..", "shared", "data")
+    if not os.path.isdir(os.path.join(data_root, "MNIST")):
+        pytest.skip("MNIST is not beside the repository")
+    accuracy = {}
+    for name, iterations in (("untrained", 0), ("trained", 400)):
+        out = tmp_path / name
+        assert main(["simulate", "--algorithm", "standalone", "--batch-size", "64", "--iterations", str(iterations),
+                     "--data-root", data_root, "--eval-every", "-1", "--no-progress", "--out", str(out)]) == 0
+        capsys.readouterr()
+        assert main(["score", str(out), "--data-root", data_root, "--samples", "200", "--downstream",
+                     "--downstream-samples", "3000", "--downstream-epochs", "2"]) == 0
+        scores = json.loads(capsys.readouterr().out)
+        assert scores == read_json(out / "scores.json")
+        assert {"mnist_score", "fid", "downstream_accuracy"} <= set(scores) and scores["downstream_samples"] == 3000
+        accuracy[name] = scores["downstream_accuracy"]
+    assert accuracy["untrained"] < 0.3 and accuracy["trained"] > accuracy["untrained"] + 0.2, accuracy
+    # a plain GAN has no labels to train on: one line
+    assert main(["simulate", "--gan", "gan", "--algorithm", "standalone", "--iterations", "0", "--dataset", "synthetic",
+                 "--eval-every", "-1", "--no-progress", "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    assert main(["score", str(tmp_path / "plain"), "--data-root", data_root, "--downstream"]) == 2
+    assert "needs a class-conditional generator" in capsys.readouterr().err

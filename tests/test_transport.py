@@ -544,7 +544,7 @@ def test_services_choose_the_grpc_io_engine_before_grpc_starts(entry, given):
 def test_workers_sharing_a_process_step_together_then_answer_together():
     """With --workers-per-process, the batches of one iteration reach a process together. Its
     workers decode all of them, then run all their steps, then write all their feedback: each phase
-    back to back, its code warm (docs/PERFORMANCE.md, sixth pass), not message code and torch
+    back to back, its code warm (docs/PERFORMANCE.md), not message code and torch
     interleaved worker by worker."""
     config = TrainingConfig(workers=2, batch_size=B).validate()
     events: list[tuple[str, int]] = []

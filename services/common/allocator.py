@@ -6,7 +6,7 @@ temporaries, the largest a few MB each (the MLP discriminator's first layer is 7
 back once more than a few MB are free there, so the next step faults the same pages in again.
 Serving blocks up to 16 MB from the heap and keeping up to 64 MB free at its top took a local
 cluster at N=10 from about 1300 page faults per iteration to about 300 (the simulation: 260 to 6),
-and its CPU per iteration down by about 3% (docs/PERFORMANCE.md, sixth pass). What it costs is at
+and its CPU per iteration down by about 3% (docs/PERFORMANCE.md). What it costs is at
 most 64 MB of freed memory each process may keep.
 """
 

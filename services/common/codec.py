@@ -199,7 +199,7 @@ def _state_views(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.Tensor
 
 def _state_blob(state: dict[str, torch.Tensor]) -> tuple[list[tensor_pb2.TensorSpec], memoryview]:
     """The specs of a state's tensors and their bytes, concatenated in one copy (a swap moves
-    megabytes: each pass over them is measurable, docs/PERFORMANCE.md, twelfth pass)."""
+    megabytes: each pass over them is measurable, docs/PERFORMANCE.md, "What a swap costs")."""
     specs, views = _state_views(state)
     return specs, memoryview(b"".join(views))
 
@@ -223,7 +223,7 @@ def wire_state_chunks(state: dict[str, torch.Tensor], swap_round: int, sender: s
     """What state_chunks yields, serialized: (the chunk's wire bytes, its payload bytes) for the
     header, then for each chunk of data.
 
-    A swap moves megabytes, and every pass over them shows (docs/PERFORMANCE.md, twelfth pass):
+    A swap moves megabytes, and every pass over them shows (docs/PERFORMANCE.md, "What a swap costs"):
     a data chunk is written straight from the tensors' memory (its key, its length, its bytes) in
     one copy, where building the message, serializing it (gRPC) and measuring it (ByteSize, which
     upb does by serializing) made three more. Parsing each with DiscriminatorChunk.FromString gives

@@ -7,7 +7,7 @@ worker's 5 ms discriminator step was cut in pieces, each resumed with caches ano
 just filled. Every service of `mdgan local` therefore runs as SCHED_BATCH (a process that wakes
 does not preempt the running one) with a 10 ms slice (Linux 6.12 and later take a fair-class slice
 from sched_attr.sched_runtime; where the call fails, the policy alone is set): 0.1-0.4 preemptions
-per iteration, and about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md, fourth pass).
+per iteration, and about 8% less CPU per iteration at N=10 (docs/PERFORMANCE.md).
 
 With no more worker processes than cores (the default layout: one per core), `mdgan local` also keeps
 each worker process on a core of its own (`pin`, `worker_cpus`; T cores with --threads T when there are
@@ -15,8 +15,7 @@ enough, none otherwise: torch's threads kept on fewer cores than there are threa
 at every operation, `check_threads_fit`); the server is left free, to run
 wherever a worker waits. A process the kernel moves to another core resumes its step with that
 core's caches cold. Pinned, an iteration took about 6% less time at N=4 and N=10 on 2 cores (0.89-0.99x
-in seven comparisons within one run each) for the same CPU (0.98-1.05x; docs/PERFORMANCE.md, eighth
-pass).
+in seven comparisons within one run each) for the same CPU (0.98-1.05x; `bench/local_vs_simulate.py`).
 
 `usable_cpus` is the CPUs a process may use (the launcher's layout starts from it); `die_with_parent`
 asks the kernel to stop a child process when its parent dies, however it dies (the services of
@@ -165,8 +164,7 @@ def check_threads_fit(threads: int, cpus) -> int:
     with 0 (torch's default: one per usable core) one per CPU it is kept on. More threads than CPUs
     is a ConfigError: torch's threads wait for each other at every operation, and kept on too few
     CPUs, one of them runs only when another is preempted (`mdgan local --workers 4 --threads 2` with
-    each worker process on one CPU: 1.71 s per iteration, against 0.18 s unpinned; docs/PERFORMANCE.md,
-    ninth pass)."""
+    each worker process on one CPU: 1.71 s per iteration, against 0.18 s unpinned)."""
     if cpus is None:
         return threads
     if threads > len(cpus):

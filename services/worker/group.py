@@ -4,8 +4,8 @@ worker processes.
 Each worker is the same as one `mdgan-worker` process: its own data, discriminator, gRPC client
 and Peer server, certificate, /metrics port, state folder and log file. They share one event loop,
 and with it the interpreter, torch and gRPC: on a machine with fewer cores than workers, K workers
-in one process cost less CPU than K processes taking turns on a core (docs/PERFORMANCE.md, "Fifth
-pass"), and start once instead of K times.
+in one process cost less CPU than K processes taking turns on a core (`bench/fifty_workers.py
+--workers-per-process 1` against the default), and start once instead of K times.
 
 What the process owns is the group's: the CPU scheduling, torch threads and allocator (those of the first
 worker's flags, applied once and logged in the process's own log; the launcher gives all the

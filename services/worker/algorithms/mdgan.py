@@ -132,7 +132,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         # (--workers-per-process) get their batches together, so the loop then decodes them all,
         # steps them all, and encodes and writes them all, each phase's code warm in the caches,
         # instead of alternating message code and torch worker by worker: about 3% less CPU per
-        # iteration at N=10 (docs/PERFORMANCE.md, sixth pass). No message of the server's is read
+        # iteration at N=10 (docs/PERFORMANCE.md). No message of the server's is read
         # meanwhile (the read loop awaits this handler); what a background task does during a yield
         # (a peer's push, a late swap) is as if done before this batch (the decoded batch does not
         # depend on our D) or after this feedback (computed before the second yield).
