@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 
 def _ip(*args: str) -> None:
@@ -122,11 +123,14 @@ class Consortium:
     """
 
     def __init__(self, machines: list[str], domain: str = "lan.test", shaped: dict[str, str] | None = None,
-                 subnet: int | None = None):
+                 subnet: int | None = None, delayed: dict[str, tuple[str, str]] | None = None, jitter: str = "0ms"):
         tag = os.getpid() % 100000
         self.tag = tag
         self.domain = domain
         self.shaped = shaped or {}
+        self.delayed = delayed or {}  # machine -> (its frames' one-way delay to the switch, the switch's to it)
+        self.jitter = jitter
+        self.links: list[subprocess.Popen] = []  # the delay_link processes
         subnet = (tag % 200) + 20 if subnet is None else subnet
         self.switch = f"mdgan-sw-{tag}"
         self.machines = {m: {"ns": f"mdgan-{i}-{tag}", "ip": f"10.214.{subnet}.{i + 10}",
@@ -150,8 +154,11 @@ class Consortium:
                 os.makedirs(f"/etc/netns/{m['ns']}", exist_ok=True)
                 with open(f"/etc/netns/{m['ns']}/hosts", "w") as fh:
                     fh.write("127.0.0.1 localhost\n::1 localhost\n" + hosts)
-                _ip("link", "add", m["outer"], "netns", self.switch, "type", "veth", "peer", "name", m["inner"],
-                    "netns", m["ns"])
+                if name in self.delayed:
+                    self._delayed_link(name, m)
+                else:
+                    _ip("link", "add", m["outer"], "netns", self.switch, "type", "veth", "peer", "name", m["inner"],
+                        "netns", m["ns"])
                 _ip(*sw, "link", "set", m["outer"], "master", "br0")
                 _ip(*sw, "link", "set", m["outer"], "up")
                 inside = ["netns", "exec", m["ns"], "ip"]
@@ -168,6 +175,22 @@ class Consortium:
             raise
         return self
 
+    def _delayed_link(self, name: str, m: dict) -> None:
+        """The machine's link as two TAP devices with bench/delay_link.py between them (its delays each
+        way), in place of a veth pair: the TAP of the machine's end becomes its eth0."""
+        up, down = self.delayed[name]
+        inner = f"mi{self.tag}-{list(self.machines).index(name)}"
+        link = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                              "delay_link.py"),
+                                 "--taps", inner, m["outer"], "--up", up, "--down", down, "--jitter", self.jitter],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.links.append(link)
+        if link.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"bench/delay_link.py did not start: {link.stderr.read()[-2000:]}")
+        _ip("link", "set", m["outer"], "netns", self.switch)
+        _ip("link", "set", inner, "netns", m["ns"])
+        _ip("netns", "exec", m["ns"], "ip", "link", "set", inner, "name", m["inner"])
+
     def bytes_shaped(self, machine: str) -> tuple[int, int]:
         """(to the machine, from it): bytes through its link's token buckets so far."""
         m = self.machines[machine]
@@ -183,6 +206,9 @@ class Consortium:
         return ["ip", "netns", "exec", self.machines[machine]["ns"], *command]
 
     def __exit__(self, *exc) -> None:
+        for link in self.links:
+            link.kill()
+            link.wait()
         for m in self.machines.values():
             subprocess.run(["ip", "netns", "del", m["ns"]], capture_output=True)
             shutil.rmtree(f"/etc/netns/{m['ns']}", ignore_errors=True)
