@@ -10,8 +10,8 @@ data-parallel GAN run one after another over the same links, with the same seed 
   site-0.wan.test, ...), mutual TLS with a throwaway CA. Site i's link carries a token bucket at rates[i]
   on both ends (`tc qdisc add ... tbf rate RATE burst 32kbit latency 400ms`), so everything it receives
   (batches, models, a peer's discriminator) and sends (feedback, its discriminator, its models) crosses
-  RATE; the server's own link is not shaped. `netem` is not in this kernel, so no latency is added:
-  the links differ in rate only (a delay would add about one round trip per iteration under --sync all).
+  RATE; the server's own link is not shaped. `--rtt MS` adds a round trip of MS between each site and
+  the server (half each way on the site's link; bench/delay_link.py, since this kernel has no netem).
 - Every configuration trains for --budget seconds of training time (the sum of its iterations' wall
   times, the first one left out: it holds the workers' warm-up), then the server gets SIGTERM. The
   server scores its G every --eval-every iterations on --eval-samples samples (in a thread of its own).
@@ -146,7 +146,8 @@ def fmt(value, spec: str = ".0f", none: str = "-") -> str:
 
 def report(results: dict, args, sites: list[str]) -> str:
     rates = dict(zip(sites, args.rates))
-    lines = [f"N={len(sites)} sites at {', '.join(args.rates)}; b={args.batch_size}, swap every {args.swap_every}, "
+    lines = [f"N={len(sites)} sites at {', '.join(args.rates)}, round trip {args.rtt:g} ms; b={args.batch_size}, "
+             f"swap every {args.swap_every}, "
              f"lag {args.lag}; {args.budget:.0f} s of training each; FID on {args.eval_samples} samples every "
              f"{args.eval_every} iterations", "",
              "| configuration | G updates/s (whole run) | between swaps | whole / between | s in swaps | iterations "
@@ -194,6 +195,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="100mbit,100mbit,10mbit,1mbit",
                         help="each site's link, in tc's syntax, one site per rate (default: %(default)s)")
+    parser.add_argument("--rtt", type=float, default=0.0,
+                        help="each site's round trip to the server in ms, half of it each way on its link "
+                             "(bench/delay_link.py; 0: none)")
+    parser.add_argument("--jitter", type=float, default=0.0, help="each frame's delay spread by +- this many ms")
     parser.add_argument("--budget", type=float, default=300.0, help="training seconds per configuration")
     parser.add_argument("--swap-every", type=int, default=400)
     parser.add_argument("--lag", type=int, default=200, help="--swap-lag of the background configurations")
@@ -239,7 +244,10 @@ def main() -> None:
     for i, site in enumerate(sites):
         pki.issue(tls, f"worker-{i}", "worker", sans=[f"{site}.wan.test"], overwrite=True)
     results = {}
-    with Consortium(["server", *sites], domain="wan.test", shaped=dict(zip(sites, args.rates))) as lan:
+    half = f"{args.rtt / 2:g}ms"  # a site's round trip to the server, half each way on its own link
+    delayed = {site: (half, half) for site in sites} if args.rtt > 0 else {}
+    with Consortium(["server", *sites], domain="wan.test", shaped=dict(zip(sites, args.rates)),
+                    delayed=delayed, jitter=f"{args.jitter:g}ms") as lan:
         for label, flags in chosen.items():
             print(f"{label}: {' '.join(flags)}", flush=True)
             results[label] = run(label, flags, args, lan, sites, tls, os.path.join(args.out, label))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mdgan import aggregation
 from mdgan.algorithms.base import sort_replies, why_lost, with_deadline
@@ -39,6 +39,37 @@ class Issued:
     iteration: int
     batches: GeneratedBatches
     batch: WorkerBatch
+
+
+@dataclass
+class Harvest:
+    """The answers in at one look, in rank order: `groups` the feedback used, grouped by the batches it
+    was computed on ([(Issued, feedback)] each); `stats` their StepResults; the answers rejected, the
+    workers lost, and the answers too late to use."""
+
+    groups: list[list] = field(default_factory=list)
+    stats: list[StepResult] = field(default_factory=list)
+    rejected: int = 0
+    lost: int = 0
+    late: int = 0
+
+    def add(self, other: "Harvest") -> None:
+        self.groups += other.groups
+        self.stats += other.stats
+        self.rejected += other.rejected
+        self.lost += other.lost
+        self.late += other.late
+
+
+@dataclass
+class Exchange:
+    """One iteration's feedback exchange under --sync quorum|async: the workers issued batches, what
+    came back (Harvest), and the seconds spent waiting for it and updating G."""
+
+    issued: int
+    harvest: Harvest
+    waiting: float
+    updating: float
 
 
 def staleness_weight(staleness: int) -> float:
@@ -93,9 +124,8 @@ class PartialSync:
                 return
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
 
-    async def _harvest(self, trainer, t: int, drain: bool = False):
-        """Every answer in (every one, with `drain`), in rank order: (used, stats, rejected, lost, late);
-        `used` groups the feedback by the batches it was computed on."""
+    async def _harvest(self, trainer, t: int, drain: bool = False) -> Harvest:
+        """Every answer in (every one, with `drain`), in rank order."""
         if drain and self.outstanding:
             await asyncio.wait([i.task for i in self.outstanding.values()])
         done = sorted(((w, i) for w, i in self.outstanding.items() if i.task.done()), key=lambda wi: wi[0].shard_index)
@@ -104,20 +134,20 @@ class PartialSync:
         issued_to = dict(done)
         replies = sort_replies([w for w, _ in done], [i.task.exception() or i.task.result() for _, i in done])
         used: dict[int, list] = {}  # id(batches) -> [(Issued, feedback)]
-        stats, late, lost = [], 0, 0
+        harvest = Harvest(rejected=len(replies.rejected))
         for worker, reply in replies.good:
             issued = issued_to[worker]
             trainer.count_feedback(reply, worker)
             staleness = t - issued.iteration
             if (self.mode == "quorum" and staleness > 0) or staleness > self.config.max_staleness:
-                late += 1
+                harvest.late += 1
                 continue
             used.setdefault(id(issued.batches), []).append((issued, reply.feedback))
-            stats.append(reply)
+            harvest.stats.append(reply)
         for worker, error in replies.lost:
-            lost += await trainer._lose(worker, why_lost(error))
-        rejected = len(replies.rejected)
-        return list(used.values()), stats, rejected, lost, late
+            harvest.lost += await trainer.lose(worker, why_lost(error))
+        harvest.groups = list(used.values())
+        return harvest
 
     def _update(self, trainer, t: int, groups: list[list]) -> None:
         generator, cfg = trainer.generator, self.config
@@ -136,30 +166,25 @@ class PartialSync:
             batches.samples.backward(incoming * staleness_weight(t - origin))
         generator.optimizer.step()
 
-    async def exchange(self, trainer, t: int) -> tuple[int, list[StepResult], int, int, int, float, float]:
-        """Issue, wait, apply: (workers issued, stats of the answers used, rejected, lost, late,
-        seconds waiting, seconds updating). Under async an iteration is one update of G: while only
-        unusable answers came in, the workers that gave them get fresh batches and it waits again."""
+    async def exchange(self, trainer, t: int) -> Exchange:
+        """Issue, wait, apply. Under async an iteration is one update of G: while only unusable answers
+        came in, the workers that gave them get fresh batches and it waits again."""
         # answers that came in since the last iteration closed: late (quorum) or stale (async); the
         # workers that gave them are idle again and get this iteration's batches
-        groups, stats, rejected, lost, late = await self._harvest(trainer, t)
+        harvest = await self._harvest(trainer, t)
         issued, waiting = 0, 0.0
         while True:
             issued += self._issue(trainer, t)
             started = time.perf_counter()
             await self._wait(t)
-            more_groups, more_stats, more_rejected, more_lost, more_late = await self._harvest(trainer, t)
+            harvest.add(await self._harvest(trainer, t))
             waiting += time.perf_counter() - started
-            groups += more_groups
-            stats += more_stats
-            rejected, lost, late = rejected + more_rejected, lost + more_lost, late + more_late
-            if groups or self.mode == "quorum" or not self.outstanding:
+            if harvest.groups or self.mode == "quorum" or not self.outstanding:
                 break
         updating = time.perf_counter()
-        if groups:
-            self._update(trainer, t, groups)
+        if harvest.groups:
+            self._update(trainer, t, harvest.groups)
         if t >= self.config.iterations:  # nothing may stay in flight after the last iteration
-            *_, more_rejected, more_lost, more_late = await self._harvest(trainer, t + self.config.max_staleness + 1,
-                                                                          drain=True)
-            rejected, lost, late = rejected + more_rejected, lost + more_lost, late + more_late
-        return issued, stats, rejected, lost, late, waiting, time.perf_counter() - updating
+            drained = await self._harvest(trainer, t + self.config.max_staleness + 1, drain=True)
+            harvest.add(Harvest(rejected=drained.rejected, lost=drained.lost, late=drained.late))
+        return Exchange(issued, harvest, waiting, time.perf_counter() - updating)

@@ -236,7 +236,7 @@ class Trainer:
             log.warning("dropping %s: %s", worker.worker_id, why)
             await tell_to_stop(worker, why)
 
-    async def _lose(self, worker: WorkerHandle, why: str) -> int:
+    async def lose(self, worker: WorkerHandle, why: str) -> int:
         """Drop a worker found lost; 1 the first time its loss is seen, 0 after. Under async its step
         can still be out when a swap loses it, and both see the same loss. (The transport may have
         taken it off the roster already: being off the roster does not say it was counted.)"""
@@ -323,7 +323,7 @@ class Trainer:
         for worker, why in replies.rejected:
             log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, why)
         for worker, error in replies.lost:
-            lost += await self._lose(worker, why_lost(error))
+            lost += await self.lose(worker, why_lost(error))
         rejected = len(replies.rejected)
         self.rejections += rejected
         if feedback:  # rank order: the order of `active`
@@ -344,20 +344,22 @@ class Trainer:
     async def _partial_iteration(self, t: int) -> IterationRecord:
         """--sync quorum|async (mdgan/algorithms/mdgan/synchrony.py): wait for some of the workers, not all."""
         started = time.perf_counter()
-        issued, stats, rejected, lost, late, waited, updating = await self.partial.exchange(self, t)
-        stats = read_stats(stats)
-        self.rejections += rejected
+        exchange = await self.partial.exchange(self, t)
+        harvest = exchange.harvest
+        stats = read_stats(harvest.stats)
+        self.rejections += harvest.rejected
         updated = time.perf_counter()
         swap_round, lost_in_swap = await self._swaps_after(t)
-        lost += lost_in_swap
         finished = time.perf_counter()
         return IterationRecord(
-            iteration=t, active_workers=issued, answered=len(stats), rejected=rejected, lost=lost,
+            iteration=t, active_workers=exchange.issued, answered=len(stats), rejected=harvest.rejected,
+            lost=harvest.lost + lost_in_swap,
             gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
             real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
-            swap_round=swap_round, seconds=finished - started, wait_seconds=waited, update_seconds=updating,
-            generate_seconds=max(0.0, updated - started - waited - updating), swap_seconds=finished - updated,
-            late=late, privacy=dict(self.privacy) or None)
+            swap_round=swap_round, seconds=finished - started, wait_seconds=exchange.waiting,
+            update_seconds=exchange.updating,
+            generate_seconds=max(0.0, updated - started - exchange.waiting - exchange.updating),
+            swap_seconds=finished - updated, late=harvest.late, privacy=dict(self.privacy) or None)
 
     async def _swaps_after(self, t: int) -> tuple[int | None, int]:
         """Boundary t's swaps: install the background round due here, then start the round of t if it
@@ -428,7 +430,7 @@ class Trainer:
         for worker, error in reports.lost:
             outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0,
                                          "error": why_lost(error, "missed its swap deadline")}
-            lost += await self._lose(worker, why_lost(error, "missed its swap deadline"))
+            lost += await self.lose(worker, why_lost(error, "missed its swap deadline"))
         outcome = {w.worker_id: outcome[w.worker_id] for w in participants if w.worker_id in outcome}  # rank order
         if self.on_swap is not None:
             self.on_swap({"round": swap_round, "iteration": t, **({"installed": installed} if installed else {}),
@@ -454,7 +456,7 @@ class Trainer:
         lost = 0
         for worker, error in sent.lost:
             pending.lost[worker] = why_lost(error, "missed its swap deadline")
-            lost += await self._lose(worker, pending.lost[worker])
+            lost += await self.lose(worker, pending.lost[worker])
         self.swaps, self.pending = swap_round, pending
         return swap_round, lost
 
