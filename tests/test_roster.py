@@ -142,9 +142,9 @@ def test_a_copy_tried_again_at_a_boundary_has_a_new_number_and_a_lost_donor_ends
     trainer = Trainer(config, None, [lost, donor, joiner], swap_timeout=3600)
 
     async def admit_twice():
-        await asyncio.wait_for(trainer._admit([joiner], 7), 30)  # not the hour of the swap deadline
+        await asyncio.wait_for(trainer.membership.admit([joiner], 7), 30)  # not the hour of the swap deadline
         assert joiner.needs_copy  # no copy: it waits for the next try
-        await asyncio.wait_for(trainer._admit([joiner], 7), 30)  # the same boundary (nobody else could step)
+        await asyncio.wait_for(trainer.membership.admit([joiner], 7), 30)  # the same boundary (nobody else could step)
 
     asyncio.run(admit_twice())
     assert [o.swap_round for o in joiner.orders] == [7, 8]  # a new number for the second try
@@ -159,7 +159,7 @@ def test_a_copy_whose_push_failed_ends_the_joiners_wait_and_the_donor_stays():
     donor, joiner = CopyPeer(0, push_fails=True), CopyPeer(1, needs_copy=True)
     donor.peers = {joiner.worker_id: joiner}
     trainer = Trainer(config, None, [donor, joiner], swap_timeout=3600)
-    asyncio.run(asyncio.wait_for(trainer._admit([joiner], 3), 30))  # not the hour of the swap deadline
+    asyncio.run(asyncio.wait_for(trainer.membership.admit([joiner], 3), 30))  # not the hour of the swap deadline
     assert joiner.cancels == [(3, "worker-0", COPY)] and joiner.needs_copy
     assert donor in trainer.roster.members()  # alive: it may give the copy at the next boundary
 
