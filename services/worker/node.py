@@ -33,6 +33,7 @@ from services.common.tls import TLSConfig
 from services.worker.algorithms import ALGORITHMS
 from services.worker.algorithms.base import (BudgetSpent, RunFailed, ServerGone, StreamBroken, WorkerAlgorithm,
                                              WorkerFailed)
+from services.worker.faults import FaultReport
 
 log = logging.getLogger("mdgan.worker")
 
@@ -67,7 +68,6 @@ FINAL_REFUSALS = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSIO
 
 
 CONNECT_TRY_S = 5.0  # how long one connection attempt may take
-FAULT_REPORT_S = 5.0  # how long a failed worker tries to tell the server before it exits
 
 
 def backoff_delays(base: float = 0.5, cap: float = 10.0):
@@ -145,11 +145,9 @@ class WorkerNode:
         self.reconnect = reconnect
         self.run_id = run_id or self._saved_run().get("run_id")
         self.pinned_run = run_id  # --run-id: join that run only
-        self.fault: pb.Fault | None = None  # this worker's own error, once it failed
-        self._fault_sent = False
+        self.faults = FaultReport(lambda: self.worker_id or self.identity or "this worker", self.write)
         self._task: asyncio.Task | None = None  # the task running run(): a fault ends it
         self._call = None  # the Train stream of the session under way (None: between sessions)
-        self._ending: asyncio.Task | None = None  # a fault found in another task, being reported
 
     # -- durable state ---------------------------------------------------------------------------
     def _saved_run(self) -> dict:
@@ -293,64 +291,22 @@ class WorkerNode:
             if self.fault is None:  # a signal
                 raise
             self._task.uncancel()
-            raise self._failed() from None
+            raise self.faults.error() from None
         finally:
             self._task = None
 
-    # -- faults ----------------------------------------------------------------------------------
+    # -- faults (services/worker/faults.py) --------------------------------------------------------
     def fail(self, where: str, exc: BaseException) -> WorkerFailed:
-        """This worker's own exception while `where` ("answering batches", ...): logged here with its
-        traceback, told to the server as a Fault (a status code and one line), and the worker exits 1.
+        """This worker's own exception while `where` ("answering batches", ...): logged with its
+        traceback, told to the server as a Fault, and the worker exits 1. Raised by the task that runs
+        the worker, the WorkerFailed returned ends its session; from any other task (a swap, the Peer
+        service) the Fault is written on the stream now, and the server ends the session."""
+        trained = self.algorithm.trained_iteration if self.algorithm is not None else 0
+        return self.faults.record(where, exc, trained, self._task, lambda: self._call)
 
-        Raised by the task that runs the worker, the WorkerFailed returned ends its session. From any
-        other task (a swap, the Peer service), the Fault is written on the stream now; the server then
-        ends the stream, and with it the session (the task is cancelled only if that does not come)."""
-        if self.fault is None:
-            cause = rpc.one_line(exc)
-            trained = self.algorithm.trained_iteration if self.algorithm is not None else 0
-            log.error("%s failed while %s: %s", self.worker_id or self.identity or "this worker", where, cause,
-                      exc_info=exc)
-            self.fault = pb.Fault(code=rpc.INTERNAL, message=cause, where=where, iteration=trained)
-            task = self._task
-            if task is not None and task is not asyncio.current_task() and not task.done():
-                self._ending = asyncio.get_running_loop().create_task(self._end_for_fault(task))
-        return self._failed()
-
-    def _failed(self) -> WorkerFailed:
-        return WorkerFailed(f"{self.worker_id or self.identity or 'this worker'} failed while {self.fault.where}: "
-                            f"{self.fault.message}")
-
-    async def _send_fault(self, call) -> None:
-        """The Fault and the end of our writing, once (best effort, within FAULT_REPORT_S)."""
-        if self._fault_sent or call is None:
-            return
-        self._fault_sent = True
-        try:
-            async with asyncio.timeout(FAULT_REPORT_S):
-                await self.write(call, pb.WorkerMessage(fault=self.fault))
-                await call.done_writing()
-        except Exception as exc:  # (gone, a deadline, a broken stream): the worker exits all the same
-            log.debug("the fault was not sent: %r", exc)
-
-    async def _report_fault(self, call) -> None:
-        """From the session's own task (the stream's reader): the Fault, then wait for the server to end
-        the stream (its acknowledgement), within FAULT_REPORT_S."""
-        await self._send_fault(call)
-        try:
-            async with asyncio.timeout(FAULT_REPORT_S):
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-        except Exception as exc:
-            log.debug("the fault was not acknowledged: %r", exc)
-
-    async def _end_for_fault(self, task: asyncio.Task) -> None:
-        """A fault found outside the session's task: report it on the stream, give the session the time the
-        server takes to end the stream, then end the task."""
-        if self._call is not None:  # (between sessions there is nobody to tell)
-            await self._send_fault(self._call)
-            await asyncio.wait([task], timeout=2 * FAULT_REPORT_S)
-        if not task.done():
-            task.cancel()  # (no stream, or no answer: nothing is left to cut short)
+    @property
+    def fault(self) -> pb.Fault | None:
+        return self.faults.fault
 
     async def _run(self, deadline: float, delays) -> str:
         while True:
@@ -372,7 +328,7 @@ class WorkerNode:
                 continue
             except (StreamBroken, grpc.aio.AioRpcError) as exc:
                 if self.fault is not None:  # the server ended the stream after our Fault
-                    raise self._failed() from None
+                    raise self.faults.error() from None
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in FINAL_REFUSALS:
                     raise JoinRefused(f"{exc.code().name}: {exc.details()}") from None
                 why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -434,9 +390,9 @@ class WorkerNode:
                 if self.fault is None:  # a signal
                     raise
                 asyncio.current_task().uncancel()  # a fault elsewhere, whose report got no answer
-                raise self._failed() from None
+                raise self.faults.error() from None
             except WorkerFailed:
-                await self._report_fault(call)
+                await self.faults.report(call)
                 raise
             finally:
                 self._call = None
