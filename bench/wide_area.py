@@ -1,7 +1,7 @@
 """Which algorithm reaches a given quality first over our links? The server and N sites each in a network
 namespace of their own, every site's link shaped with `tc tbf` to a rate of its own; MD-GAN (`--sync all`,
 `quorum`, `async`, with and without background swaps, float32 and int8 on the wire), FL-GAN and the
-data-parallel GAN run one after another over the same links, with the same seed and data.
+parameter-server GAN run one after another over the same links, with the same seed and data.
 
     sudo nice -n 5 python bench/wide_area.py                                  # the defaults below, ~55 min
     sudo python bench/wide_area.py --rates 100mbit,10mbit,1mbit --budget 120 --only mdgan-async,mdgan-async-lag
@@ -17,7 +17,7 @@ data-parallel GAN run one after another over the same links, with the same seed 
   server scores its G every --eval-every iterations on --eval-samples samples (in a thread of its own).
 - Printed per configuration, and written to OUT/wide_area.json: G updates per second over the whole run
   (swaps included) and between swaps (iterations that neither start a swap round nor install one; MD-GAN
-  only: FL-GAN and the data-parallel GAN have no such iterations to tell apart), their ratio, the bytes
+  only: FL-GAN and the parameter-server GAN have no such iterations to tell apart), their ratio, the bytes
   through each site's link both ways, the training seconds to reach each FID of --fids (first evaluation
   at or below it), and the last scores. Ratios compare within one invocation only; run it on an
   otherwise idle machine (the load average is printed).
@@ -58,9 +58,9 @@ def configurations(workers: int, lag: int) -> dict[str, list[str]]:
         "mdgan-async-lag": ["--algorithm", "mdgan", *asynchronous, *background],
         "mdgan-async-lag-int8": ["--algorithm", "mdgan", *asynchronous, *background, "--wire-dtype", "int8"],
         "flgan": ["--algorithm", "flgan"],
-        # a step on the gradients of all but one (the data-parallel analogue of quorum): with every worker's
+        # a step on the gradients of all but one (the parameter-server analogue of quorum): with every worker's
         # needed, the 1 Mbit site's models (2 x 8 MB an iteration) miss the step deadline and the run stops
-        "dpgan": ["--algorithm", "dpgan", "--dp-threshold", str(workers - 1)],
+        "psgan": ["--algorithm", "psgan", "--ps-threshold", str(workers - 1)],
     }
 
 

@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="one algorithm, or all of them side by side")
     formulas.add_argument("--workers", type=int, default=10, help="N")
     formulas.add_argument("--batch-size", type=int, default=10, help="b (pwgan: n_g = n_r = b)")
-    formulas.add_argument("--disc-steps", type=int, default=1, help="L (dpgan: D rounds per iteration)")
+    formulas.add_argument("--disc-steps", type=int, default=1, help="L (psgan: D rounds per iteration)")
     formulas.add_argument("--swap-epochs", type=float, default=1.0, help="E: S = ceil(E m / b) (MD-GAN swaps, "
                                                                          "FL-GAN rounds)")
     formulas.add_argument("--swap-every", type=int, default=None, help="S, instead of ceil(E m / b)")

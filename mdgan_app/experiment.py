@@ -18,7 +18,7 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
 
 Run keys: algorithm; every training setting, named as its flag (workers, batch_size, ..., the full list
 in mdgan/settings.py), with the same defaults as on the command line; swap_every also "never" (no
-swap); each algorithm's own options (potential_rounds, dp_threshold, swap_lag, ...); and an
+swap); each algorithm's own options (potential_rounds, ps_threshold, swap_lag, ...); and an
 experiment's own: dataset, data_root, split, dirichlet_alpha, eval_every, eval_samples, eval_reference,
 eval_large_every and eval_large_samples (scores on that many images too, every so many iterations and
 at the end: fid_large, mnist_score_large), checkpoint_every (durable algorithms: a stopped run resumes
@@ -75,7 +75,7 @@ DEFAULTS = {
     "save_discriminators": False,  # each run's final discriminators, for `mdgan audit` (docs/PRIVACY.md)
     "eval_downstream": 0,  # > 0: the final generator's downstream accuracy on that many images (mdgan/downstream.py)
 }
-# every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the data-parallel GAN's Q, ...), with their defaults
+# every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the parameter-server GAN's Q, ...), with their defaults
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
 DEFAULTS.update({option_key(f): f.default for f in OPTION_FIELDS})
 # the keys that name a run (in this order) when they differ between runs
@@ -137,8 +137,9 @@ def load_config(path: str) -> dict:
 
 
 def _keys(settings: dict | None) -> dict:
-    """A run's settings with the flags' names accepted too (batch-size as batch_size), as in --config."""
-    return {str(k).replace("-", "_"): v for k, v in (settings or {}).items()}
+    """A run's settings with the flags' names accepted too (batch-size as batch_size), as in --config, and
+    renamed ones under their new names (algorithms.renamed_settings)."""
+    return algorithms.renamed_settings({str(k).replace("-", "_"): v for k, v in (settings or {}).items()})
 
 
 def expand(config: dict) -> list[dict]:
@@ -218,7 +219,7 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, s
                     attack=run["attack"] if run["byzantine"] else None,
                     options=algorithms.get(run["algorithm"]).options_from(run),
                     save_discriminators=first is None and bool(run["save_discriminators"]), stop_after=first)
-    if run["eval_downstream"] and first is None:
+    if run.get("eval_downstream") and first is None:  # (a run.json kept before the key: none)
         summary = _score_downstream(run, out_dir, summary)
     return summary
 
@@ -349,7 +350,7 @@ def restore_kept(runs: list[dict], out: str, keep: str) -> list[str]:
         if not os.path.exists(os.path.join(kept, "summary.json")) or os.path.exists(os.path.join(target, "summary.json")):
             continue
         with open(os.path.join(kept, "run.json"), encoding="utf-8") as fh:
-            before = json.load(fh)
+            before = algorithms.renamed_settings(json.load(fh))
         if _trained(before) != _trained(run):
             changed = sorted(k for k in _trained(run) if before.get(k) != run[k])
             raise ConfigError(f"{kept} holds a run with other settings ({changed} differ): "

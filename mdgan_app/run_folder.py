@@ -111,6 +111,9 @@ def take_launch_settings(args) -> None:
     launched, name = _read_launch_settings(args)
     if not isinstance(launched, dict):
         raise ConfigError(f"--resume {args.resume}: {name} holds no settings (a JSON object is expected)")
+    from mdgan.renames import renamed_settings
+
+    launched = renamed_settings(launched)  # (an older mdgan's keys: their names now)
     given = getattr(args, "given", set())
     for key, value in launched.items():
         if key not in given and key not in _NOT_LAUNCH_SETTINGS and hasattr(args, key):

@@ -12,7 +12,7 @@ with the run's own counts (docs/ALGORITHMS.md has one table per algorithm):
   1 byte plus a float32 scale per row at int8), and each row also gives Table III at float32 and
   the ratio to it.
 - flgan: |theta_G| + |theta_D| both ways per worker per averaging round (every S iterations).
-- pwgan, dpgan: their library's ``traffic_per_iteration`` for the workers asked in each iteration
+- pwgan, psgan: their library's ``traffic_per_iteration`` for the workers asked in each iteration
   of the history. An iteration in which a worker was lost or rejected (its messages stop in the
   round it fails, which the history does not record) is bounded instead: at least the formula for
   the workers that answered, at most for those asked; the row "matches" when the counter lies in
@@ -99,7 +99,7 @@ def traffic_report(run_dir: str) -> dict:
             rows.append({
                 "direction": direction, "counted_at": f"{group} ({side})", "side": side,
                 "payload_bytes": payload, "formula_bytes": formula[direction],
-                # equal to formula_bytes except for pwgan/dpgan iterations with a lost or rejected worker
+                # equal to formula_bytes except for pwgan/psgan iterations with a lost or rejected worker
                 "formula_min_bytes": formula_min[direction],
                 "payload_matches_formula": formula_min[direction] <= payload <= formula[direction],
                 "table_iii_fp32_bytes": formula_fp32[direction],

@@ -35,7 +35,7 @@ FREE_FORM = {
 }
 NUMBER = {"type": ["number", "string"], "pattern": r"^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$"}
 CONSTRAINTS = {
-    "algorithm": {"enum": ["mdgan", "flgan", "pwgan", "dpgan"]},
+    "algorithm": {"enum": ["mdgan", "flgan", "pwgan", "psgan"]},
     "global.dataset": {"enum": ["imagefolder", "mnist", "cifar10", "synthetic"]},
     "workers.data.mode": {"enum": ["site", "emulation"]},
     "workers.replicas": {"minimum": 0},
@@ -46,7 +46,7 @@ CONSTRAINTS = {
     "pwgan.potentialRounds": {"minimum": 1},
     "pwgan.potentialLr": {**NUMBER, "exclusiveMinimum": 0},
     "pwgan.gradientPenalty": {**NUMBER, "minimum": 0},
-    "dpgan.threshold": {"type": ["integer", "null"], "minimum": 1},
+    "psgan.threshold": {"type": ["integer", "null"], "minimum": 1},
     "server.address": {"pattern": r"^$|^.+:[0-9]+$"},
     "workers.advertiseAddresses": {"items": {"type": "string", "pattern": r"^.+:[0-9]+$"}},
     "workers.externalService.type": {"enum": ["LoadBalancer", "NodePort", "ClusterIP"]},

@@ -80,10 +80,10 @@ declare -A RUNS=(
   [mdgan-swap-lag]="--architecture cnn-mnist --workers 4 --swap-lag 3"
   [flgan]="--algorithm flgan --workers 3"
   [pwgan]="--algorithm pwgan --workers 3"
-  [dpgan]="--algorithm dpgan --workers 3"
+  [psgan]="--algorithm psgan --workers 3"
   [standalone]="--algorithm standalone"
 )
-ORDER=(mdgan-cnn mdgan-dp mdgan-int8 mdgan-swap-lag flgan pwgan dpgan standalone)
+ORDER=(mdgan-cnn mdgan-dp mdgan-int8 mdgan-swap-lag flgan pwgan psgan standalone)
 for run in "${ORDER[@]}"; do
   # shellcheck disable=SC2086
   check "simulate $run" 90 "${MDGAN[@]}" simulate ${RUNS[$run]} "${common[@]}" --out "$OUT/simulate-$run" \

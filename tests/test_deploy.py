@@ -185,26 +185,26 @@ def test_one_value_picks_the_algorithm():
 
     default = server_config()
     assert default["MDGAN_ALGORITHM"] == "mdgan" and default["MDGAN_CHECKPOINT_EVERY"] == "100"
-    assert not {"MDGAN_POTENTIAL_ROUNDS", "MDGAN_DP_THRESHOLD"} & set(default)
+    assert not {"MDGAN_POTENTIAL_ROUNDS", "MDGAN_PS_THRESHOLD"} & set(default)
     pwgan = server_config("--set", "algorithm=pwgan", "--set", "pwgan.potentialRounds=3",
                           "--set", "pwgan.potentialLr=0.5")
     assert (pwgan["MDGAN_ALGORITHM"], pwgan["MDGAN_POTENTIAL_ROUNDS"], pwgan["MDGAN_POTENTIAL_LR"],
             pwgan["MDGAN_GRADIENT_PENALTY"]) == ("pwgan", "3", "0.5", "10")
     assert pwgan["MDGAN_CHECKPOINT_EVERY"] == "0"  # checkpoints are MD-GAN's; the other servers refuse them
-    dpgan = server_config("--set", "algorithm=dpgan", "--set", "workers.replicas=3", "--set", "dpgan.threshold=2")
-    assert (dpgan["MDGAN_ALGORITHM"], dpgan["MDGAN_DP_THRESHOLD"]) == ("dpgan", "2")
-    assert "MDGAN_DP_THRESHOLD" not in server_config("--set", "algorithm=dpgan")  # every worker
-    assert "MDGAN_POTENTIAL_ROUNDS" not in dpgan
+    psgan = server_config("--set", "algorithm=psgan", "--set", "workers.replicas=3", "--set", "psgan.threshold=2")
+    assert (psgan["MDGAN_ALGORITHM"], psgan["MDGAN_PS_THRESHOLD"]) == ("psgan", "2")
+    assert "MDGAN_PS_THRESHOLD" not in server_config("--set", "algorithm=psgan")  # every worker
+    assert "MDGAN_POTENTIAL_ROUNDS" not in psgan
     workers = [c["data"] for c in by_kind(render("--set", "algorithm=pwgan"), "ConfigMap")
                if c["metadata"]["name"] == "mdgan-worker"]
     assert workers and "MDGAN_ALGORITHM" not in workers[0]
-    result = validate(helm_template("--set", "algorithm=dpgan", "--set", "dpgan.threshold=1").stdout)
+    result = validate(helm_template("--set", "algorithm=psgan", "--set", "psgan.threshold=1").stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     for bad, says in ((("--set", "algorithm=wgan"), "algorithm"),
                       (("--set", "pwgan.potentialRounds=0"), "potentialRounds"),
                       (("--set", "pwgan.potentialLr=fast"), "potentialLr"),
-                      (("--set", "dpgan.threshold=0"), "threshold"),
-                      (("--set", "algorithm=dpgan", "--set", "dpgan.threshold=3"), "more than the run's 2 workers"),
+                      (("--set", "psgan.threshold=0"), "threshold"),
+                      (("--set", "algorithm=psgan", "--set", "psgan.threshold=3"), "more than the run's 2 workers"),
                       (("--set", "server.settings.MDGAN_ALGORITHM=pwgan"), "set by the chart")):
         result = helm_template(*bad, check=False)
         assert result.returncode != 0 and says in result.stderr, (bad, result.stderr)
@@ -503,11 +503,11 @@ def test_compose_config_is_valid():
     assert scaled["server"]["environment"]["MDGAN_WORKERS"] == "5"
     # one variable picks the algorithm (the server's; workers take it from its spec)
     assert scaled["server"]["environment"]["MDGAN_ALGORITHM"] == "mdgan"
-    assert scaled["server"]["environment"]["MDGAN_DP_THRESHOLD"] is None  # unset unless the shell sets it
+    assert scaled["server"]["environment"]["MDGAN_PS_THRESHOLD"] is None  # unset unless the shell sets it
     picked = json.loads(run([compose, "-f", COMPOSE_FILE, "config", "--format", "json"],
-                            env={"MDGAN_ALGORITHM": "dpgan", "MDGAN_DP_THRESHOLD": "1"}).stdout)["services"]
-    assert (picked["server"]["environment"]["MDGAN_ALGORITHM"], picked["server"]["environment"]["MDGAN_DP_THRESHOLD"]) \
-        == ("dpgan", "1")
+                            env={"MDGAN_ALGORITHM": "psgan", "MDGAN_PS_THRESHOLD": "1"}).stdout)["services"]
+    assert (picked["server"]["environment"]["MDGAN_ALGORITHM"], picked["server"]["environment"]["MDGAN_PS_THRESHOLD"]) \
+        == ("psgan", "1")
     assert "MDGAN_ALGORITHM" not in picked["worker"]["environment"]
     assert scaled["worker"]["volumes"][0]["type"] == "bind"
     assert {"server", "worker", "prometheus", "grafana"} <= set(scaled)

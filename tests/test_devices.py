@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import CUDA, NO_CUDA, cuda_only
-from mdgan.algorithms.dpgan import DPGANOptions
+from mdgan.algorithms.psgan import PSGANOptions
 from mdgan.algorithms.mdgan.options import MDGANOptions
 from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
 from mdgan.simulation import simulate
@@ -38,7 +38,7 @@ FEATURES = [
     ("flgan", "flgan", {}, {}),
     ("standalone", "standalone", {}, {}),
     ("pwgan", "pwgan", {"kappa": 1, "wire_dtype": "float32"}, {}),
-    ("dpgan", "dpgan", {"kappa": 1}, {"options": DPGANOptions(threshold=2)}),
+    ("psgan", "psgan", {"kappa": 1}, {"options": PSGANOptions(threshold=2)}),
     ("dp-sgd", "mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0)}, {}),
     ("checked-swaps", "mdgan", {}, {"byzantine": 1, "attack": "swap-sign-flip"}),
     ("int8-wire", "mdgan", {"wire_dtype": "int8"}, {}),

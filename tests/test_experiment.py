@@ -144,27 +144,27 @@ def test_runs_in_parallel_processes_give_the_runs_of_one_by_one(tmp_path):
         run_experiment(path, progress=False, jobs=0)
 
 
-def test_pwgan_and_dpgan_runs_take_their_options_and_the_runs_table_compares_them(tmp_path):
+def test_pwgan_and_psgan_runs_take_their_options_and_the_runs_table_compares_them(tmp_path):
     out = tmp_path / "out"
     path = _write(tmp_path, {
         "name": "four", "out": str(out),
         "base": {"dataset": "synthetic", "iterations": 3, "workers": 3, "batch_size": 5, "gan": "gan"},
         "runs": [{"algorithm": "mdgan"},
                  {"algorithm": "pwgan", "potential_rounds": 2, "potential_lr": 0.5, "gradient_penalty": 1.0},
-                 {"algorithm": "dpgan", "dp_threshold": 2}],
+                 {"algorithm": "psgan", "ps_threshold": 2}],
     })
     result = run_experiment(path, progress=False)
     assert result["ran"] == 3
     summaries = {s["algorithm"]: s for s in (json.loads((d / "summary.json").read_text())
                                              for d in (out / "runs").iterdir())}
     assert summaries["pwgan"]["pwgan"] == {"potential_rounds": 2, "potential_lr": 0.5, "gradient_penalty": 1.0}
-    assert summaries["dpgan"]["dpgan"] == {"threshold": 2}
+    assert summaries["psgan"]["psgan"] == {"threshold": 2}
     # T shows in the bytes: per worker per iteration 4 b d + 4 T b each way (docs/ALGORITHMS.md)
     assert summaries["pwgan"]["payload_bytes"]["server_to_worker"] == 3 * 3 * (4 * 5 * 784 + 4 * 2 * 5)
 
     with open(out / "runs.csv") as fh:
         rows = {row["algorithm"]: row for row in csv.DictReader(fh)}
-    assert sorted(rows) == ["dpgan", "mdgan", "pwgan"]
+    assert sorted(rows) == ["psgan", "mdgan", "pwgan"]
     for name, row in rows.items():
         for direction in ("server_to_worker", "worker_to_server", "worker_to_worker"):
             assert float(row[f"{direction}_bytes_per_iteration"]) == summaries[name]["payload_bytes"][direction] / 3
@@ -226,8 +226,8 @@ def test_an_experiments_runs_take_the_flags_names_too():
     from mdgan_app.experiment import expand
 
     runs = expand({"base": {"batch-size": 7, "dataset": "synthetic"}, "grid": {"swap-every": [5, 10]},
-                   "runs": [{"algorithm": "dpgan", "dp-threshold": 1}]})
-    assert [(r["batch_size"], r["swap_every"], r["dp_threshold"]) for r in runs] == [(7, 5, None), (7, 10, None),
+                   "runs": [{"algorithm": "psgan", "ps-threshold": 1}]})
+    assert [(r["batch_size"], r["swap_every"], r["ps_threshold"]) for r in runs] == [(7, 5, None), (7, 10, None),
                                                                                      (7, None, 1)]
     with pytest.raises(ConfigError, match="batch_sise"):
         expand({"runs": [{"batch-sise": 7}]})

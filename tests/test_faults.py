@@ -157,7 +157,7 @@ WORKER_FAULTS = [
      "answering local_round"),
     ("pwgan-round-all", ["--algorithm", "pwgan"], f"{W}.pwgan:PWGANWorker._on_round", None, 3,
      "answering potential_round"),
-    ("dpgan-round-one", ["--algorithm", "dpgan", "--dp-threshold", "2"], f"{W}.dpgan:DPGANWorker._on_round",
+    ("psgan-round-one", ["--algorithm", "psgan", "--ps-threshold", "2"], f"{W}.psgan:PSGANWorker._on_round",
      "worker-1", 2, "answering replica_round"),
 ]
 

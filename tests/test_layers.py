@@ -121,7 +121,7 @@ def test_no_algorithm_name_is_switched_on_outside_the_registries():
 
 def test_the_switch_pattern_finds_switches():
     """The test above can fail: each of these is a switch it must see."""
-    for line in ('if args.algorithm == "pwgan":', 'elif algorithm in ("pwgan", "dpgan"):',
+    for line in ('if args.algorithm == "pwgan":', 'elif algorithm in ("pwgan", "psgan"):',
                  'ALGORITHMS = ("mdgan", "flgan")', 'if "standalone" != name:'):
         assert SWITCH.search(line), line
     assert not SWITCH.search('name="pwgan", title="P-WGAN"')  # an algorithm naming itself is no switch

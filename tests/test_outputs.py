@@ -38,5 +38,5 @@ def test_every_field_a_run_writes_is_documented(tmp_path):
     for name in os.listdir(tmp_path):  # every file or folder the run left, in the table of files
         assert f"| `{name}`" in files or f"| `{name}/" in files, name
     # what the services add: message_bytes, exit_codes (mdgan local); what scores add: eval fields
-    assert {"message_bytes", "exit_codes", "pwgan", "dpgan"} <= documented("summary.json")
+    assert {"message_bytes", "exit_codes", "pwgan", "psgan"} <= documented("summary.json")
     assert {"eval_iteration", "mnist_score", "fid", "evaluations"} <= documented("history.jsonl (one line per iteration)")

@@ -355,7 +355,7 @@ def test_a_site_that_leaves_and_rejoins_keeps_spending_from_its_saved_budget(tmp
 
 def test_the_baselines_train_their_discriminators_privately_too(tmp_path):
     """FL-GAN's workers and the standalone GAN train their D by the same DP-SGD (each site's accountant
-    counts its own steps); P-WGAN and the data-parallel GAN are refused (above)."""
+    counts its own steps); P-WGAN and the parameter-server GAN are refused (above)."""
     from opacus.accountants import RDPAccountant
 
     from mdgan.run import EvaluationOptions

@@ -185,7 +185,7 @@ def test_a_bad_reply_is_rejected_and_the_iteration_goes_on_without_it():
     assert [r.answered for r in records] == [2, 2] and [r.rejected for r in records] == [1, 1]
 
 
-def test_the_cli_runs_both_and_refuses_a_dpgan_threshold_above_the_workers(tmp_path, monkeypatch, capsys):
+def test_the_cli_runs_both_and_refuses_a_psgan_threshold_above_the_workers(tmp_path, monkeypatch, capsys):
     from mdgan_app.cli import main
 
     common = ["--dataset", "synthetic", "--workers", "2", "--iterations", "2", "--batch-size", "4",
@@ -195,11 +195,11 @@ def test_the_cli_runs_both_and_refuses_a_dpgan_threshold_above_the_workers(tmp_p
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["algorithm"] == "pwgan"
     assert summary["payload_bytes"]["worker_to_server"] == 2 * 2 * (4 * 4 * 784 + 4 * 2 * 4)
-    assert main(["simulate", "--algorithm", "dpgan", "--dp-threshold", "1", *common, "--out", str(tmp_path / "d")]) == 0
+    assert main(["simulate", "--algorithm", "psgan", "--ps-threshold", "1", *common, "--out", str(tmp_path / "d")]) == 0
     capsys.readouterr()
-    for mode in ("simulate", "local"):  # over gRPC: test_pwgan_services, test_dpgan_grpc
-        code = main([mode, "--algorithm", "dpgan", "--dp-threshold", "3", *common, "--out", str(tmp_path / "x")])
-        assert code == 2 and "dp-threshold" in capsys.readouterr().err
+    for mode in ("simulate", "local"):  # over gRPC: test_pwgan_services, test_psgan_grpc
+        code = main([mode, "--algorithm", "psgan", "--ps-threshold", "3", *common, "--out", str(tmp_path / "x")])
+        assert code == 2 and "ps-threshold" in capsys.readouterr().err
 
 
 class LostInRound2(InProcessCritic):
@@ -229,16 +229,16 @@ def test_a_worker_lost_between_rounds_leaves_and_the_iteration_ends_with_the_oth
     assert result.traffic.payload_bytes["server_to_worker"] == expected_down
 
 
-def test_experiments_name_runs_by_their_pwgan_and_dpgan_settings():
+def test_experiments_name_runs_by_their_pwgan_and_psgan_settings():
     from mdgan_app.experiment import expand
 
     runs = expand({"grid": {"algorithm": ["pwgan"], "potential_rounds": [1, 5]},
-                   "runs": [{"algorithm": "dpgan", "dp_threshold": 2}]})
-    assert [r["name"] for r in runs] == ["pwgan-T1", "pwgan-T5", "dpgan-T5-Q2"]
+                   "runs": [{"algorithm": "psgan", "ps_threshold": 2}]})
+    assert [r["name"] for r in runs] == ["pwgan-T1", "pwgan-T5", "psgan-T5-Q2"]
 
 
 def test_the_algorithms_never_import_grpc_or_prometheus():
-    code = ("import sys, mdgan.algorithms.pwgan, mdgan.algorithms.dpgan, mdgan.algorithms; "
+    code = ("import sys, mdgan.algorithms.pwgan, mdgan.algorithms.psgan, mdgan.algorithms; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'prometheus_client', 'services')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -137,7 +137,7 @@ def option_values(defaults, field) -> list:
     return accepted
 
 
-@pytest.mark.parametrize("name", ["mdgan", "pwgan", "dpgan"])
+@pytest.mark.parametrize("name", ["mdgan", "pwgan", "psgan"])
 def test_an_algorithms_options_travel_in_a_message_of_their_own(name):
     """Each option reaches the workers as the server holds it; an option given as 0 arrives as 0, not as
     its default (presence); a spec without the algorithm's message means every default."""

@@ -2,7 +2,7 @@
 
 The run directories here are those `simulate` writes (summary.json, history.jsonl), plus the
 metrics/*.prom expositions a `mdgan local` run leaves, written by the services' own Telemetry with
-the bytes the library counted: what the pwgan/dpgan transports must count on the wire. The
+the bytes the library counted: what the pwgan/psgan transports must count on the wire. The
 real-gRPC checks (counters of real processes against these formulas) come with those transports.
 """
 
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from mdgan.algorithms import dpgan, pwgan
+from mdgan.algorithms import psgan, pwgan
 from mdgan_app.cli import main
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.models import build_discriminator, build_generator
@@ -68,13 +68,13 @@ def _traffic(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-@pytest.mark.parametrize("algorithm", ["pwgan", "dpgan"])
+@pytest.mark.parametrize("algorithm", ["pwgan", "psgan"])
 def test_a_run_is_held_to_its_own_algorithms_formula(tmp_path, capsys, algorithm):
     config = _config()
     options = {"options": pwgan.PWGANOptions(potential_rounds=2)} if algorithm == "pwgan" else {}
     run_dir, summary = _run(tmp_path, algorithm, **options)
     per_iteration = (pwgan.traffic_per_iteration(config, options["options"], 3) if algorithm == "pwgan"
-                     else dpgan.traffic_per_iteration(config, 3))
+                     else psgan.traffic_per_iteration(config, 3))
     write_expositions(run_dir, 3, summary["payload_bytes"])
 
     report = traffic_report(run_dir)
@@ -111,11 +111,11 @@ def test_pwgan_formula_reads_the_runs_own_potential_rounds(tmp_path):
         traffic_report(run_dir)
 
 
-@pytest.mark.parametrize("algorithm", ["pwgan", "dpgan"])
+@pytest.mark.parametrize("algorithm", ["pwgan", "psgan"])
 def test_iterations_with_a_lost_worker_are_bounded_by_the_workers_that_answered_and_those_asked(
         tmp_path, algorithm):
     options = {"options": pwgan.PWGANOptions(potential_rounds=3) if algorithm == "pwgan"
-               else dpgan.DPGANOptions(threshold=1)}
+               else psgan.PSGANOptions(threshold=1)}
     run_dir, summary = _run(tmp_path, algorithm, crash_every=2, **options)
     with open(os.path.join(run_dir, "history.jsonl")) as fh:
         history = [json.loads(line) for line in fh]
@@ -146,7 +146,7 @@ def test_formula_only_mode_prints_each_algorithms_bytes_per_iteration(capsys):
     assert code == 0
     report = json.loads(out)
     rows = {r["algorithm"]: r for r in report["rows"]}
-    assert list(rows) == ["mdgan", "flgan", "pwgan", "dpgan"]
+    assert list(rows) == ["mdgan", "flgan", "pwgan", "psgan"]
     spec = ModelSpec(sample_shape=(784,))  # MNIST MLP ACGAN
     theta_d = 4 * sum(p.numel() for p in build_discriminator(spec, 0).parameters())
     theta_g = 4 * sum(p.numel() for p in build_generator(spec, 0).parameters())
@@ -160,10 +160,10 @@ def test_formula_only_mode_prints_each_algorithms_bytes_per_iteration(capsys):
                                            "worker_to_worker": 0}
     assert rows["pwgan"]["per_worker"] == {"server_to_worker": 31_560, "worker_to_server": 31_560,
                                            "worker_to_worker": 0}
-    assert rows["dpgan"]["per_worker"] == {"server_to_worker": theta_g + theta_d,
+    assert rows["psgan"]["per_worker"] == {"server_to_worker": theta_g + theta_d,
                                            "worker_to_server": theta_g + theta_d, "worker_to_worker": 0}
     assert rows["mdgan"]["x_mdgan"] == 1.0
-    assert rows["dpgan"]["all_workers"] == 10 * 2 * (theta_g + theta_d)
+    assert rows["psgan"]["all_workers"] == 10 * 2 * (theta_g + theta_d)
 
     # one algorithm, its own settings; and the table as text
     code, out = _traffic(capsys, "--algorithm", "pwgan", "--workers", "4", "--potential-rounds", "3")

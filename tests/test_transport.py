@@ -471,7 +471,7 @@ def test_each_algorithm_takes_only_its_own_messages():
         "mdgan": pb.WorkerMessage(model_part=pb.ModelPart(round=1, model="generator", data=b"\0")),
         "flgan": pb.WorkerMessage(feedback=pb.Feedback(iteration=1, gradient=codec.encode_tensor(torch.zeros(B, 784)))),
         "pwgan": pb.WorkerMessage(feedback=pb.Feedback(iteration=1, gradient=codec.encode_tensor(torch.zeros(B, 784)))),
-        "dpgan": pb.WorkerMessage(local_round_done=pb.LocalRoundDone(round=1)),
+        "psgan": pb.WorkerMessage(local_round_done=pb.LocalRoundDone(round=1)),
     }
 
     async def scenario(algorithm: str):

@@ -4,7 +4,7 @@
 - ``flgan``: FL-GAN, federated averaging of whole GANs (the paper's baseline).
 - ``standalone``: one G and one D on the whole dataset (the paper's other baseline; no workers).
 - ``pwgan``: the parallel Wasserstein GAN (parallel-wgan.txt, Algorithms 1 and 2).
-- ``dpgan``: the synchronous data-parallel (parameter-server) GAN (Figure 1a of the same paper).
+- ``psgan``: the synchronous parameter-server GAN (Figure 1a of the same paper).
 
 Each room holds both sides of its algorithm, its training loop over abstract worker handles (base.py
 has what they share), its in-process run, its per-iteration traffic formula and its options. Nothing
@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mdgan.algorithms import dpgan, flgan, pwgan, standalone
+from mdgan.algorithms import psgan, flgan, pwgan, standalone
 from mdgan.algorithms import mdgan as mdgan_room
 from mdgan.algorithms.base import Algorithm
 from mdgan.config import ConfigError
+from mdgan.renames import RENAMED, RENAMED_SETTINGS, canonical, renamed_settings  # noqa: F401
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
@@ -29,7 +30,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     flgan.ALGORITHM,
     standalone.ALGORITHM,
     pwgan.ALGORITHM,
-    dpgan.ALGORITHM,
+    psgan.ALGORITHM,
 )}
 
 NAMES = tuple(ALGORITHMS)
@@ -46,6 +47,7 @@ def durable_names() -> str:
 
 def get(name: str, served: bool = False) -> Algorithm:
     """The algorithm called `name` (served: one the services run); one clear line for any other name."""
+    name = canonical(name)
     choices = SERVED if served else NAMES
     if name not in choices:
         raise ConfigError(f"unknown algorithm {name!r}; choose from {', '.join(choices)}")

@@ -1,4 +1,4 @@
-"""What the P-WGAN and data-parallel training loops share: the workers present at the start, in rank
+"""What the P-WGAN and parameter-server training loops share: the workers present at the start, in rank
 order, each dropped for good when it is lost or misses its deadline; I iterations, or fewer when too
 few workers are left. (MD-GAN's loop, mdgan/algorithms/mdgan/trainer.py, admits workers at any boundary instead.)"""
 

@@ -49,7 +49,7 @@ def option_of_run(summary: dict, algorithm: str, key: str):
 
 
 def rounds_run_traffic(per_iteration: Callable[[dict, int], dict[str, int]]):
-    """pwgan, dpgan: the formula of `workers` workers answering, summed over the history's iterations.
+    """pwgan, psgan: the formula of `workers` workers answering, summed over the history's iterations.
     An iteration in which a worker was lost or rejected (its messages stop in the round it fails,
     which the history does not record) is bounded instead: at least the formula for the workers that
     answered, at most for those asked."""

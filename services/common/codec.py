@@ -280,16 +280,16 @@ def model_parts(state: dict[str, torch.Tensor], round_: int, model: str,
 
 
 def replica_parts(state: dict[str, torch.Tensor], iteration: int, round_: int, model: str, content: str,
-                  chunk_bytes: int = CHUNK_BYTES) -> Iterator["dpgan_pb2.ReplicaPart"]:
-    """A data-parallel GAN's weights, gradients or buffers on the Train stream: the header, then the
+                  chunk_bytes: int = CHUNK_BYTES) -> Iterator["psgan_pb2.ReplicaPart"]:
+    """A parameter-server GAN's weights, gradients or buffers on the Train stream: the header, then the
     bytes in chunks (StateAssembler puts them back together)."""
-    from services.common.proto import dpgan_pb2
+    from services.common.proto import psgan_pb2
 
     specs, payload = _state_blob(state)
     where = dict(iteration=iteration, round=round_, model=model, content=content)
-    yield dpgan_pb2.ReplicaPart(**where, header=tensor_pb2.StateHeader(tensors=specs, total_bytes=len(payload)))
+    yield psgan_pb2.ReplicaPart(**where, header=tensor_pb2.StateHeader(tensors=specs, total_bytes=len(payload)))
     for start in range(0, len(payload), chunk_bytes):
-        yield dpgan_pb2.ReplicaPart(**where, data=bytes(payload[start:start + chunk_bytes]))
+        yield psgan_pb2.ReplicaPart(**where, data=bytes(payload[start:start + chunk_bytes]))
 
 
 def layout_of(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

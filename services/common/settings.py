@@ -21,6 +21,7 @@ import os
 import sys
 
 from services.common import allocator, scheduling
+from mdgan.renames import RENAMED_SETTINGS
 from mdgan.config import DATASETS, SPLITS, ConfigError, DataConfig, TrainingConfig
 
 ENV_PREFIX = "MDGAN_"
@@ -167,8 +168,15 @@ class EnvArgumentParser(argparse.ArgumentParser):
         except tomllib.TOMLDecodeError as exc:
             self.error(f"--config {path}: not TOML ({exc})")
         options = self._options()
+        from mdgan.renames import RENAMED_SETTINGS, renamed_settings
+
+        renamed_settings({k.replace("-", "_"): v for k, v in data.items()})  # (an old key's warning; both: refused)
         for key, value in data.items():
-            dest = key.replace("-", "_")
+            dest = RENAMED_SETTINGS.get(key.replace("-", "_"), key.replace("-", "_"))
+            if dest == "algorithm" and isinstance(value, str):
+                from mdgan.renames import canonical
+
+                value = canonical(value)
             action = options.get(dest)
             where = f"--config {path}: {key} = {value!r}"
             if action is None:
@@ -211,6 +219,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
             action._env_applied = True
             name = env_name(action.dest, self.env_prefix)
             action.help = f"{action.help or ''}{_shown_default(action)} [env {name}]".strip()
+            old = [env_name(o, self.env_prefix) for o, n in RENAMED_SETTINGS.items() if n == action.dest]
+            if not os.environ.get(name) and old and os.environ.get(old[0]):  # a variable of the old name
+                from mdgan.renames import renamed_settings
+
+                renamed_settings({old[0][len(self.env_prefix):].lower(): None})  # (the warning)
+                name = old[0]
             if not os.environ.get(name):  # unset, or set empty (a compose file's ${VAR:-}): the default
                 continue
             raw = os.environ[name]
@@ -264,8 +278,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
 def add_algorithm_argument(parser, choices: tuple[str, ...]) -> None:
     """--algorithm, offering `choices` (every algorithm, or those the services run), from the registry."""
     from mdgan.algorithms import ALGORITHMS
+    from mdgan.renames import canonical
 
-    parser.add_argument("--algorithm", choices=choices, default="mdgan",
+    parser.add_argument("--algorithm", choices=choices, default="mdgan", type=canonical,  # (an old name: its new)
                         help="; ".join(f"{name}: {ALGORITHMS[name].title}" for name in choices)
                         + " (docs/ALGORITHMS.md)")
 
@@ -284,7 +299,20 @@ def add_algorithm_options(parser: argparse.ArgumentParser) -> None:
             flag, help_text = meta.pop("flag"), meta.pop("help")
             meta.pop("short")
             meta.setdefault("type", type(field.default))
-            group.add_argument(flag, default=field.default, help=f"{entry.name}: {help_text}", **meta)
+            old = [f"--{o.replace('_', '-')}" for o, n in RENAMED_SETTINGS.items() if f"--{n.replace('_', '-')}" == flag]
+            group.add_argument(flag, *old, default=field.default, help=f"{entry.name}: {help_text}",
+                               action=_RenamedFlag if old else "store", **meta)
+
+
+class _RenamedFlag(argparse._StoreAction):
+    """A flag that also answers to its old name, which says once that it is deprecated."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string != self.option_strings[0]:
+            from mdgan.renames import renamed_settings
+
+            renamed_settings({option_string.lstrip("-").replace("-", "_"): values})  # (the warning)
+        setattr(namespace, self.dest, values)
 
 
 def algorithm_options(name: str, args: argparse.Namespace, config: TrainingConfig | None = None):

@@ -10,7 +10,7 @@ Each algorithm's handle (services/server/algorithms/x.py) and worker module
 from __future__ import annotations
 
 CONTROL = ("control", 0)  # the telemetry kind and payload of a message that carries no tensors
-MODELS = ("generator", "discriminator")  # the kinds of a model's part (FL-GAN, the data-parallel GAN)
+MODELS = ("generator", "discriminator")  # the kinds of a model's part (FL-GAN, the parameter-server GAN)
 
 
 def tensor_payload(tensor) -> int:
@@ -38,7 +38,7 @@ def flgan(body: str | None, message) -> tuple[str, int]:
     return _model_part(message.model_part) if body == "model_part" else CONTROL
 
 
-def dpgan(body: str | None, message) -> tuple[str, int]:
+def psgan(body: str | None, message) -> tuple[str, int]:
     """Weights down, gradients (and buffers) up, all as replica parts."""
     return _model_part(message.replica_part) if body == "replica_part" else CONTROL
 

@@ -61,7 +61,7 @@ class CoordinatorServicer:
         FL-GAN runs (TrainingSpec.algorithm "flgan") exchange whole models instead: `model_part`s and a
         `local_round` down, the trained `model_part`s and `local_round_done` up.
         P-WGAN runs ("pwgan") exchange T `potential_round`s down and as many `potential_counts` up per
-        iteration (pwgan.proto). Data-parallel runs ("dpgan", dpgan.proto): per round `replica_part`s
+        iteration (pwgan.proto). Parameter-server runs ("psgan", psgan.proto): per round `replica_part`s
         (weights) and a `replica_round` down, the gradients as `replica_part`s and `replica_gradients` up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -7,7 +7,7 @@ Coordinator builds for every admitted worker (see docs/ALGORITHMS.md, "How to ad
 
 from __future__ import annotations
 
-from services.server.algorithms.dpgan import DataParallelServer
+from services.server.algorithms.psgan import PSGANServer
 from services.server.algorithms.flgan import FederatedServer
 from services.server.algorithms.mdgan import MDGANServer
 from services.server.algorithms.pwgan import PWGANServer
@@ -16,5 +16,5 @@ ALGORITHMS = {
     "mdgan": MDGANServer,
     "flgan": FederatedServer,
     "pwgan": PWGANServer,
-    "dpgan": DataParallelServer,
+    "psgan": PSGANServer,
 }

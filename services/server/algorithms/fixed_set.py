@@ -1,4 +1,4 @@
-"""What the FL-GAN, P-WGAN and data-parallel runs share on the server: they wait for every slot, train
+"""What the FL-GAN, P-WGAN and parameter-server runs share on the server: they wait for every slot, train
 over that fixed set of workers, take no late joiners and no checkpoints, and their workers talk to
 the server only."""
 

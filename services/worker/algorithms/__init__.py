@@ -6,7 +6,7 @@ spec.algorithm (see docs/ALGORITHMS.md, "How to add an algorithm")."""
 from __future__ import annotations
 
 from services.worker.algorithms.base import WorkerAlgorithm
-from services.worker.algorithms.dpgan import DPGANWorker
+from services.worker.algorithms.psgan import PSGANWorker
 from services.worker.algorithms.flgan import FLGANWorker
 from services.worker.algorithms.mdgan import MDGANWorker
 from services.worker.algorithms.pwgan import PWGANWorker
@@ -15,5 +15,5 @@ ALGORITHMS: dict[str, type[WorkerAlgorithm]] = {
     "mdgan": MDGANWorker,
     "flgan": FLGANWorker,
     "pwgan": PWGANWorker,
-    "dpgan": DPGANWorker,
+    "psgan": PSGANWorker,
 }

@@ -1,7 +1,7 @@
-"""The data-parallel (parameter-server) GAN on the server: the library's ReplicaHandle over a worker's
-stream, and the run around mdgan.algorithms.dpgan.DataParallelTrainer.
+"""The parameter-server GAN on the server: the library's ReplicaHandle over a worker's
+stream, and the run around mdgan.algorithms.psgan.PSGANTrainer.
 
-Speaks ReplicaPart / ReplicaRound down and ReplicaPart / ReplicaGradients up (protos/mdgan/v1/dpgan.proto).
+Speaks ReplicaPart / ReplicaRound down and ReplicaPart / ReplicaGradients up (protos/mdgan/v1/psgan.proto).
 Weights and gradients are megabytes: they travel as a StateHeader and raw chunks of at most 1 MiB,
 as FL-GAN's model parts do, and every returning set is checked against the model's layout (names,
 shapes, dtypes, byte count, finiteness) before a byte of it is kept."""
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mdgan.algorithms.dpgan import (DataParallelTrainer, GradientOrder, GradientReply, ParameterServer,
+from mdgan.algorithms.psgan import (PSGANTrainer, GradientOrder, GradientReply, ParameterServer,
                                     ReplicaHandle)
 from mdgan.algorithms.base import InputRejected
 from mdgan.models import build_discriminator, build_generator
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
-from services.common.proto import dpgan_pb2
+from services.common.proto import psgan_pb2
 from services.common import wire
 from services.server.connection import StreamHandle, WorkerConnection
 from services.server.algorithms.fixed_set import FixedSetServer
@@ -29,7 +29,7 @@ Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 @dataclass
 class ReplicaRun:
-    """What a data-parallel run's handles share: the layouts replies are checked against, and the
+    """What a parameter-server run's handles share: the layouts replies are checked against, and the
     current order's encoded messages (encoded once, sent to every worker)."""
 
     parameters: dict[str, Layout]  # model -> its parameters' layout (gradients)
@@ -43,7 +43,7 @@ class ReplicaRun:
                 if state is not None:
                     messages += [pb.ServerMessage(replica_part=part) for part in
                                  codec.replica_parts(state, order.iteration, order.round, model, "weights")]
-            messages.append(pb.ServerMessage(replica_round=dpgan_pb2.ReplicaRound(
+            messages.append(pb.ServerMessage(replica_round=psgan_pb2.ReplicaRound(
                 iteration=order.iteration, round=order.round, want_discriminator=order.want_discriminator,
                 want_generator=order.want_generator)))
             self.encoded = (order, messages)
@@ -64,11 +64,11 @@ class ReplicaRun:
 
 
 class GrpcReplica(StreamHandle, ReplicaHandle):
-    """The data-parallel GAN's ReplicaHandle for a worker on the other end of a stream."""
+    """The parameter-server GAN's ReplicaHandle for a worker on the other end of a stream."""
 
-    algorithm = "dpgan"
+    algorithm = "psgan"
     # A joiner's replica would start its sampler and noise from scratch mid-run; the trainer's set is fixed.
-    late_join_refusal = "a data-parallel run takes no workers once it started"
+    late_join_refusal = "a parameter-server run takes no workers once it started"
 
     def __init__(self, connection: WorkerConnection, run: ReplicaRun, needs_copy: bool = False):
         super().__init__(connection)
@@ -88,7 +88,7 @@ class GrpcReplica(StreamHandle, ReplicaHandle):
     def receivers(self):
         return {"replica_part": self._on_part, "replica_gradients": self._on_gradients}
 
-    traffic = staticmethod(wire.dpgan)  # (kind, payload bytes) of its messages, as both sides count them
+    traffic = staticmethod(wire.psgan)  # (kind, payload bytes) of its messages, as both sides count them
 
     async def round(self, order: GradientOrder) -> GradientReply:
         key = (order.iteration, order.round)
@@ -107,7 +107,7 @@ class GrpcReplica(StreamHandle, ReplicaHandle):
         if future is not None and not future.done():
             future.set_exception(InputRejected(reason, detail))
 
-    async def _on_part(self, part: dpgan_pb2.ReplicaPart) -> None:
+    async def _on_part(self, part: psgan_pb2.ReplicaPart) -> None:
         key = (part.iteration, part.round)
         if key == self._discarding:
             return
@@ -125,7 +125,7 @@ class GrpcReplica(StreamHandle, ReplicaHandle):
         except codec.InvalidTensor as exc:
             await self._fail_round(key, exc.reason, f"{part.model} {part.content}: {exc}")
 
-    async def _on_gradients(self, done: dpgan_pb2.ReplicaGradients) -> None:
+    async def _on_gradients(self, done: psgan_pb2.ReplicaGradients) -> None:
         key = (done.iteration, done.round)
         if key == self._discarding:
             return
@@ -147,17 +147,17 @@ class GrpcReplica(StreamHandle, ReplicaHandle):
             fake_accuracy=done.fake_accuracy))
 
 
-class DataParallelServer(FixedSetServer):
-    """A data-parallel run on the server: DataParallelTrainer over a fixed set of GrpcReplicas."""
+class PSGANServer(FixedSetServer):
+    """A parameter-server run on the server: PSGANTrainer over a fixed set of GrpcReplicas."""
 
-    name = "dpgan"
+    name = "psgan"
     handle = GrpcReplica
 
     def describe(self, spec: pb.TrainingSpec) -> None:
         """The Welcome's spec records Q (the run's record; only the server uses it)."""
-        spec.dpgan.threshold = self.options.resolve(self.ctx.config.workers)
+        spec.psgan.threshold = self.options.resolve(self.ctx.config.workers)
 
-    def build_trainer(self, workers: list[GrpcReplica]) -> DataParallelTrainer:
+    def build_trainer(self, workers: list[GrpcReplica]) -> PSGANTrainer:
         ctx = self.ctx
-        return DataParallelTrainer(ctx.config, self.options, ParameterServer(ctx.config, ctx.generator), workers,
+        return PSGANTrainer(ctx.config, self.options, ParameterServer(ctx.config, ctx.generator), workers,
                                    step_timeout=ctx.args.step_timeout, on_iteration=self.on_iteration)

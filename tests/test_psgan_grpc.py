@@ -1,4 +1,4 @@
-"""The data-parallel (parameter-server) GAN over gRPC: real processes on loopback (mutual TLS where a
+"""The parameter-server GAN over gRPC: real processes on loopback (mutual TLS where a
 real worker runs), against the same run in one process, its traffic formula, a worker SIGKILLed
 mid-run, and hostile input both ways."""
 
@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from conftest import REPO
-from mdgan.algorithms.dpgan import traffic_per_iteration
+from mdgan.algorithms.psgan import traffic_per_iteration
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_shard
 from services.common import codec, pki
 from services.common.proto import coordinator_pb2 as pb
-from services.common.proto import coordinator_pb2_grpc, dpgan_pb2
+from services.common.proto import coordinator_pb2_grpc, psgan_pb2
 from mdgan_app.traffic import read_exposition
 from services.worker.algorithms.base import ServerGone
-from services.worker.algorithms.dpgan import DPGANWorker
+from services.worker.algorithms.psgan import PSGANWorker
 from services.worker.node import WorkerNode
 
 from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
@@ -52,14 +52,14 @@ def wire_payload(run_dir) -> dict[tuple[str, str], int]:
 
 @pytest.mark.slow
 def test_local_equals_simulate_bit_for_bit_and_the_wire_carries_the_formula(tmp_path, device):
-    flags = ["--algorithm", "dpgan", "--workers", "3", "--iterations", "6", "--disc-steps", "2", "--seed", "2",
+    flags = ["--algorithm", "psgan", "--workers", "3", "--iterations", "6", "--disc-steps", "2", "--seed", "2",
              "--dataset", "synthetic", "--no-progress", "--device", device]
     mdgan("local", *flags, "--out", str(tmp_path / "local"))  # mutual TLS: a throwaway CA in local/tls
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
-    assert local["algorithm"] == simulated["algorithm"] == "dpgan"
+    assert local["algorithm"] == simulated["algorithm"] == "psgan"
     assert local["generator_sha256"] == simulated["generator_sha256"]
-    assert local["iterations"] == 6 and local["workers_alive"] == 3 and local["dpgan"] == {"threshold": 3}
+    assert local["iterations"] == 6 and local["workers_alive"] == 3 and local["psgan"] == {"threshold": 3}
 
     per_iteration = traffic_per_iteration(TrainingConfig(workers=3, batch_size=10, disc_steps=2,
                                                          model=ModelSpec(gan="acgan")), 3)
@@ -73,7 +73,7 @@ def test_local_equals_simulate_bit_for_bit_and_the_wire_carries_the_formula(tmp_
         assert counted[(direction, "sender")] == counted[(direction, "receiver")] == expected[direction]
     assert counted.get(("worker_to_worker", "sender"), 0) == 0
     report = json.loads(mdgan("traffic", str(tmp_path / "local"), "--json").stdout)  # the same, as users see it
-    assert report["algorithm"] == "dpgan" and len(report["rows"]) == 6
+    assert report["algorithm"] == "psgan" and len(report["rows"]) == 6
     assert all(row["payload_bytes"] == row["formula_bytes"] == expected[row["direction"]] for row in report["rows"])
 
 
@@ -81,7 +81,7 @@ def test_local_equals_simulate_bit_for_bit_and_the_wire_carries_the_formula(tmp_
 def test_with_a_threshold_a_worker_sigkilled_mid_run_does_not_stop_the_run(tmp_path):
     out, authority = str(tmp_path), str(tmp_path / "pki")
     pki.provision_run(authority, [f"worker-{i}" for i in range(3)])
-    server, port = start_server(out, "--algorithm", "dpgan", "--dp-threshold", "2", "--workers", "3",
+    server, port = start_server(out, "--algorithm", "psgan", "--ps-threshold", "2", "--workers", "3",
                                 "--iterations", "12", "--gan", "gan", "--step-timeout", "30",
                                 *tls_flags(authority, "mdgan-server"))
     workers = [start_worker(out, port, i, 3, "--dataset", "synthetic", "--server-timeout", "30",
@@ -116,7 +116,7 @@ async def _hostile_worker(port: int) -> tuple[list[pb.Rejection], grpc.StatusCod
         call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=120)
         await call.write(_join(1))
         await asyncio.wait_for(call.read(), 60)  # welcome
-        weights: dict[str, list[dpgan_pb2.ReplicaPart]] = {}
+        weights: dict[str, list[psgan_pb2.ReplicaPart]] = {}
         rejections, late_join = [], None
         while True:
             message = await asyncio.wait_for(call.read(), 60)
@@ -133,7 +133,7 @@ async def _hostile_worker(port: int) -> tuple[list[pb.Rejection], grpc.StatusCod
                 parts = []
                 for model in ("discriminator", "generator"):
                     for p in weights.pop(model, []):
-                        q = dpgan_pb2.ReplicaPart()
+                        q = psgan_pb2.ReplicaPart()
                         q.CopyFrom(p)
                         q.content = "gradients"
                         parts.append(q)
@@ -147,7 +147,7 @@ async def _hostile_worker(port: int) -> tuple[list[pb.Rejection], grpc.StatusCod
                     parts = []
                 for p in parts:
                     await call.write(pb.WorkerMessage(replica_part=p))
-                await call.write(pb.WorkerMessage(replica_gradients=dpgan_pb2.ReplicaGradients(
+                await call.write(pb.WorkerMessage(replica_gradients=psgan_pb2.ReplicaGradients(
                     iteration=r.iteration, round=r.round)))
             elif kind == "rejection":
                 rejections.append(message.rejection)
@@ -159,7 +159,7 @@ async def _hostile_worker(port: int) -> tuple[list[pb.Rejection], grpc.StatusCod
 @pytest.mark.slow
 def test_hostile_gradients_are_rejected_with_invalid_argument_and_the_run_goes_on_without_newcomers(tmp_path):
     out = str(tmp_path)
-    server, port = start_server(out, "--algorithm", "dpgan", "--dp-threshold", "1", "--workers", "2",
+    server, port = start_server(out, "--algorithm", "psgan", "--ps-threshold", "1", "--workers", "2",
                                 "--iterations", "5", "--gan", "gan")
     worker = start_worker(out, port, 0, 2, "--dataset", "synthetic")
     try:
@@ -183,13 +183,13 @@ def test_a_worker_stops_with_a_clear_error_on_invalid_weights():
     config = TrainingConfig(workers=2, batch_size=10, model=ModelSpec(gan="gan")).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
     node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
-    state = DPGANWorker(node, config, shard).side.discriminator.state_dict()
+    state = PSGANWorker(node, config, shard).side.discriminator.state_dict()
 
     def parts(iteration: int, round_: int, content: str = "weights", model: str = "discriminator"):
         return list(codec.replica_parts(state, iteration, round_, model, content))
 
-    async def feed(messages, order: dpgan_pb2.ReplicaRound | None = None):
-        worker = DPGANWorker(node, config, shard)  # a fresh one: each case starts clean
+    async def feed(messages, order: psgan_pb2.ReplicaRound | None = None):
+        worker = PSGANWorker(node, config, shard)  # a fresh one: each case starts clean
         for part in messages:
             await worker._on_part(None, part)
         if order is not None:
@@ -199,10 +199,10 @@ def test_a_worker_stops_with_a_clear_error_on_invalid_weights():
         (parts(1, 1, content="gradients"), None, "a replica takes the models' weights only"),
         (parts(1, 1, model="critic"), None, "a replica takes the models' weights only"),
         (parts(1, 1)[:1] + parts(1, 1)[:1], None, "second header"),
-        ([], dpgan_pb2.ReplicaRound(iteration=1, round=1), "no weights came"),
-        (parts(1, 1)[:1], dpgan_pb2.ReplicaRound(iteration=1, round=1), "stream ended after 0 of"),
-        (parts(1, 1), dpgan_pb2.ReplicaRound(iteration=1, round=1, want_generator=True), "round 1 must carry"),
-        (parts(1, 2), dpgan_pb2.ReplicaRound(iteration=1, round=2, want_generator=True), "without its round 1"),
+        ([], psgan_pb2.ReplicaRound(iteration=1, round=1), "no weights came"),
+        (parts(1, 1)[:1], psgan_pb2.ReplicaRound(iteration=1, round=1), "stream ended after 0 of"),
+        (parts(1, 1), psgan_pb2.ReplicaRound(iteration=1, round=1, want_generator=True), "round 1 must carry"),
+        (parts(1, 2), psgan_pb2.ReplicaRound(iteration=1, round=2, want_generator=True), "without its round 1"),
     ]
     for messages, order, why in cases:
         with pytest.raises(ServerGone, match=why):
@@ -210,10 +210,10 @@ def test_a_worker_stops_with_a_clear_error_on_invalid_weights():
 
 
 def test_options_that_do_not_apply_are_refused(tmp_path):
-    server = subprocess.run([sys.executable, "-m", "services.server", "--algorithm", "dpgan", "--insecure",
+    server = subprocess.run([sys.executable, "-m", "services.server", "--algorithm", "psgan", "--insecure",
                              "--wire-dtype", "float16", "--metrics-port", "0", "--out", str(tmp_path / "s")],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert server.returncode == 2 and "--wire-dtype float16 is MD-GAN's" in server.stderr
-    local = mdgan("local", "--algorithm", "dpgan", "--workers", "3", "--dp-threshold", "4", "--out",
+    local = mdgan("local", "--algorithm", "psgan", "--workers", "3", "--ps-threshold", "4", "--out",
                   str(tmp_path / "l"), check=False)
-    assert local.returncode == 2 and "--dp-threshold must be in [1, workers=3], got 4" in local.stderr
+    assert local.returncode == 2 and "--ps-threshold must be in [1, workers=3], got 4" in local.stderr

@@ -1,5 +1,5 @@
-"""The data-parallel (parameter-server) GAN on a worker: replicas of G and D and the local shard
-(mdgan.algorithms.dpgan.ReplicaSide). Takes the round's weights (replica parts) and a replica round
+"""The parameter-server GAN on a worker: replicas of G and D and the local shard
+(mdgan.algorithms.psgan.ReplicaSide). Takes the round's weights (replica parts) and a replica round
 order, sends back the gradients asked for, and the replicas' buffers when the models have any."""
 
 from __future__ import annotations
@@ -7,19 +7,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-from mdgan.algorithms.dpgan import GradientOrder, ReplicaSide
+from mdgan.algorithms.psgan import GradientOrder, ReplicaSide
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
-from services.common.proto import dpgan_pb2
+from services.common.proto import psgan_pb2
 from services.common import wire
 from services.worker.algorithms.base import ServerGone, WorkerAlgorithm
 
 
 
-class DPGANWorker(WorkerAlgorithm):
-    name = "dpgan"
+class PSGANWorker(WorkerAlgorithm):
+    name = "psgan"
 
     def __init__(self, node, config: TrainingConfig, shard: Shard):
         super().__init__(node, config, shard)
@@ -32,9 +32,9 @@ class DPGANWorker(WorkerAlgorithm):
     def receivers(self):
         return {"replica_part": self._on_part, "replica_round": self._on_round}
 
-    traffic = staticmethod(wire.dpgan)  # (kind, payload bytes) of its messages, as both sides count them
+    traffic = staticmethod(wire.psgan)  # (kind, payload bytes) of its messages, as both sides count them
 
-    async def _on_part(self, call, part: dpgan_pb2.ReplicaPart) -> None:
+    async def _on_part(self, call, part: psgan_pb2.ReplicaPart) -> None:
         if part.model not in wire.MODELS or part.content != "weights":
             raise ServerGone(f"the server sent {part.content[:32]!r} of {part.model[:32]!r}; a replica takes the "
                              "models' weights only")
@@ -48,7 +48,7 @@ class DPGANWorker(WorkerAlgorithm):
         except codec.InvalidTensor as exc:
             raise ServerGone(f"the server sent an invalid {part.model}: {exc}") from exc
 
-    async def _on_round(self, call, order: dpgan_pb2.ReplicaRound) -> None:
+    async def _on_round(self, call, order: psgan_pb2.ReplicaRound) -> None:
         key = (order.iteration, order.round)
         try:
             if key != self._round:
@@ -73,7 +73,7 @@ class DPGANWorker(WorkerAlgorithm):
             if state:  # None: not asked; {}: a model without buffers (the server expects none then)
                 for part in codec.replica_parts(state, order.iteration, order.round, model, content):
                     await write(call, pb.WorkerMessage(replica_part=part))
-        await write(call, pb.WorkerMessage(replica_gradients=dpgan_pb2.ReplicaGradients(
+        await write(call, pb.WorkerMessage(replica_gradients=psgan_pb2.ReplicaGradients(
             iteration=order.iteration, round=order.round, disc_loss=reply.disc_loss, gen_loss=reply.gen_loss,
             real_accuracy=reply.real_accuracy, fake_accuracy=reply.fake_accuracy)))
         t = self.node.telemetry

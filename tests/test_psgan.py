@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from mdgan.algorithms.dpgan import (DataParallelTrainer, DPGANOptions, GradientOrder, InProcessReplica,
+from mdgan.algorithms.psgan import (PSGANTrainer, PSGANOptions, GradientOrder, InProcessReplica,
                                     ParameterServer, ReplicaSide, average, build_in_process_replicas,
                                     compute_gradients, traffic_per_iteration, weights)
 from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
@@ -29,7 +29,7 @@ def plain_gan(config: TrainingConfig, shard, iterations: int):
     D = build_discriminator(spec, derive_seed(config.seed, "discriminator-init"))
     g_opt, d_opt = make_adam(G, config.generator_optimizer), make_adam(D, config.discriminator_optimizer)
     sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
-    noise = torch.Generator().manual_seed(derive_seed(config.seed, "dpgan-noise", shard.index))
+    noise = torch.Generator().manual_seed(derive_seed(config.seed, "psgan-noise", shard.index))
     for _ in range(iterations):
         real, real_labels = sampler.next_batch()
         z = torch.randn(config.batch_size, spec.latent_dim, generator=noise)
@@ -52,7 +52,7 @@ def test_one_worker_is_plain_single_process_training_bit_for_bit(gan, disc_steps
     config = _config(workers=1, iterations=5, disc_steps=disc_steps, model=ModelSpec(gan=gan))
     (shard,) = load_all_shards(DataConfig("synthetic", num_shards=1))
     server = ParameterServer(config, GeneratorSide(config))
-    asyncio.run(DataParallelTrainer(config, DPGANOptions(), server, build_in_process_replicas(config, [shard])).run())
+    asyncio.run(PSGANTrainer(config, PSGANOptions(), server, build_in_process_replicas(config, [shard])).run())
     G, D = plain_gan(config, shard, config.iterations)
     # Bit for bit: the same operations in the same order; a mean of one gradient is that gradient.
     for ours, plain in ((server.generator, G), (server.discriminator, D)):
@@ -87,7 +87,7 @@ def test_averaged_gradients_of_k_workers_are_the_gradient_on_the_union_batch(gan
 
 def test_simulate_is_deterministic_and_its_traffic_is_the_formula(tmp_path):
     config = _config(model=ModelSpec(gan="acgan"), disc_steps=2)
-    runs = [simulate(config, DataConfig("synthetic"), str(tmp_path / f"run{i}"), progress=False, algorithm="dpgan")
+    runs = [simulate(config, DataConfig("synthetic"), str(tmp_path / f"run{i}"), progress=False, algorithm="psgan")
             for i in range(2)]
     assert runs[0]["generator_sha256"] == runs[1]["generator_sha256"]
     formula = traffic_per_iteration(config, workers=3)
@@ -121,8 +121,8 @@ def test_the_server_takes_the_replicas_averaged_buffers():
 
 def test_with_a_threshold_the_run_goes_on_when_workers_crash(tmp_path):
     config = _config(iterations=5)
-    summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="dpgan",
-                       crash_every=2, options=DPGANOptions(threshold=1))
+    summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="psgan",
+                       crash_every=2, options=PSGANOptions(threshold=1))
     assert summary["iterations"] == 5 and summary["stopped_early"] is None and summary["workers_alive"] == 1
     answered = [json.loads(line)["answered"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert answered == [3, 3, 2, 2, 1]
@@ -130,7 +130,7 @@ def test_with_a_threshold_the_run_goes_on_when_workers_crash(tmp_path):
 
 def test_waiting_for_all_stops_the_run_when_a_worker_is_lost(tmp_path):
     config = _config(iterations=5)
-    summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="dpgan",
+    summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="psgan",
                        crash_every=2)
     # the loss shows in iteration 3, which then has 2 gradients of the 3 it needs: no step, and the end
     assert summary["iterations"] == 3 and "2 workers left after iteration 3, fewer than the threshold 3" \
@@ -138,10 +138,10 @@ def test_waiting_for_all_stops_the_run_when_a_worker_is_lost(tmp_path):
 
 
 def test_threshold_out_of_range_is_a_config_error():
-    with pytest.raises(ConfigError, match="dp-threshold"):
-        DPGANOptions(threshold=4).resolve(3)
-    with pytest.raises(ConfigError, match="dp-threshold"):
-        DPGANOptions(threshold=0).resolve(3)
+    with pytest.raises(ConfigError, match="ps-threshold"):
+        PSGANOptions(threshold=4).resolve(3)
+    with pytest.raises(ConfigError, match="ps-threshold"):
+        PSGANOptions(threshold=0).resolve(3)
 
 
 class Misbehaving(InProcessReplica):
@@ -159,7 +159,7 @@ def test_a_bad_reply_is_rejected_and_the_step_goes_on_with_the_others():
     workers = build_in_process_replicas(config, shards)
     workers[2] = Misbehaving(workers[2].side)
     records = []
-    result = asyncio.run(DataParallelTrainer(config, DPGANOptions(threshold=2), ParameterServer(config, GeneratorSide(config)),
+    result = asyncio.run(PSGANTrainer(config, PSGANOptions(threshold=2), ParameterServer(config, GeneratorSide(config)),
                                              workers, on_iteration=records.append).run())
     assert result.rejections == 2 and result.workers_alive == 3 and result.stopped_early is None
     assert [r.answered for r in records] == [2, 2]
@@ -181,3 +181,39 @@ def test_a_round_out_of_protocol_is_refused():
     side.handle(GradientOrder(1, 1, d_state, weights(side.generator)))
     with pytest.raises(ValueError, match="rounds before it"):
         side.handle(GradientOrder(1, 3, d_state))  # round 2 skipped
+
+
+def test_the_old_name_and_flag_still_work_for_a_release_with_one_line_each(tmp_path, caplog, monkeypatch, capsys):
+    """The data-parallel GAN is the parameter-server GAN: `--algorithm dpgan`, `--dp-threshold`,
+    MDGAN_DP_THRESHOLD, an experiment's or a launch.toml's `dp_threshold` still work, each said once."""
+    import logging
+
+    from mdgan import algorithms, renames
+    from mdgan_app.cli import main
+    from mdgan_app.experiment import expand
+    from services.server.__main__ import build_parser as server_parser
+
+    renames._warned.clear()
+    caplog.set_level(logging.WARNING, logger="mdgan")
+    assert algorithms.get("dpgan") is algorithms.get("psgan")
+    args = server_parser().parse_args(["--algorithm", "dpgan", "--dp-threshold", "2"])
+    assert (args.algorithm, args.ps_threshold) == ("psgan", 2)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["--algorithm dpgan is deprecated and will be removed in a later release: it is now "
+                        "--algorithm psgan (the parameter-server GAN)",
+                        "--dp-threshold is deprecated and will be removed in a later release: it is now "
+                        "--ps-threshold (the parameter-server GAN)"]
+    monkeypatch.setenv("MDGAN_DP_THRESHOLD", "3")
+    assert server_parser().parse_args([]).ps_threshold == 3
+    monkeypatch.delenv("MDGAN_DP_THRESHOLD")
+    (run,) = expand({"runs": [{"algorithm": "dpgan", "dp_threshold": 2, "workers": 3}]})
+    assert (run["algorithm"], run["ps_threshold"]) == ("psgan", 2) and "dp_threshold" not in run
+    with pytest.raises(ConfigError, match="one setting"):
+        expand({"runs": [{"algorithm": "psgan", "dp_threshold": 2, "ps_threshold": 3}]})
+
+    flags = ["--workers", "3", "--iterations", "3", "--dataset", "synthetic", "--eval-every", "-1", "--no-progress"]
+    assert main(["simulate", "--algorithm", "dpgan", "--dp-threshold", "2", *flags, "--out", str(tmp_path / "old")]) == 0
+    assert main(["simulate", "--algorithm", "psgan", "--ps-threshold", "2", *flags, "--out", str(tmp_path / "new")]) == 0
+    old, new = (json.load(open(tmp_path / name / "summary.json")) for name in ("old", "new"))
+    assert old["algorithm"] == new["algorithm"] == "psgan"
+    assert old["generator_sha256"] == new["generator_sha256"] and old["psgan"] == new["psgan"]

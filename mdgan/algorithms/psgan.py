@@ -1,4 +1,4 @@
-"""The synchronous data-parallel (parameter-server) GAN, both sides.
+"""The synchronous parameter-server GAN, both sides.
 
 Figure 1a of parallel-wgan.txt and the coordinator design of coordinator-architecture.txt: a server
 holds G and D and their Adam states; every worker holds replicas of both and a shard. One
@@ -20,7 +20,7 @@ Models with buffers (BatchNorm's running statistics, in the CNNs) also send the 
 after its forward passes; the server averages them (floating ones; integer ones from the first
 worker), as FedAvg does, since the server itself runs no forward pass. The MLPs have none.
 
-The threshold (--dp-threshold Q, default: all the workers). The coordinator steps as soon as Q
+The threshold (--ps-threshold Q, default: all the workers). The coordinator steps as soon as Q
 work units are in and cancels the rest. Taking "the first Q to arrive" makes the result depend on
 arrival order, and this project's transports end bit for bit where the in-process run ends; so
 here the server waits for every live worker up to the step deadline (a lost or late worker leaves
@@ -67,25 +67,25 @@ Named = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class DPGANOptions:
-    """The data-parallel GAN's own options (each field's metadata names its flag, as in pwgan.py)."""
+class PSGANOptions:
+    """The parameter-server GAN's own options (each field's metadata names its flag, as in pwgan.py)."""
 
     # Q: gradients a step needs; None: every worker of the run
-    threshold: int | None = option(None, "--dp-threshold", "gradients a step needs (default: every worker; fewer "
+    threshold: int | None = option(None, "--ps-threshold", "gradients a step needs (default: every worker; fewer "
                                                            "tolerates losses)", short="Q", type=int)
 
     def resolve(self, workers: int) -> int:
         q = workers if self.threshold is None else self.threshold
         if not 1 <= q <= workers:
-            raise ConfigError(f"--dp-threshold must be in [1, workers={workers}], got {q}")
+            raise ConfigError(f"--ps-threshold must be in [1, workers={workers}], got {q}")
         return q
 
-    def check(self, config: TrainingConfig) -> "DPGANOptions":
-        """These options, and the run's, checked for the data-parallel GAN (before anything runs)."""
+    def check(self, config: TrainingConfig) -> "PSGANOptions":
+        """These options, and the run's, checked for the parameter-server GAN (before anything runs)."""
         for flag, value, default in (("--wire-dtype", config.wire_dtype, "float32"), ("--sync", config.sync, "all"),
                                      ("--aggregation", config.aggregation, "mean")):
             if value != default:
-                raise ConfigError(f"{flag} {value} is MD-GAN's; the data-parallel GAN sends float32 weights and "
+                raise ConfigError(f"{flag} {value} is MD-GAN's; the parameter-server GAN sends float32 weights and "
                                   f"gradients and averages every gradient ({flag} {default})")
         self.resolve(config.workers)
         return self
@@ -180,7 +180,7 @@ class ReplicaSide:
         if self.device.type != "cpu":
             shard = dataclasses.replace(shard, images=shard.images.to(self.device), labels=shard.labels.to(self.device))
         self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
-        self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "dpgan-noise", shard.index))
+        self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "psgan-noise", shard.index))
         self._iteration: int | None = None
         self._round = 0
         self._batch: tuple | None = None
@@ -299,7 +299,7 @@ def check_reply(reply: GradientReply, order: GradientOrder, server: ParameterSer
 # the training loop over abstract handles
 
 class ReplicaHandle(abc.ABC):
-    """What the data-parallel loop sees of a worker, wherever it runs."""
+    """What the parameter-server loop sees of a worker, wherever it runs."""
 
     worker_id: str
     shard_index: int
@@ -318,11 +318,11 @@ class InProcessReplica(InProcessRounds, ReplicaHandle):
     """ReplicaSide in this process (mdgan/algorithms/inprocess.py)."""
 
 
-class DataParallelTrainer(FixedSetTrainer):
+class PSGANTrainer(FixedSetTrainer):
     """Runs I iterations of the parameter server against replica handles (mdgan/algorithms/fixed_set.py:
     a lost worker leaves for good; the run goes on while at least Q are left)."""
 
-    def __init__(self, config: TrainingConfig, options: DPGANOptions, server: ParameterServer,
+    def __init__(self, config: TrainingConfig, options: PSGANOptions, server: ParameterServer,
                  workers: list[ReplicaHandle], *, step_timeout: float | None = None,
                  on_iteration: Callable[[IterationRecord], None] | None = None, stop_after: int | None = None):
         super().__init__(config, workers, step_timeout=step_timeout, on_iteration=on_iteration, stop_after=stop_after)
@@ -412,11 +412,11 @@ def build_in_process_replicas(config: TrainingConfig, shards: list[Shard]) -> li
 
 
 def run_in_process(run: InProcessRun) -> RunResult:
-    """The data-parallel GAN in one process (`mdgan simulate`); run.generator is the server's G. A worker
+    """The parameter-server GAN in one process (`mdgan simulate`); run.generator is the server's G. A worker
     fails every run.crash_every iterations."""
     workers = build_in_process_replicas(run.config, run.shards)
     after = crashing(run.recorder, run.crash_every, lambda: [w for w in workers if not w.crashed])
-    trainer = DataParallelTrainer(run.config, (run.options or DPGANOptions()).check(run.config),
+    trainer = PSGANTrainer(run.config, (run.options or PSGANOptions()).check(run.config),
                                   ParameterServer(run.config, run.generator), workers, on_iteration=after,
                                   stop_after=run.stop_after)
     return asyncio.run(trainer.run())
@@ -432,6 +432,6 @@ def _per_iteration_of_run(summary: dict, workers: int) -> dict[str, int]:
 
 
 ALGORITHM = Algorithm(
-    name="dpgan", title="the data-parallel (parameter-server) GAN", run_in_process=run_in_process,
+    name="psgan", title="the parameter-server GAN", run_in_process=run_in_process,
     per_worker_per_iteration=per_worker_per_iteration, run_traffic=rounds_run_traffic(_per_iteration_of_run),
-    options=DPGANOptions)
+    options=PSGANOptions)
