@@ -16,13 +16,13 @@ from conftest import REPO
 from procs import python_module, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
-from mdgan.run import EvaluationOptions, finished_run_ids, open_run
+from mdgan.run import EvaluationOptions, RunFinished, finished_run_ids, open_run
 from mdgan.simulation import simulate
 from services.common import pki
 
 pytestmark = pytest.mark.slow
 
-N, KAPPA, ITERATIONS, SWAP_EVERY, CHECKPOINT_EVERY = 3, 2, 600, 100, 50
+N, KAPPA, ITERATIONS, SWAP_EVERY, CHECKPOINT_EVERY = 3, 2, 360, 100, 50
 TRAINING = ["--workers", str(N), "--kappa", str(KAPPA), "--iterations", str(ITERATIONS), "--swap-every",
             str(SWAP_EVERY), "--architecture", "mlp", "--dataset", "synthetic", "--eval-every", "-1"]
 
@@ -304,7 +304,9 @@ def test_the_runs_a_server_knows_to_have_ended(tmp_path):
             json.dump({}, fh)
     (tmp_path / "not-a-run").mkdir()
     assert finished_run_ids(here) == {"other"}  # its own run is the one it holds, not an ended one
-    assert open_run(here, config, "auto").run_id not in ("first", "other")  # a new run in the same directory
+    with pytest.raises(RunFinished, match="give --overwrite"):  # a finished run is replaced only when asked
+        open_run(here, config, "auto")
+    assert open_run(here, config, "auto", overwrite=True).run_id not in ("first", "other")  # a new run there
     assert finished_run_ids(here) == {"first", "other"}
     with open(os.path.join(here, "finished_runs.json"), "w") as fh:
         fh.write("{not json")

@@ -231,7 +231,7 @@ def _local(tmp_path, *faults: dict, workers: int = 4, extra=()) -> subprocess.Co
     return subprocess.run(
         [sys.executable, "-m", "mdgan_app.cli", "local", "--workers", str(workers), "--workers-per-process", "1",
          "--dataset", "synthetic", "--iterations", "60", "--swap-every", "20", "--eval-every", "-1",
-         "--out", str(tmp_path / "run"), "--no-progress", *extra],
+         "--out", str(tmp_path / "run"), "--overwrite", "--no-progress", *extra],  # (one folder for several runs)
         cwd=REPO, env=_env(*faults), capture_output=True, text=True, timeout=HANG_GUARD_S + 60)
 
 

@@ -423,9 +423,10 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     assert summary["generator_sha256"] == uninterrupted["generator_sha256"]
 
 
-def test_a_launch_file_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_error(tmp_path):
+def test_a_launch_file_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_error(tmp_path, capsys, monkeypatch):
     from mdgan.config import TrainingConfig
     from mdgan.run import open_run
+    from mdgan_app.cli import main
 
     run = tmp_path / "run"
     open_run(str(run), TrainingConfig(workers=2).validate())
@@ -443,12 +444,13 @@ def test_a_launch_file_or_a_flag_that_cannot_be_taken_on_resume_is_one_clear_err
         for old in ("launch.toml", "launch.json"):
             (run / old).unlink(missing_ok=True)
         (run / name).write_text(text)
-        resumed = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "local", "--resume", str(run), "--no-progress",
-                                  *([] if says else ["--workers", "3"])], cwd=tmp_path, capture_output=True, text=True,
-                                 timeout=120)
+        monkeypatch.chdir(tmp_path)
+        capsys.readouterr()
+        code = main(["local", "--resume", str(run), "--no-progress", *([] if says else ["--workers", "3"])])
+        stderr = capsys.readouterr().err
         says = says or "the run has workers 2; --workers 3 cannot change it"  # a run's size is its own
-        assert resumed.returncode == 2 and says in resumed.stderr, (name, text, resumed.stderr)
-        assert "Traceback" not in resumed.stderr and not (run / "logs").exists(), resumed.stderr  # nothing started
+        assert code == 2 and says in stderr, (name, text, stderr)
+        assert "Traceback" not in stderr and not (run / "logs").exists(), stderr  # nothing started
 
 
 def test_a_resumed_runs_earlier_logs_are_kept_aside_the_newest_five(tmp_path):

@@ -192,7 +192,7 @@ async def serve(args) -> dict:
             "run_id": run.run_id,
             "resumed_from": run.resumed_from,
             "worker_sizes": {w.worker_id: w.shard_size for w in coordinator.workers.values()},  # each worker's m
-            "data": shared_split(coordinator.workers.values()),  # what `mdgan audit` recovers the members from
+            "data": shared_split(coordinator.workers.values(), config.workers),  # what `mdgan audit` recovers
             "message_bytes": {
                 "server_to_worker": counter_total(telemetry.message_bytes, direction="server_to_worker", side="sender"),
                 "worker_to_server": counter_total(telemetry.message_bytes, direction="worker_to_server",
@@ -247,10 +247,11 @@ def observe_iteration(telemetry: Telemetry, record: IterationRecord, alive: int)
 
 
 
-def shared_split(workers) -> dict | None:
-    """The split of the shared dataset every worker reported (DataConfig's fields; data_root None: where the
-    data is is each machine's own), or None: sites with their own data, or workers that disagree."""
-    splits = [w.connection.split for w in workers]
+def shared_split(workers, shards: int) -> dict | None:
+    """The split of the shared dataset into the run's `shards` that every worker reported (DataConfig's
+    fields; data_root None: where the data is is each machine's own), or None: sites with their own data,
+    or workers that disagree. (A worker the server assigns its shard knows the count only at its welcome.)"""
+    splits = [{**w.connection.split, "num_shards": shards} if w.connection.split else None for w in workers]
     if not splits or any(s is None or s != splits[0] for s in splits):
         return None
     return {**splits[0], "data_root": None}

@@ -267,11 +267,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             split = join.split
             if join.own_data or split.dataset not in DATASETS or split.split not in SPLITS \
                     or not (math.isfinite(split.dirichlet_alpha) and split.dirichlet_alpha > 0) \
-                    or split.num_shards != self.config.workers or split.max_samples > MAX_SAMPLES:
+                    or split.max_samples > MAX_SAMPLES:
                 raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, (
                     f"bad split of the shared dataset: {split.dataset[:40]!r}, {split.split[:40]!r}, alpha "
-                    f"{split.dirichlet_alpha}, {split.num_shards} shards for a run of {self.config.workers} workers"
-                    + (" (a site with its own data has no split)" if join.own_data else "")))
+                    f"{split.dirichlet_alpha}" + (" (a site with its own data has no split)" if join.own_data else "")))
 
     async def Train(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         if self._pending_joins >= MAX_PENDING_JOINS:
