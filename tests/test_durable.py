@@ -215,7 +215,7 @@ def test_chaos_every_run_finishes(cluster_factory):
     with a summary of all its iterations within BOUND seconds."""
     BOUND, TOTAL = 300, 300
     rng = random.Random()
-    for run in range(2):
+    for run in range(1):  # (three random kills a run; each CI run draws others)
         c = cluster_factory(f"chaos-{run}")
         c.start_server("--iterations", str(TOTAL))
         for i in range(N):
@@ -260,7 +260,7 @@ def test_a_worker_away_at_its_runs_end_forgets_that_run_and_joins_the_next(tmp_p
     # restarted and refused again without end until someone emptied its state volume.
     pki_dir = str(tmp_path / "pki")
     pki.provision_run(pki_dir, ["worker-0", "worker-1", "worker-2"])
-    flags = ["--workers", "2", "--iterations", "400", "--dataset", "synthetic", "--architecture", "mlp",
+    flags = ["--workers", "2", "--iterations", "200", "--dataset", "synthetic", "--architecture", "mlp",
              "--eval-every", "-1", "--checkpoint-every", "20", "--heartbeat-interval", "1"]
     state = [str(tmp_path / "state" / f"worker-{i}") for i in range(3)]
 
@@ -291,7 +291,7 @@ def test_a_worker_away_at_its_runs_end_forgets_that_run_and_joins_the_next(tmp_p
     assert "run beta ended while we were away (the server says so): done" in pinned.log(), pinned.log()
     assert read_json(os.path.join(state[1], "current.json"))["run_id"] == "gamma"
     summary = read_json(os.path.join(second, "summary.json"))
-    assert summary["run_id"] == "gamma" and summary["workers_alive"] == 2 and summary["iterations"] == 400
+    assert summary["run_id"] == "gamma" and summary["workers_alive"] == 2 and summary["iterations"] == 200
 
 
 def test_the_runs_a_server_knows_to_have_ended(tmp_path):

@@ -164,7 +164,7 @@ def test_pwgan_and_psgan_runs_take_their_options_and_the_runs_table_compares_the
 
     with open(out / "runs.csv") as fh:
         rows = {row["algorithm"]: row for row in csv.DictReader(fh)}
-    assert sorted(rows) == ["psgan", "mdgan", "pwgan"]
+    assert sorted(rows) == ["mdgan", "psgan", "pwgan"]
     for name, row in rows.items():
         for direction in ("server_to_worker", "worker_to_server", "worker_to_worker"):
             assert float(row[f"{direction}_bytes_per_iteration"]) == summaries[name]["payload_bytes"][direction] / 3

@@ -230,7 +230,7 @@ def _env(*faults: dict) -> dict:
 def _local(tmp_path, *faults: dict, workers: int = 4, extra=()) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mdgan_app.cli", "local", "--workers", str(workers), "--workers-per-process", "1",
-         "--dataset", "synthetic", "--iterations", "60", "--swap-every", "20", "--eval-every", "-1",
+         "--dataset", "synthetic", "--iterations", "40", "--swap-every", "20", "--eval-every", "-1",
          "--out", str(tmp_path / "run"), "--overwrite", "--no-progress", *extra],  # (one folder for several runs)
         cwd=REPO, env=_env(*faults), capture_output=True, text=True, timeout=HANG_GUARD_S + 60)
 
@@ -247,7 +247,7 @@ def test_mdgan_local_names_the_failed_worker_and_goes_on_or_stops_with_its_line(
     assert one.returncode == 0, one.stderr[-3000:]
     assert ("worker-1 exited with code 1 at iteration" in one.stderr and "the run goes on with the other workers"
             in one.stderr and "worker-1 failed while answering batches: RuntimeError: injected fault" in one.stderr)
-    assert "mdgan (local): 60 iterations, 3 of 4 workers alive" in one.stdout
+    assert "mdgan (local): 40 iterations, 3 of 4 workers alive" in one.stdout
     _no_service_left(tmp_path)
 
     checks = _local(tmp_path, {"target": swapcheck})  # the swap check raises wherever it runs
@@ -258,7 +258,7 @@ def test_mdgan_local_names_the_failed_worker_and_goes_on_or_stops_with_its_line(
     every = _local(tmp_path, {"target": f"{W}.mdgan:MDGANWorker._swap"})  # every worker fails in the first swap
     assert every.returncode == 1, every.stderr[-3000:]
     last = every.stderr.strip().splitlines()[-2]  # (then "logs in ...")
-    assert last == ("mdgan local: the run stopped early (20 of 60 iterations): no workers left after iteration 20: "
+    assert last == ("mdgan local: the run stopped early (20 of 40 iterations): no workers left after iteration 20: "
                     "worker-0, worker-1, worker-2, worker-3 failed while swapping (round 1): RuntimeError: injected "
                     f"fault in {W}.mdgan:MDGANWorker._swap"), every.stderr[-3000:]
     _no_service_left(tmp_path)
