@@ -429,3 +429,20 @@ def test_downstream_accuracy_is_high_for_true_labelled_images_and_chance_for_noi
     capsys.readouterr()
     assert main(["score", str(tmp_path / "plain"), "--data-root", data_root, "--downstream"]) == 2
     assert "needs a class-conditional generator" in capsys.readouterr().err
+
+
+def test_the_server_refuses_a_finished_run_or_a_setting_before_it_writes(tmp_path, finished_run, caplog):
+    """mdgan-server, as compose or a pod starts it on a folder whose run finished: exit 2, the run left byte
+    for byte, unless --overwrite (MDGAN_OVERWRITE) asks for a new run there; a DP setting it cannot train
+    is refused before the folder is touched either way."""
+    from services.server.__main__ import main as server
+
+    folder, files = finished_run
+    kept = tmp_path / "finished"
+    shutil.copytree(folder, kept)
+    base = ["--insecure", "--listen", "127.0.0.1:0", "--metrics-port", "0", "--workers", "2", "--out", str(kept)]
+    assert server(base) == 2
+    assert "holds a finished run (summary.json): give --overwrite" in caplog.text
+    assert server([*base, "--overwrite", "--dp-noise-multiplier", "1", "--architecture", "cnn-mnist"]) == 2
+    assert "MinibatchDiscrimination has no per-sample gradient" in caplog.text
+    assert _files(kept) == files
