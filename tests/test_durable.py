@@ -102,12 +102,17 @@ def cluster_factory(tmp_path):
         c.stop()
 
 
+_UNINTERRUPTED: list[str] = []  # (computed once a test process)
+
+
 def _uninterrupted_sha(tmp_path) -> str:
-    config = TrainingConfig(workers=N, kappa=KAPPA, iterations=ITERATIONS, swap_every=SWAP_EVERY,
-                            model=ModelSpec(architecture="mlp")).validate()
-    summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "reference"), progress=False,
-                       evaluation=EvaluationOptions(every=-1))
-    return summary["generator_sha256"]
+    if not _UNINTERRUPTED:
+        config = TrainingConfig(workers=N, kappa=KAPPA, iterations=ITERATIONS, swap_every=SWAP_EVERY,
+                                model=ModelSpec(architecture="mlp")).validate()
+        summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "reference"), progress=False,
+                           evaluation=EvaluationOptions(every=-1))
+        _UNINTERRUPTED.append(summary["generator_sha256"])
+    return _UNINTERRUPTED[0]
 
 
 def _assert_history_whole(rows: list[dict], total: int = ITERATIONS) -> None:
