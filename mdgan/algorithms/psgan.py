@@ -180,7 +180,8 @@ class ReplicaSide:
         if self.device.type != "cpu":
             shard = dataclasses.replace(shard, images=shard.images.to(self.device), labels=shard.labels.to(self.device))
         self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
-        self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "psgan-noise", shard.index))
+        # (labelled with the algorithm's former name: the same draws as before the rename, the same runs)
+        self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "dpgan-noise", shard.index))
         self._iteration: int | None = None
         self._round = 0
         self._batch: tuple | None = None
