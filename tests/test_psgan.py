@@ -29,7 +29,7 @@ def plain_gan(config: TrainingConfig, shard, iterations: int):
     D = build_discriminator(spec, derive_seed(config.seed, "discriminator-init"))
     g_opt, d_opt = make_adam(G, config.generator_optimizer), make_adam(D, config.discriminator_optimizer)
     sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
-    noise = torch.Generator().manual_seed(derive_seed(config.seed, "psgan-noise", shard.index))
+    noise = torch.Generator().manual_seed(derive_seed(config.seed, "dpgan-noise", shard.index))
     for _ in range(iterations):
         real, real_labels = sampler.next_batch()
         z = torch.randn(config.batch_size, spec.latent_dim, generator=noise)
