@@ -216,7 +216,8 @@ def audit(run_dir: str, settings: AuditSettings = AuditSettings()) -> dict:
     shards, held_images, held_labels = recover_sites(summary, config, settings)
     discriminators = load_discriminators(run_dir, config, summary.get("run_id"))
     nonmember_source = "unused training images" if (summary["data"] or {}).get("max_samples") else "MNIST test set"
-    return _attack(run, [(f"worker-{s.index}", s.images, s.labels) for s in shards], held_images, held_labels,
+    return _attack(run, [SiteMembers(f"worker-{s.index}", s.index, s.images, s.labels) for s in shards],
+                   held_images, held_labels,
                    discriminators, nonmember_source, settings)
 
 
@@ -257,14 +258,25 @@ def audit_site(run_dir: str, site_data: str, held_out: str, dataset: str = "imag
                               "finished run's end, with --state-dir)")
         worker = kept["worker_id"] or worker
         discriminators = {worker: kept["discriminator"]}
-    return _attack(run, [(worker, members, member_labels)], held_images, held_labels, discriminators,
+    index = int(worker.rpartition("-")[2]) if worker.startswith("worker-") else 0  # (its draws: as the run's audit)
+    return _attack(run, [SiteMembers(worker, index, members, member_labels)], held_images, held_labels, discriminators,
                    f"held-out images of the site ({held_out})", settings)
 
 
-def _attack(run, sites: list[tuple[str, torch.Tensor, torch.Tensor]], held_images: torch.Tensor,
+@dataclass
+class SiteMembers:
+    """One site's members: its worker id, its rank (which seeds its draws), images (m, *shape), labels (m,)."""
+
+    worker: str
+    index: int
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+def _attack(run, sites: list[SiteMembers], held_images: torch.Tensor,
             held_labels: torch.Tensor, discriminators: dict | None, nonmember_source: str,
             settings: AuditSettings) -> dict:
-    """Every attack on every site [(worker id, its images (m, *shape), labels (m,))], against non-members
+    """Every attack on every site, against non-members
     drawn from the held-out images: the report."""
     from mdgan.models import build_discriminator
 
@@ -283,8 +295,9 @@ def _attack(run, sites: list[tuple[str, torch.Tensor, torch.Tensor]], held_image
               "privacy": summary.get("privacy"), "settings": settings.__dict__,
               "nonmember_source": nonmember_source, "discriminators": discriminators is not None, "sites": {}}
     curves = {}
-    for k, (worker, site_images, site_labels) in enumerate(sites):
-        index = int(worker.rpartition("-")[2]) if worker.rpartition("-")[2].isdigit() else k
+    for site_members in sites:
+        worker, index, site_images, site_labels = (site_members.worker, site_members.index, site_members.images,
+                                                   site_members.labels)
         pick = _pick(min(settings.members, len(site_labels)), len(site_labels), settings.seed + 3 + index)
         images, labels = site_images[pick], site_labels[pick]
         site = {"members": len(pick), "nonmembers": len(nonmember_pick), "attacks": {}}

@@ -55,14 +55,14 @@ def generate_labelled(generator: torch.nn.Module, samples: int, seed: int, devic
     """samples class-balanced images (samples, 1, 28, 28) in [-1, 1] and their labels (samples,), on `device`."""
     spec = generator.spec
     noise = torch.Generator().manual_seed(seed)
-    labels = torch.arange(samples) % spec.num_classes  # (samples,)
+    labels = torch.arange(samples, device=device) % spec.num_classes  # (samples,)
     images = []
     generator.eval()
     with torch.no_grad():
-        for part in labels.split(chunk):
+        for part in labels.split(chunk):  # (the noise drawn on the CPU: the same draws on every device)
             z = torch.randn(len(part), spec.latent_dim, generator=noise).to(device)
-            images.append(generator(z, part.to(device)).reshape(len(part), 1, 28, 28))
-    return torch.cat(images), labels.to(device)
+            images.append(generator(z, part).reshape(len(part), 1, 28, 28))
+    return torch.cat(images), labels
 
 
 def downstream_accuracy(generator: torch.nn.Module, data_root: str, samples: int = SAMPLES, epochs: int = EPOCHS,

@@ -21,6 +21,14 @@ def _deprecated(old: str, new: str) -> None:
                                            "(the parameter-server GAN)", old, new)
 
 
+def setting_key(key: str) -> str:
+    """A setting's key as it is now (an old one, with a one-line warning, once)."""
+    if key in RENAMED_SETTINGS:
+        _deprecated(f"--{key.replace('_', '-')}", f"--{RENAMED_SETTINGS[key].replace('_', '-')}")
+        return RENAMED_SETTINGS[key]
+    return key
+
+
 def canonical(name: str) -> str:
     """An algorithm's name as it is now (an old one, with a one-line warning, once)."""
     if name in RENAMED:
@@ -38,8 +46,7 @@ def renamed_settings(settings: dict) -> dict:
         if old in out:
             if new in out and out[new] != out[old]:
                 raise ConfigError(f"{old} and {new} are one setting ({new}); give it once")
-            _deprecated(f"--{old.replace('_', '-')}", f"--{new.replace('_', '-')}")
-            out[new] = out.pop(old)
+            out[setting_key(old)] = out.pop(old)
     if isinstance(out.get("algorithm"), str):
         out["algorithm"] = canonical(out["algorithm"])
     return out

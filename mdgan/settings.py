@@ -52,8 +52,10 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
     Setting("batch_size", _default(TrainingConfig, "batch_size"), "b: samples per batch", PAPER, int),
     Setting("kappa", _default(TrainingConfig, "kappa"), "k: generated batches per iteration (<= N)", PAPER, int),
     Setting("disc_steps", _default(TrainingConfig, "disc_steps"), "L: discriminator steps per iteration", PAPER, int),
-    Setting("swap_epochs", _default(TrainingConfig, "swap_epochs"), "E: local epochs between swaps", PAPER, float, to_workers=False),
-    Setting("swap_every", None, "swap every this many iterations instead of ceil(E*m/b)", PAPER, int, optional=True, to_workers=False),
+    Setting("swap_epochs", _default(TrainingConfig, "swap_epochs"), "E: local epochs between swaps", PAPER, float,
+            to_workers=False),
+    Setting("swap_every", None, "swap every this many iterations instead of ceil(E*m/b)", PAPER, int, optional=True,
+            to_workers=False),
     Setting("swap_optimizer_state", False,
             "send Adam moments along with a swapped discriminator (default: weights only)", PAPER, bool),
     Setting("seed", _default(TrainingConfig, "seed"), "run seed (every role's randomness derives from it)", PAPER, int),
@@ -73,12 +75,14 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
             "coordinate-wise median, trimmed-mean, or norm-clip (each sample's feedback scaled to L2 norm <= "
             "--clip-norm, then the mean)", BEYOND, str, AGGREGATIONS, to_workers=False),
     Setting("trim_fraction", _default(TrainingConfig, "trim_fraction"),
-            "trimmed-mean: share of the workers dropped at each end of every coordinate", BEYOND, float, to_workers=False),
+            "trimmed-mean: share of the workers dropped at each end of every coordinate", BEYOND, float,
+            to_workers=False),
     Setting("sync", _default(TrainingConfig, "sync"),
             "all: every iteration waits for every worker (the paper); quorum: G is updated once --quorum workers "
             "answered, late answers are dropped; async: every answer is applied as it comes, weighted by "
             "1/(1 + staleness)", BEYOND, str, SYNC_MODES, to_workers=False),
-    Setting("quorum", _default(TrainingConfig, "quorum"), "--sync quorum: answers to wait for (0: N - 1)", BEYOND, int, to_workers=False),
+    Setting("quorum", _default(TrainingConfig, "quorum"), "--sync quorum: answers to wait for (0: N - 1)", BEYOND, int,
+            to_workers=False),
     Setting("max_staleness", _default(TrainingConfig, "max_staleness"),
             "--sync async: drop feedback computed more than this many iterations ago", BEYOND, int, to_workers=False),
     Setting("clip_norm", _default(TrainingConfig, "clip_norm"),
@@ -148,20 +152,3 @@ def training_config(values: Mapping[str, Any], dataset: str | None = None, devic
         clip_norm=v["clip_norm"], sync=v["sync"], quorum=v["quorum"], max_staleness=v["max_staleness"],
         privacy=privacy_spec(v["dp_noise_multiplier"], v["dp_max_grad_norm"], v["dp_delta"], v["dp_target_epsilon"]),
     ).validate()
-
-
-def settings_of(config: TrainingConfig) -> dict[str, Any]:
-    """The settings by key that make `config` (the inverse of training_config, for its record and the
-    flags that hand it on); both optimizers must share their betas, as the flags set them."""
-    g, d, p = config.generator_optimizer, config.discriminator_optimizer, config.privacy
-    if (g.beta1, g.beta2) != (d.beta1, d.beta2):
-        raise ConfigError("the generator's and the discriminator's Adam betas differ: no flags set that")
-    return {"workers": config.workers, "iterations": config.iterations, "batch_size": config.batch_size,
-            "kappa": config.kappa, "disc_steps": config.disc_steps, "swap_epochs": config.swap_epochs,
-            "swap_every": config.swap_every, "swap_optimizer_state": config.swap_optimizer_state, "seed": config.seed,
-            "architecture": config.model.architecture, "gan": config.model.gan, "loss": config.model.loss,
-            "gen_lr": g.lr, "disc_lr": d.lr, "beta1": d.beta1, "beta2": d.beta2, "wire_dtype": config.wire_dtype,
-            "aggregation": config.aggregation, "trim_fraction": config.trim_fraction, "sync": config.sync,
-            "quorum": config.quorum, "max_staleness": config.max_staleness, "clip_norm": config.clip_norm,
-            "dp_noise_multiplier": p.noise_multiplier or None, "dp_target_epsilon": p.target_epsilon or None,
-            "dp_max_grad_norm": p.max_grad_norm, "dp_delta": p.delta}

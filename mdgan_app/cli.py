@@ -65,7 +65,6 @@ def cmd_simulate(args) -> int:
     _resolve_workers(args)
     config = training_config(args)
     resume = "yes" if args.resume else "no"
-    check_out_dir(args.out, resume, args.overwrite)
 
     with contextlib.ExitStack() as held:
         def accepted() -> None:  # every setting accepted: the run folder is ours from here on
@@ -362,7 +361,7 @@ def cmd_score(args) -> int:
         raise ConfigError(f"the scores are MNIST's: this run's samples have shape {tuple(spec.sample_shape)}")
     noise = torch.Generator().manual_seed(args.seed)
     z = torch.randn(args.samples, spec.latent_dim, generator=noise).to(args.device)
-    labels = (torch.arange(args.samples) % spec.num_classes).to(args.device) if spec.conditional else None
+    labels = torch.arange(args.samples, device=args.device) % spec.num_classes if spec.conditional else None
     with torch.no_grad():
         images = generator(z, labels)  # (n, 784) in [-1, 1]
     scorer = ScoreEvaluator.from_mnist_test(args.data_root, n=args.reference, seed=0, device=args.device)

@@ -777,7 +777,6 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MDGAN_")}
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), console_script_shims(tmp_path),
                                         base_env.get("PATH", "")])
-    has_metrics = True  # (every service serves /metrics)
 
     def volume_paths(service: dict) -> dict[str, str]:
         """container path -> host path: bind mounts stay, named volumes become temporary folders."""
@@ -815,8 +814,7 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
                     value = host + value[len(target):]
             assert not re.fullmatch(r"[a-z][\w-]*:\d+", value) or value.startswith("127."), (key, value)
             env[key] = value
-        if has_metrics:
-            env["MDGAN_METRICS_ADDRESS"] = "127.0.0.1"  # containers listen on all their interfaces
+        env["MDGAN_METRICS_ADDRESS"] = "127.0.0.1"  # containers listen on all their interfaces
         return env
 
     def argv(name: str) -> list[str]:
@@ -847,9 +845,7 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
             assert server.popen.poll() is None, f"server exited early:\n{server.log()}"
             assert time.monotonic() < deadline, f"server never healthy:\n{server.log()}"
             time.sleep(0.5)
-        scraped = {}
-        if has_metrics:
-            scraped["server"] = scrape(server_metrics)
+        scraped = {"server": scrape(server_metrics)}
 
         assert len(worker_services) == workers
         worker_metrics = []
@@ -873,12 +869,11 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
 
         deadline = time.monotonic() + 300
         while any(p.popen.poll() is None for p in procs):
-            if has_metrics:
-                if not scraped.get("server") and server.popen.poll() is None:
-                    scraped["server"] = scrape(server_metrics)
-                for i, port in enumerate(worker_metrics):
-                    if not scraped.get(f"worker-{i}") and procs[i + 1].popen.poll() is None:
-                        scraped[f"worker-{i}"] = scrape(port)
+            if not scraped.get("server") and server.popen.poll() is None:
+                scraped["server"] = scrape(server_metrics)
+            for i, port in enumerate(worker_metrics):
+                if not scraped.get(f"worker-{i}") and procs[i + 1].popen.poll() is None:
+                    scraped[f"worker-{i}"] = scrape(port)
             if time.monotonic() > deadline:
                 raise AssertionError("run did not finish in 300 s:\n" +
                                      "\n".join(f"--- {p.name}\n{p.log()}" for p in procs))
@@ -903,10 +898,9 @@ def test_compose_services_run_as_local_processes(tmp_path, dataset):
         assert summary["worker_sizes"] == {"worker-0": 30, "worker-1": 50}
     for name in ("history.jsonl", "samples.png", "checkpoint.pt"):
         assert os.path.isfile(os.path.join(out, name)), name
-    if has_metrics:
-        assert scraped.get("server") and "mdgan_" in scraped["server"], "server /metrics"
-        assert any(text and "mdgan_" in text for key, text in scraped.items() if key.startswith("worker")), \
-            "no worker /metrics answered during the run"
+    assert scraped.get("server") and "mdgan_" in scraped["server"], "server /metrics"
+    assert any(text and "mdgan_" in text for key, text in scraped.items() if key.startswith("worker")), \
+        "no worker /metrics answered during the run"
 
 
 def test_data_download_commands_run(tmp_path):

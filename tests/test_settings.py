@@ -18,6 +18,23 @@ ALTERNATIVES = {"workers": 6, "kappa": 2, "quorum": 2, "architecture": "cnn-mnis
                 "dp_noise_multiplier": 1.5, "dp_target_epsilon": 3.0, "dp_delta": 1e-6, "swap_every": 7}
 
 
+def settings_of(config: TrainingConfig) -> dict:
+    """The settings by key that make `config`, the inverse of mdgan.settings.training_config: what a path
+    made of each setting (both optimizers share their betas, as the flags set them)."""
+    g, d, p = config.generator_optimizer, config.discriminator_optimizer, config.privacy
+    if (g.beta1, g.beta2) != (d.beta1, d.beta2):
+        raise AssertionError("the generator's and the discriminator's Adam betas differ: no flags set that")
+    return {"workers": config.workers, "iterations": config.iterations, "batch_size": config.batch_size,
+            "kappa": config.kappa, "disc_steps": config.disc_steps, "swap_epochs": config.swap_epochs,
+            "swap_every": config.swap_every, "swap_optimizer_state": config.swap_optimizer_state, "seed": config.seed,
+            "architecture": config.model.architecture, "gan": config.model.gan, "loss": config.model.loss,
+            "gen_lr": g.lr, "disc_lr": d.lr, "beta1": d.beta1, "beta2": d.beta2, "wire_dtype": config.wire_dtype,
+            "aggregation": config.aggregation, "trim_fraction": config.trim_fraction, "sync": config.sync,
+            "quorum": config.quorum, "max_staleness": config.max_staleness, "clip_norm": config.clip_norm,
+            "dp_noise_multiplier": p.noise_multiplier or None, "dp_target_epsilon": p.target_epsilon or None,
+            "dp_max_grad_norm": p.max_grad_norm, "dp_delta": p.delta}
+
+
 def alternative(setting):
     if setting.key in ALTERNATIVES:
         return ALTERNATIVES[setting.key]
@@ -83,8 +100,8 @@ def test_a_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeyp
     value = alternative(setting)
     data = ["--dataset", "mnist"]
     by_flag = config_of(command_parser("simulate").parse_args([*data, *flag_tokens(setting, value)]))
-    assert settings.settings_of(by_flag)[key] == value  # the value took effect
-    assert all(settings.settings_of(by_flag)[other] == SETTINGS[other].default
+    assert settings_of(by_flag)[key] == value  # the value took effect
+    assert all(settings_of(by_flag)[other] == SETTINGS[other].default
                for other in SETTINGS if other not in (key, "workers")), "one flag set another setting"
 
     configs = {"mdgan local flag": config_of(command_parser("local").parse_args([*data, *flag_tokens(setting, value)])),
@@ -107,7 +124,7 @@ def test_a_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeyp
 
     worker = codec.config_from_spec(codec.spec_from_config(by_flag))  # the worker's view of the run
     expected = value if setting.to_workers else setting.default
-    assert settings.settings_of(worker)[key] == expected, f"{key} on the wire"
+    assert settings_of(worker)[key] == expected, f"{key} on the wire"
 
 
 def option_values(defaults, field) -> list:

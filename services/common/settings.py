@@ -168,15 +168,11 @@ class EnvArgumentParser(argparse.ArgumentParser):
         except tomllib.TOMLDecodeError as exc:
             self.error(f"--config {path}: not TOML ({exc})")
         options = self._options()
-        from mdgan.renames import RENAMED_SETTINGS, renamed_settings
+        from mdgan.renames import renamed_settings, setting_key
 
-        renamed_settings({k.replace("-", "_"): v for k, v in data.items()})  # (an old key's warning; both: refused)
+        renamed_settings({k.replace("-", "_"): v for k, v in data.items()})  # (a setting given twice: refused)
         for key, value in data.items():
-            dest = RENAMED_SETTINGS.get(key.replace("-", "_"), key.replace("-", "_"))
-            if dest == "algorithm" and isinstance(value, str):
-                from mdgan.renames import canonical
-
-                value = canonical(value)
+            dest = setting_key(key.replace("-", "_"))  # (an old name: its new; --algorithm's type takes old values)
             action = options.get(dest)
             where = f"--config {path}: {key} = {value!r}"
             if action is None:
@@ -219,12 +215,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
             action._env_applied = True
             name = env_name(action.dest, self.env_prefix)
             action.help = f"{action.help or ''}{_shown_default(action)} [env {name}]".strip()
-            old = [env_name(o, self.env_prefix) for o, n in RENAMED_SETTINGS.items() if n == action.dest]
-            if not os.environ.get(name) and old and os.environ.get(old[0]):  # a variable of the old name
-                from mdgan.renames import renamed_settings
+            old = [o for o, n in RENAMED_SETTINGS.items() if n == action.dest]
+            if not os.environ.get(name) and old and os.environ.get(env_name(old[0], self.env_prefix)):
+                from mdgan.renames import setting_key
 
-                renamed_settings({old[0][len(self.env_prefix):].lower(): None})  # (the warning)
-                name = old[0]
+                setting_key(old[0])  # (a variable of the old name: said once)
+                name = env_name(old[0], self.env_prefix)
             if not os.environ.get(name):  # unset, or set empty (a compose file's ${VAR:-}): the default
                 continue
             raw = os.environ[name]
@@ -289,6 +285,7 @@ def add_algorithm_options(parser: argparse.ArgumentParser) -> None:
     """Every algorithm's own options, made from its options dataclass (mdgan/algorithms/*: each field
     names its flag), a group per algorithm: defined once for the command line and the services."""
     from mdgan.algorithms import ALGORITHMS
+    from mdgan.algorithms.base import option_key
 
     for entry in ALGORITHMS.values():
         if entry.options is None:
@@ -299,7 +296,7 @@ def add_algorithm_options(parser: argparse.ArgumentParser) -> None:
             flag, help_text = meta.pop("flag"), meta.pop("help")
             meta.pop("short")
             meta.setdefault("type", type(field.default))
-            old = [f"--{o.replace('_', '-')}" for o, n in RENAMED_SETTINGS.items() if f"--{n.replace('_', '-')}" == flag]
+            old = [f"--{o.replace('_', '-')}" for o, n in RENAMED_SETTINGS.items() if option_key(field) == n]
             group.add_argument(flag, *old, default=field.default, help=f"{entry.name}: {help_text}",
                                action=_RenamedFlag if old else "store", **meta)
 
@@ -309,9 +306,9 @@ class _RenamedFlag(argparse._StoreAction):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string is not None and option_string != self.option_strings[0]:
-            from mdgan.renames import renamed_settings
+            from mdgan.renames import setting_key
 
-            renamed_settings({option_string.lstrip("-").replace("-", "_"): values})  # (the warning)
+            setting_key(option_string.lstrip("-").replace("-", "_"))  # (said once)
         setattr(namespace, self.dest, values)
 
 

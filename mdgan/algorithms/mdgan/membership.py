@@ -11,7 +11,7 @@ from mdgan.algorithms.base import Traffic, WorkerLost, sort_replies, tell_to_sto
 from mdgan.algorithms.mdgan.handle import COPY, SwapOrder, SwapReport, WorkerHandle
 from mdgan.roster import Roster
 
-log = logging.getLogger("mdgan.algorithms.mdgan.trainer")
+log = logging.getLogger("mdgan.algorithms.mdgan.trainer")  # (the loop's: one name for what the run says)
 
 
 class Membership:

@@ -13,7 +13,7 @@ from mdgan.algorithms.base import Traffic, WorkerLost, ask_all, why_lost, with_d
 from mdgan.algorithms.mdgan.handle import SwapOrder, WorkerHandle
 from mdgan.gan import derangement
 
-log = logging.getLogger("mdgan.algorithms.mdgan.trainer")
+log = logging.getLogger("mdgan.algorithms.mdgan.trainer")  # (the loop's: one name for what the run says)
 
 
 @dataclass
