@@ -66,6 +66,50 @@ def test_a_cause_is_one_bounded_line_on_both_ends():
     assert len(clean_line("z" * 10_000)) == MAX_CAUSE_CHARS
 
 
+def test_a_refusal_to_a_caller_that_already_left_is_not_the_refusers_fault():
+    """A receiver refuses a push whose sender has just failed and cancelled: gRPC cannot send the status
+    (context.abort raises its internal ExecuteBatchError), and that must not read as the receiver's own
+    error (it used to fail the receiver: one worker's fault took a healthy one with it)."""
+    import grpc
+
+    from services.common import rpc
+
+    async def scenario():
+        outcome = asyncio.get_running_loop().create_future()
+
+        async def refuse_after_the_caller_left(context, gone):
+            await gone.wait()
+            try:
+                await rpc.refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "round 1 is not expected")
+            except BaseException as exc:
+                outcome.set_result(exc)
+
+        async def push(request_iterator, context):
+            gone = asyncio.Event()
+            context.add_done_callback(lambda _: gone.set())
+            # (shielded: the refusal runs after gRPC ended the call, as when it races the caller's cancel)
+            await asyncio.shield(asyncio.ensure_future(refuse_after_the_caller_left(context, gone)))
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+            "Push": grpc.stream_unary_rpc_method_handler(push)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.stream_unary("/t.T/Push", request_serializer=bytes, response_deserializer=bytes)()
+                await call.write(b"header")
+                await asyncio.sleep(0.2)
+                call.cancel()
+            return await asyncio.wait_for(outcome, 10)
+        finally:
+            await server.stop(None)
+
+    raised = asyncio.run(scenario())
+    assert isinstance(raised, rpc.CallerGone), repr(raised)
+    assert "FAILED_PRECONDITION: round 1 is not expected" in str(raised)
+
+
 # -- the services in one event loop ------------------------------------------------------------
 WORKERS = 3
 

@@ -32,11 +32,14 @@ SWAP_EVERY, LAG = 40, 30
 STEP_TIMEOUT, SWAP_TIMEOUT = 6.0, 20.0
 
 
-def _wait(what: str, condition, timeout: float, server: Proc):
+def _wait(what: str, condition, timeout: float, server: Proc, sites: list[Proc]):
     deadline = time.monotonic() + timeout
+    def logs() -> str:
+        return "\n".join(f"-- {p.name}:\n{p.log()[-4000:]}" for p in (server, *sites))
+
     while not (found := condition()):
-        assert server.popen.poll() is None, f"the server exited while waiting for {what}:\n{server.log()}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s:\n{server.log()}"
+        assert server.popen.poll() is None, f"the server exited while waiting for {what}:\n{logs()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s:\n{logs()}"
         time.sleep(0.05)
     return found
 
@@ -71,14 +74,14 @@ def test_a_link_cut_during_a_background_swap_installs_nothing_half_received_and_
         slow_link = ["ip", "netns", "exec", lan.machines["site-2"]["ns"], "ip", "link", "set", "eth0"]
         try:
             # round 1 starts at boundary 40: its discriminators leave; site-2's needs about 11 s at 2 Mbit/s
-            _wait("round 1", lambda: any(r.get("swap_round") == 1 for r in read_jsonl(history)), 120, server)
+            _wait("round 1", lambda: any(r.get("swap_round") == 1 for r in read_jsonl(history)), 120, server, sites)
             subprocess.run([*slow_link, "down"], check=True)
-            first = _wait("round 1's install", lambda: read_jsonl(swaps), 120, server)[0]
+            first = _wait("round 1's install", lambda: read_jsonl(swaps), 120, server, sites)[0]
             subprocess.run([*slow_link, "up"], check=True)
             # after the cut, a round that site-2 is in again, every discriminator installed
             later = _wait("a complete round with site-2 back", lambda: [
                 s for s in read_jsonl(swaps)[1:] if "worker-2" in s["plan"]
-                and all(w["sent"] and w["received"] for w in s["workers"].values())], 240, server)
+                and all(w["sent"] and w["received"] for w in s["workers"].values())], 240, server, sites)
             rows = {r["iteration"]: r for r in read_jsonl(history)}
         finally:
             subprocess.run([*slow_link, "up"], capture_output=True)

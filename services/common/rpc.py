@@ -83,6 +83,21 @@ class RateLimitedWarnings:
         self.logger.warning(message + suffix, *args)
 
 
+class CallerGone(Exception):
+    """The caller ended its call before our answer: there is nobody left to answer."""
+
+
+async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> None:
+    """End the call with `code` (raises AbortError), or CallerGone when the caller already ended it:
+    then the status cannot be sent (gRPC's own error for that is not the handler's fault)."""
+    try:
+        await context.abort(code, detail)
+    except (grpc.aio.AbortError, grpc.aio.UsageError):
+        raise
+    except Exception as exc:  # gRPC's core refused to send the status: the call is over
+        raise CallerGone(f"the caller left before we could answer {code.name}: {detail}") from exc
+
+
 class MalformedMessage(Exception):
     """Bytes on a stream that do not parse as the method's request type."""
 

@@ -208,6 +208,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             return await self._receive(request_iterator, context)
         except (grpc.aio.AbortError, grpc.aio.AioRpcError, grpc.aio.UsageError, rpc.MalformedMessage):
             raise  # a refusal of ours, or the sender's stream: not our fault
+        except rpc.CallerGone as gone:  # the pusher left (its own run ended): nobody hears the refusal
+            log.debug("%s", gone)
+            return peer_pb2.PushAck()
         except Exception as exc:  # our own error (the check, unpacking): the pusher hears one line, we fail
             self.node.fail("receiving a discriminator", exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"the receiver failed: {rpc.one_line(exc)}")
@@ -275,13 +278,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 telemetry.rejected.labels("sender").inc()
             self.warnings.warn(refusal[0].name, "refused a discriminator from %s (%s): %s", sender or "?",
                                context.peer(), refusal[1])
-            await context.abort(*refusal)
+            await rpc.refuse(context, *refusal)
         try:
             state = compression.unpack_state(state, side.state_layout(), side.config.wire_dtype)
         except compression.PackingError as exc:
             telemetry.rejected.labels(exc.reason).inc()
             log.warning("refused a discriminator from %s: %s", context.peer(), exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await rpc.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         check = getattr(inbox, "swap_check", None)
         if mailbox is inbox.mailbox and check is not None and check.enabled and assembler.header.round not in mailbox.deferred:
             # after the order (authorize above): our D is the one of this round's boundary, as in simulate
@@ -292,6 +295,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 log.warning("swap %d: refused the discriminator from %s: %s", assembler.header.round, sender,
                             verdict.refused)
                 mailbox.deliver(assembler.header.round, sender, None, refused=verdict.refused)
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, REFUSED + verdict.refused)
+                await rpc.refuse(context, grpc.StatusCode.PERMISSION_DENIED, REFUSED + verdict.refused)
         mailbox.deliver(assembler.header.round, sender, state)
         return peer_pb2.PushAck(received_bytes=assembler.header.total_bytes)
