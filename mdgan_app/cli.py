@@ -17,8 +17,6 @@ import warnings
 from services.common import scheduling
 from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
 
-from mdgan_app.launcher import (MACHINE_PORTS, LocalCluster, ServiceFailed, Terminated, _how_it_ended, _log_tail,
-                                _raise_terminated, last_log_message, workers_per_process)
 from mdgan_app.run_folder import run_dir_lock, save_launch_settings, take_launch_settings
 
 def show_progress(args) -> bool:
@@ -128,6 +126,7 @@ def _check_site_privacy(args, config) -> None:
 def cmd_local(args) -> int:
     from mdgan import algorithms
     from mdgan.run import check_out_dir
+    from mdgan_app.launcher import MACHINE_PORTS, workers_per_process
     from services.common.settings import algorithm_options, training_config
 
     if args.resume:  # the run's own settings, from its run directory
@@ -158,6 +157,9 @@ def cmd_local(args) -> int:
 
 
 def _run_local(args) -> int:
+    from mdgan_app.launcher import (LocalCluster, ServiceFailed, Terminated, _how_it_ended, _log_tail, _raise_terminated,
+                                    last_log_message)
+
     cluster = LocalCluster(args)
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     terminate = stop_now = False  # terminate: a signal, or a failure before the start (both said already)
@@ -319,11 +321,12 @@ def _traffic_formulas(args) -> dict:
                             model=ModelSpec(architecture=args.architecture, gan=args.gan,
                                             sample_shape=tuple(DATASET_SAMPLE_SHAPES[args.dataset]))).validate()
     names = list(SERVED) if args.algorithm == "all" else [args.algorithm]
-    return formula_table({name: algorithm_options(name, args) for name in names}, config, shard_size)
+    return formula_table({name: algorithm_options(name, args, alone=False) for name in names}, config, shard_size)
 
 
 def cmd_experiment(args) -> int:
     from mdgan_app.experiment import run_experiment
+    from mdgan_app.launcher import Terminated, _raise_terminated
     from services.common.settings import configure_compute
 
     configure_compute(args.threads)
@@ -417,91 +420,8 @@ def cmd_audit(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from mdgan.algorithms import NAMES, SERVED
-    from mdgan.attacks import ATTACKS
-    from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
-                                          add_data_arguments, add_durable_arguments, add_evaluation_arguments,
-                                          add_scheduling_argument, add_site_arguments, add_threads_argument,
-                                          add_tracking_arguments, add_training_arguments, add_version,
-                                          positive_seconds)
-
-    # Each command reads its own variables (MDGAN_LOCAL_WORKERS, ...), never the services' MDGAN_<FLAG>:
-    # a worker's MDGAN_SERVER must not become `certs issue`'s --server. `certs` reads none.
-    parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.",
-                               env_prefix=None)
-    add_version(parser, "mdgan")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(name: str, **kwargs):
-        return sub.add_parser(name, env_prefix=f"MDGAN_{name.upper()}_", **kwargs)
-
-    def run_parser(name: str, help_text: str):
-        p = command(name, help=help_text, description=help_text, config_file=True)
-        add_algorithm_argument(p, NAMES if name == "simulate" else SERVED)  # a standalone GAN has no workers
-        add_training_arguments(p)
-        p.set_defaults(workers=None)  # 4, or the number of --site-dirs
-        add_data_arguments(p)
-        add_site_arguments(p, launcher=True)
-        add_evaluation_arguments(p)
-        add_algorithm_options(p)
-        add_tracking_arguments(p)
-        # One thread per process by default: the same arithmetic in every process, so the
-        # in-process run and the gRPC cluster agree bit for bit.
-        add_threads_argument(p, default=1)
-        p.add_argument("--out", default=f"runs/{name}", help="run directory")
-        p.add_argument("--overwrite", action="store_true",
-                       help="replace a finished run in --out with this one (without it such a run is refused, and "
-                            "the finished run is left as it is)")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        durable = p.add_argument_group("durable runs (MD-GAN)")
-        add_durable_arguments(durable, keep_help="complete checkpoints kept (in OUT/checkpoints; workers keep theirs "
-                                                 "in OUT/workers/)")
-        durable.add_argument("--resume", metavar="RUN", default=None,
-                             help="continue the run in directory RUN from its last complete checkpoint, with the "
-                                  "settings it was launched with (RUN/launch.toml); an option given with --resume "
-                                  "overrides one of them (a moved --data-root, say), except the training ones")
-        durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
-        g = p.add_argument_group("emulated Byzantine workers (experiments)")
-        g.add_argument("--byzantine", type=int, default=0,
-                       help="K: the last K workers by rank send wrong feedback (needs --attack)")
-        g.add_argument("--attack", choices=ATTACKS, default=None,
-                       help="what they send: sign-flip (-F), scale (10 F), sign-flip-scale (-10 F), "
-                            "noise (10x F's RMS), free-ride (zeros)")
-        return p
-
-    simulate = run_parser("simulate", "Train in one process: every worker is an object.")
-    simulate.add_argument("--churn", default=None, metavar="EVENTS",
-                          help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
-                               "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
-                               "state or a copy of a live peer's discriminator)")
-    simulate.add_argument("--save-discriminators", action="store_true",
-                          help="also write OUT/discriminators.pt, every worker's final discriminator (what `mdgan "
-                               "audit OUT` attacks; MD-GAN, FL-GAN and the standalone GAN)")
-    simulate.set_defaults(func=cmd_simulate)
-    local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
-    local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
-    local.add_argument("--swap-timeout", type=positive_seconds, default=120.0, help="deadline for a discriminator swap (s)")
-    local.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
-    local.add_argument("--insecure", action="store_true",
-                       help="plaintext gRPC between the processes (default: mutual TLS with a throwaway CA made in "
-                            "OUT/tls/)")
-    local.add_argument("--join-timeout", type=positive_seconds, default=600.0,
-                       help="seconds the server waits for all workers to join")
-    add_scheduling_argument(local, default="batch")  # for every service of the cluster
-    local.add_argument("--workers-per-process", type=int, default=0, metavar="K",
-                       help="run K workers in each worker process (each still its own worker: data, gRPC client, "
-                            "certificate, /metrics, log); 0 (default): one process per core the launcher may use, "
-                            "i.e. ceil(workers / cores) each, and one process per worker when there are enough "
-                            "cores. On a machine with fewer cores than workers this costs less CPU and starts "
-                            "faster; killing one such process stops all of its workers")
-    local.add_argument("--pin-workers", choices=scheduling.PIN_WORKERS_CHOICES, default="auto",
-                       help="auto (default): when there are cores enough, keep each worker process on --threads "
-                            "cores of its own (the server is left free): about 6%% less time per iteration on 2 "
-                            "cores; nothing is pinned with more worker processes x --threads than cores, or with "
-                            "--threads 0; off: let the kernel place them (e.g. when other programs keep a core "
-                            "busy)")
-    local.set_defaults(func=cmd_local)
+def add_certs_command(sub) -> None:
+    """`mdgan certs`: needs none of the training code (main builds only this for it: no torch to import)."""
     certs = sub.add_parser("certs", env_prefix=None, help="Provision a run's CA and the certificates of its server and workers.",
                            description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "
                                        "in DIR/NAME/ (tls.crt, tls.key, ca.crt): the --tls-* files of the services.")
@@ -560,6 +480,94 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (init, issue, kit):
         p.add_argument("--overwrite", action="store_true", help="replace existing files")
     certs.set_defaults(func=cmd_certs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mdgan.algorithms import NAMES, SERVED
+    from mdgan.attacks import ATTACKS
+    from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
+                                          add_data_arguments, add_durable_arguments, add_evaluation_arguments,
+                                          add_scheduling_argument, add_site_arguments, add_threads_argument,
+                                          add_tracking_arguments, add_training_arguments, add_version,
+                                          positive_seconds)
+
+    # Each command reads its own variables (MDGAN_LOCAL_WORKERS, ...), never the services' MDGAN_<FLAG>:
+    # a worker's MDGAN_SERVER must not become `certs issue`'s --server. `certs` reads none.
+    parser = EnvArgumentParser(prog="mdgan", description="MD-GAN: one generator, many discriminators, spread data.",
+                               env_prefix=None)
+    add_version(parser, "mdgan")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, **kwargs):
+        return sub.add_parser(name, env_prefix=f"MDGAN_{name.upper()}_", **kwargs)
+
+    def run_parser(name: str, help_text: str):
+        p = command(name, help=help_text, description=help_text, config_file=True)
+        add_algorithm_argument(p, NAMES if name == "simulate" else SERVED)  # a standalone GAN has no workers
+        add_training_arguments(p)
+        p.set_defaults(workers=None)  # 4, or the number of --site-dirs
+        add_data_arguments(p)
+        add_site_arguments(p, launcher=True)
+        add_evaluation_arguments(p)
+        add_algorithm_options(p)
+        add_tracking_arguments(p)
+        # One thread per process by default: the same arithmetic in every process, so the
+        # in-process run and the gRPC cluster agree bit for bit.
+        add_threads_argument(p, default=1)
+        p.add_argument("--out", default=f"runs/{name}", help="run directory")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace a finished run in --out with this one (without it such a run is refused, and "
+                            "the finished run is left as it is)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        durable = p.add_argument_group("durable runs (MD-GAN)")
+        add_durable_arguments(durable, keep_help="complete checkpoints kept (in OUT/checkpoints; workers keep theirs "
+                                                 "in OUT/workers/)", stop_grace=name == "local")
+        durable.add_argument("--resume", metavar="RUN", default=None,
+                             help="continue the run in directory RUN from its last complete checkpoint, with the "
+                                  "settings it was launched with (RUN/launch.toml); an option given with --resume "
+                                  "overrides one of them (a moved --data-root, say), except the training ones")
+        durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
+        g = p.add_argument_group("emulated Byzantine workers (experiments)")
+        g.add_argument("--byzantine", type=int, default=0,
+                       help="K: the last K workers by rank send wrong feedback (needs --attack)")
+        g.add_argument("--attack", choices=ATTACKS, default=None,
+                       help="what they send: sign-flip (-F), scale (10 F), sign-flip-scale (-10 F), "
+                            "noise (10x F's RMS), free-ride (zeros)")
+        return p
+
+    simulate = run_parser("simulate", "Train in one process: every worker is an object.")
+    simulate.add_argument("--churn", default=None, metavar="EVENTS",
+                          help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
+                               "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
+                               "state or a copy of a live peer's discriminator)")
+    simulate.add_argument("--save-discriminators", action="store_true",
+                          help="also write OUT/discriminators.pt, every worker's final discriminator (what `mdgan "
+                               "audit OUT` attacks; MD-GAN, FL-GAN and the standalone GAN)")
+    simulate.set_defaults(func=cmd_simulate)
+    local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
+    local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
+    local.add_argument("--swap-timeout", type=positive_seconds, default=120.0, help="deadline for a discriminator swap (s)")
+    local.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
+    local.add_argument("--insecure", action="store_true",
+                       help="plaintext gRPC between the processes (default: mutual TLS with a throwaway CA made in "
+                            "OUT/tls/)")
+    local.add_argument("--join-timeout", type=positive_seconds, default=600.0,
+                       help="seconds the server waits for all workers to join")
+    add_scheduling_argument(local, default="batch")  # for every service of the cluster
+    local.add_argument("--workers-per-process", type=int, default=0, metavar="K",
+                       help="run K workers in each worker process (each still its own worker: data, gRPC client, "
+                            "certificate, /metrics, log); 0 (default): one process per core the launcher may use, "
+                            "i.e. ceil(workers / cores) each, and one process per worker when there are enough "
+                            "cores. On a machine with fewer cores than workers this costs less CPU and starts "
+                            "faster; killing one such process stops all of its workers")
+    local.add_argument("--pin-workers", choices=scheduling.PIN_WORKERS_CHOICES, default="auto",
+                       help="auto (default): when there are cores enough, keep each worker process on --threads "
+                            "cores of its own (the server is left free): about 6%% less time per iteration on 2 "
+                            "cores; nothing is pinned with more worker processes x --threads than cores, or with "
+                            "--threads 0; off: let the kernel place them (e.g. when other programs keep a core "
+                            "busy)")
+    local.set_defaults(func=cmd_local)
+    add_certs_command(sub)
 
     split_help = ("Cut a dataset into one folder per site (OUT/site-0, site-1, ...: an ImageFolder of PNG files, every "
                   "class folder present), to try the real path, where every worker brings its own data, on one machine.")
@@ -676,12 +684,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_certs_parser() -> argparse.ArgumentParser:
+    """The parser of `mdgan certs` alone, as build_parser makes it."""
+    from services.common.settings import EnvArgumentParser, add_version
+
+    parser = EnvArgumentParser(prog="mdgan", env_prefix=None)
+    add_version(parser, "mdgan")
+    add_certs_command(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    tokens = sys.argv[1:] if argv is None else list(argv)
+    # `mdgan certs` runs where the certificates are made (a compose one-shot, a chart's hook Job, a
+    # site's machine): it parses alone, without the training code's imports (torch: seconds a call)
+    parser = build_certs_parser() if tokens[:1] == ["certs"] else build_parser()
     args = parser.parse_args(argv)
     from services.common import settings
 
-    tokens = sys.argv[1:] if argv is None else list(argv)
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     after = tokens[tokens.index(args.command) + 1:] if args.command in tokens else tokens
     args.given = settings.given_options(commands[args.command], after)  # what this command chose (--resume keeps it)

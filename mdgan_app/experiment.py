@@ -159,6 +159,7 @@ def expand(config: dict) -> list[dict]:
             raise ConfigError(f"unknown run keys {sorted(unknown)}")
         if run["kappa"] == "log2":
             run["kappa"] = max(1, int(math.log2(run["workers"])))
+        algorithms.refuse_foreign_options(run["algorithm"], run)
         if algorithms.get(run["algorithm"]).whole_dataset:  # one G and one D on the whole dataset
             run["workers"], run["kappa"] = 1, 1
     varying = [k for k in NAME_KEYS if len({json.dumps(r[k]) for r in runs}) > 1]

@@ -102,7 +102,6 @@ def _free_ports(count: int, host: str = "127.0.0.1", floor: int = 10000) -> list
 # forks (it has created no gRPC channel, event loop or torch thread pool), which makes fork safe.
 FORK_SERVER_PRELOAD = "services.common.preload"
 LOG_TAIL_LINES = 20
-SERVER_STOP_GRACE = 20.0  # s a SIGTERM'd server has to checkpoint the iteration under way, its workers still up
 MACHINE_PORTS = 65535 - 1023  # the TCP ports above the privileged ones
 
 
@@ -347,7 +346,7 @@ class LocalCluster:
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
             "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
             "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
-            "--stop-grace", str(SERVER_STOP_GRACE),
+            "--stop-grace", str(a.stop_grace),
             *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
             *security["server"],
             *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
@@ -540,9 +539,10 @@ class LocalCluster:
             self._signal(process, signal.SIGTERM)
             process.join(3.0)
             if process.exitcode is None:  # an iteration or a checkpoint under way: say why the stop waits
-                print(f"mdgan local: waiting up to {SERVER_STOP_GRACE + 2:.0f} s more for the server to checkpoint "
+                grace = self.args.stop_grace  # (its workers are still up: they must write their states too)
+                print(f"mdgan local: waiting up to {grace + 2:.0f} s more for the server to checkpoint "
                       "where it stopped", file=sys.stderr)
-                process.join(SERVER_STOP_GRACE + 2.0)
+                process.join(grace + 2.0)
 
     def stop(self, grace: float = 30.0, terminate: bool = False) -> dict[str, int | None]:
         """Wait for every service to end (up to `grace` s; at once with terminate=True they are sent

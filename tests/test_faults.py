@@ -182,6 +182,9 @@ WORKER_FAULTS = [
     ("step-one", [], f"{W}.mdgan:MDGANWorker._on_batches", "worker-1", 3, "answering batches"),
     ("step-all", [], "mdgan.gan:DiscriminatorSide.step", None, 6, "answering batches"),
     ("data-all", [], "mdgan.data:ShardSampler.next_batch", None, 6, "answering batches"),
+    ("pipeline-step-one", ["--pipeline-depth", "2"], f"{W}.mdgan:MDGANWorker._on_batches", "worker-0", 4,
+     "answering batches"),
+    ("pipeline-step-all", ["--pipeline-depth", "3"], "mdgan.gan:DiscriminatorSide.step", None, 5, "answering batches"),
     ("dp-step-one", ["--dp-noise-multiplier", "1.0"], f"{W}.mdgan:MDGANWorker._on_batches", "worker-2", 3,
      "answering batches"),
     ("dp-step-all", ["--dp-noise-multiplier", "1.0"], "mdgan.gan:DiscriminatorSide._private_step", None, 6,
@@ -293,17 +296,11 @@ def _no_service_left(out) -> None:
 
 @pytest.mark.slow
 def test_mdgan_local_names_the_failed_worker_and_goes_on_or_stops_with_its_line(tmp_path):
-    swapcheck = "mdgan.algorithms.mdgan.swapcheck:check_incoming"
     one = _local(tmp_path, {"target": f"{W}.mdgan:MDGANWorker._on_batches", "worker": "worker-1", "after": 5})
     assert one.returncode == 0, one.stderr[-3000:]
     assert ("worker-1 exited with code 1 at iteration" in one.stderr and "the run goes on with the other workers"
             in one.stderr and "worker-1 failed while answering batches: RuntimeError: injected fault" in one.stderr)
     assert "mdgan (local): 40 iterations, 3 of 4 workers alive" in one.stdout
-    _no_service_left(tmp_path)
-
-    checks = _local(tmp_path, {"target": swapcheck})  # the swap check raises wherever it runs
-    assert "failed while receiving a discriminator: RuntimeError: injected fault" in checks.stderr
-    assert checks.returncode == 0 or "the run stopped early" in checks.stderr, checks.stderr[-3000:]
     _no_service_left(tmp_path)
 
     every = _local(tmp_path, {"target": f"{W}.mdgan:MDGANWorker._swap"})  # every worker fails in the first swap

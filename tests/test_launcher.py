@@ -316,11 +316,12 @@ def test_a_worker_paused_past_its_deadline_rejoins_when_it_wakes(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM
 
 
-def upset_the_server(tmp_path, server_signal: int, launcher_signal: int | None = None) -> tuple[int, str, float, list]:
+def upset_the_server(tmp_path, server_signal: int, launcher_signal: int | None = None,
+                     flags: tuple = ()) -> tuple[int, str, float, list]:
     """Send the server of a running `mdgan local` server_signal, then the launcher launcher_signal (if any);
     (the launcher's exit status, its stderr, seconds from the server's signal to the launcher's end, the
     processes of the cluster still alive 10 s after it)."""
-    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000")
+    launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--iterations", "1000000", *flags)
     pids: set[int] = set()
     try:
         wait_until_training(launcher, tmp_path)
@@ -355,9 +356,9 @@ def test_a_server_killed_mid_run_stops_the_cluster_at_once_with_one_clear_line(t
 def test_a_signal_to_mdgan_local_whose_server_is_frozen_says_why_it_waits_and_leaves_nothing(tmp_path):
     # The server is stopped first and given its stop grace: frozen (SIGSTOP), it cannot use it, and the
     # stop must still end, saying what it waits for, with every process gone.
-    code, err, _, left = upset_the_server(tmp_path, signal.SIGSTOP, signal.SIGTERM)
+    code, err, _, left = upset_the_server(tmp_path, signal.SIGSTOP, signal.SIGTERM, ("--stop-grace", "4"))
     assert code == 128 + signal.SIGTERM, err
-    assert "waiting up to 22 s more for the server to checkpoint where it stopped" in err, err
+    assert "waiting up to 6 s more for the server to checkpoint where it stopped" in err, err
     assert "Traceback" not in err and "leaked" not in err, err
     assert not left
 

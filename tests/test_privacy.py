@@ -303,7 +303,8 @@ def test_an_audit_of_a_run_whose_split_cannot_be_recovered_is_one_line(tmp_path,
 @pytest.mark.slow
 def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
     """Two sites of 16 images each, trained far past memorisation: the discriminator attack reads
-    membership off D clearly; with DP at epsilon 1 it does much worse (docs/PRIVACY.md has the numbers)."""
+    membership off D clearly; with DP at epsilon 1 it does much worse (docs/PRIVACY.md has the numbers).
+    (sigma is given: the one a target epsilon of 1 finds for these sites, whose search is tested apart.)"""
     from mdgan.audit import AuditSettings, audit
     from mdgan.run import EvaluationOptions
     from mdgan.simulation import simulate
@@ -312,7 +313,7 @@ def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
     if not os.path.isdir(os.path.join(data.data_root, "MNIST")):
         pytest.skip("MNIST is not beside the repository")
     aucs = {}
-    for name, privacy in (("plain", PrivacySpec()), ("private", PrivacySpec(target_epsilon=1.0))):
+    for name, privacy in (("plain", PrivacySpec()), ("private", PrivacySpec(noise_multiplier=MEMORISE_SIGMA))):
         config = TrainingConfig(workers=2, iterations=MEMORISE_ITERATIONS, batch_size=8, disc_steps=2, seed=1,
                                 privacy=privacy).validate()
         simulate(config, data, str(tmp_path / name), progress=False, evaluation=EvaluationOptions(every=-1),
@@ -325,7 +326,8 @@ def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
     assert aucs["private"] <= aucs["plain"] - 0.1, aucs
 
 
-MEMORISE_ITERATIONS = 250  # 125 epochs of 16 images: far past memorisation (AUC 0.96 plain, 0.49 at epsilon 1)
+MEMORISE_ITERATIONS = 120  # 60 epochs of 16 images: far past memorisation (AUC 0.92 plain, 0.55 at epsilon 1)
+MEMORISE_SIGMA = 31.6  # above the 31.5625 that --dp-target-epsilon 1 chooses for these sites: epsilon 0.99
 
 
 def test_a_site_that_leaves_and_rejoins_keeps_spending_from_its_saved_budget(tmp_path):

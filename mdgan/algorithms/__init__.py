@@ -16,11 +16,11 @@ Adding an algorithm: docs/ALGORITHMS.md, "How to add an algorithm".
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from mdgan.algorithms import psgan, flgan, pwgan, standalone
 from mdgan.algorithms import mdgan as mdgan_room
-from mdgan.algorithms.base import Algorithm
+from mdgan.algorithms.base import Algorithm, option_key
 from mdgan.config import ConfigError
 from mdgan.renames import RENAMED, RENAMED_SETTINGS, canonical, renamed_settings  # noqa: F401
 
@@ -52,6 +52,20 @@ def get(name: str, served: bool = False) -> Algorithm:
     if name not in choices:
         raise ConfigError(f"unknown algorithm {name!r}; choose from {', '.join(choices)}")
     return ALGORITHMS[name]
+
+
+def refuse_foreign_options(name: str, settings: Mapping) -> None:
+    """One clear line for an option of another algorithm than `name` set away from its default (it would
+    be ignored). `settings`: keyed by option_key, as parsed flags or an experiment's run are."""
+    name = canonical(name)
+    for other in ALGORITHMS.values():
+        if other.name == name:
+            continue
+        for field in other.option_fields():
+            key = option_key(field)
+            if key in settings and settings[key] is not None and settings[key] != field.default:
+                raise ConfigError(f"{field.metadata['flag']} is an option of --algorithm {other.name}, not of "
+                                  f"--algorithm {name}: drop it, or run {other.name}")
 
 
 def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = False, churn: bool = False, byzantine: int = 0,

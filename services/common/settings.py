@@ -312,11 +312,15 @@ class _RenamedFlag(argparse._StoreAction):
         setattr(namespace, self.dest, values)
 
 
-def algorithm_options(name: str, args: argparse.Namespace, config: TrainingConfig | None = None):
+def algorithm_options(name: str, args: argparse.Namespace, config: TrainingConfig | None = None, *,
+                      alone: bool = True):
     """The options of algorithm `name` from the parsed flags (None: it has none); with `config`,
-    checked against the run (one clear line for the first bad one, before anything starts)."""
+    checked against the run (one clear line for the first bad one, before anything starts). `alone`:
+    the run is of `name` only, so another algorithm's option set away from its default is refused."""
     from mdgan import algorithms
 
+    if alone:
+        algorithms.refuse_foreign_options(name, vars(args))
     options = algorithms.get(name).options_from(vars(args))
     return options.check(config) if config is not None and options is not None else options
 
@@ -346,12 +350,17 @@ def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
                         "server never slows training: it is said once in the log")
 
 
-def add_durable_arguments(group, *, keep_help: str) -> None:
-    """--checkpoint-every and --keep-checkpoints, the same for mdgan simulate/local and mdgan-server."""
+def add_durable_arguments(group, *, keep_help: str, stop_grace: bool = False) -> None:
+    """--checkpoint-every and --keep-checkpoints, the same for mdgan simulate/local and mdgan-server;
+    `stop_grace`: --stop-grace too (a served run's server stops on SIGTERM)."""
     group.add_argument("--checkpoint-every", type=non_negative_int, default=0,
                        help="checkpoint every this many iterations, and on SIGTERM (server and workers at the same "
                             "iteration boundary; workers keep theirs in their state folder; 0: never)")
     group.add_argument("--keep-checkpoints", type=int, default=3, help=keep_help)
+    if stop_grace:
+        group.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
+                           help="on SIGTERM, how long the server waits for the iteration under way to end and be "
+                                "checkpointed (s)")
 
 
 DURABLE_FLAGS = ("checkpoint_every", "keep_checkpoints")  # what `mdgan local` hands its server as it is

@@ -25,7 +25,7 @@ from services.common.settings import (add_version, EnvArgumentParser, add_affini
                                       add_algorithm_options, add_durable_arguments, add_evaluation_arguments, add_tracking_arguments,
                                       add_scheduling_argument, add_site_arguments, add_threads_argument,
                                       add_training_arguments, class_names, configure_compute, listen_address,
-                                      log_level, non_negative_seconds, port_number, positive_seconds,
+                                      log_level, port_number, positive_seconds,
                                       training_config)
 from services.common import codec, rpc, tls
 from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
@@ -79,14 +79,12 @@ def build_parser() -> EnvArgumentParser:
                          help="continue the run in --out from its last complete checkpoint: 'yes' (bare --resume) "
                               "fails if there is none, 'auto' starts a new run then (for restart policies), 'no' "
                               "always starts a new run")
-    add_durable_arguments(durable, keep_help="complete checkpoints kept in OUT/checkpoints")
+    add_durable_arguments(durable, keep_help="complete checkpoints kept in OUT/checkpoints", stop_grace=True)
     durable.add_argument("--min-workers", type=int, default=None,
                          help="start once this many workers joined, go on while this many are alive, pause below "
                               "(default: start with all, go on while one is alive)")
     durable.add_argument("--pause-timeout", type=positive_seconds, default=600.0,
                          help="give up after this long paused below --min-workers (s)")
-    durable.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
-                         help="on SIGTERM, how long to wait for the iteration under way to end and be checkpointed (s)")
     add_threads_argument(parser, default=0)
     add_scheduling_argument(parser, default="normal")
     add_affinity_argument(parser)

@@ -113,14 +113,26 @@ class WorkerConnection:
         """Send `messages` (one ServerMessage or several, in order) and wait for the answer that a
         receiver puts in answers[key] (a registry from answers(name)); the entry is removed however
         the request ends. Raises WorkerLost when the stream is lost meanwhile (lose() fails it)."""
-        future = asyncio.get_running_loop().create_future()
-        answers[key] = future
+        answer = await self.post(answers, key, messages)
+        try:
+            return await answer
+        finally:
+            answers.pop(key, None)
+
+    async def post(self, answers: dict, key, messages) -> asyncio.Future:
+        """Send `messages` now; the answer a receiver puts in answers[key], to come (the entry is removed
+        once it is in, or failed: lose() fails it with WorkerLost). Raises WorkerLost if a send fails."""
+        answer = asyncio.get_running_loop().create_future()
+        answers[key] = answer
+        answer.add_done_callback(lambda done: answers.pop(key) if answers.get(key) is done else None)
         try:
             for message in (messages,) if isinstance(messages, pb.ServerMessage) else messages:
                 await self.send(message)
-            return await future
-        finally:
+        except BaseException:
             answers.pop(key, None)
+            answer.cancel()
+            raise
+        return answer
 
     async def send(self, message: pb.ServerMessage) -> None:
         if self.closed.is_set():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Awaitable
 
 from mdgan.gan import StepResult, WorkerBatch
 
@@ -44,6 +45,12 @@ class WorkerHandle(abc.ABC):
     @abc.abstractmethod
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
         """Send (X_g, X_d), get F_n back. Raises WorkerLost or InputRejected."""
+
+    async def send_step(self, iteration: int, batch: WorkerBatch) -> Awaitable[StepResult]:
+        """Send (X_g, X_d) now and return F_n to come (--pipeline-depth: several in flight). What is sent
+        to this worker afterwards is handled after this step. Raises WorkerLost (the answer may raise
+        WorkerLost or InputRejected)."""
+        raise NotImplementedError(f"{type(self).__name__} does not pipeline its steps")
 
     @abc.abstractmethod
     async def swap(self, order: SwapOrder) -> SwapReport:

@@ -83,6 +83,12 @@ class InProcessWorker(WorkerHandle):
         feedback = result.feedback if self.attack is None else self.attack(result.feedback)
         return dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
 
+    async def send_step(self, iteration: int, batch: WorkerBatch) -> asyncio.Future:
+        """In one process the step is taken now, in the order sent, as a worker takes its batches."""
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result(await self.step(iteration, batch))  # (crashed: WorkerLost, raised here)
+        return answer
+
     async def swap(self, order: SwapOrder) -> SwapReport:
         if self.crashed:
             raise WorkerLost(f"{self.worker_id} crashed")
@@ -211,7 +217,8 @@ async def _run(run: InProcessRun) -> RunResult:
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
     trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
                       save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder),
-                      swap_lag=options.swap_lag, stop_after=run.stop_after)
+                      swap_lag=options.swap_lag, pipeline_depth=options.pipeline_depth,
+                      stop_after=run.stop_after)
     if run.run.state is not None:
         ServerCheckpoints.restore(run.run.state, generator_side, trainer, recorder)
 

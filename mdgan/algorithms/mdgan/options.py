@@ -1,7 +1,8 @@
 """MD-GAN's own options: flags of simulate, local, experiments and mdgan-server, made from these
 fields (mdgan/algorithms/base.py `option`). The server sends the swap check to its workers (a worker's
-own --swap-check overrides it: a site decides what it installs); the swap lag is the server's alone
-(it says when each round's discriminators are installed, trainer.py)."""
+own --swap-check overrides it: a site decides what it installs); the swap lag and the pipeline depth
+are the server's alone (when each round's discriminators are installed, trainer.py; which iteration's
+feedback moves G, pipeline.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ class MDGANOptions:
                            "travel while training goes on and are installed at boundary t + LAG (waiting there only "
                            "for one not yet arrived); 0: the paper's swap, a barrier at t; below the swap period "
                            "(docs/WIDE_AREA.md)", short="lag")
+    pipeline_depth: int = option(0, "--pipeline-depth", "keep D iterations of batches in flight: G's update at "
+                                 "iteration t uses the feedback on the batches of iteration t - D, their noise "
+                                 "through the current G (deterministic: local == simulate at any depth); 0: the "
+                                 "paper's round trip every iteration (docs/WIDE_AREA.md)", short="depth")
 
     def as_check(self) -> SwapCheck:
         return SwapCheck(self.swap_check == "on", self.swap_check_norm_ratio, self.swap_check_loss_ratio,
@@ -40,6 +45,10 @@ class MDGANOptions:
             raise ConfigError(f"--swap-check must be one of {SWAP_CHECKS}, got {self.swap_check!r}")
         if isinstance(self.swap_lag, bool) or not isinstance(self.swap_lag, int) or self.swap_lag < 0:
             raise ConfigError(f"--swap-lag must be a whole number of iterations >= 0, got {self.swap_lag!r}")
+        depth = self.pipeline_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_PIPELINE_DEPTH:
+            raise ConfigError(f"--pipeline-depth must be a whole number of iterations from 0 to "
+                              f"{MAX_PIPELINE_DEPTH}, got {depth!r}")
         self.as_check()
         return self
 
@@ -47,12 +56,21 @@ class MDGANOptions:
         """Against the run: a lag must end before the next swap boundary (known here when --swap-every
         fixes the period; otherwise when the shards are, trainer.py)."""
         self.validate()
+        if self.pipeline_depth and config.sync != "all":
+            raise ConfigError(f"--pipeline-depth {self.pipeline_depth} needs --sync all: a pipeline of fixed depth "
+                              f"waits for every worker's answer, D iterations later (--sync {config.sync} does not)")
+        if self.pipeline_depth >= config.iterations:
+            raise ConfigError(f"--pipeline-depth {self.pipeline_depth} must be below --iterations "
+                              f"{config.iterations} (G is first updated at iteration D + 1)")
         if self.swap_lag and config.swap_every is not None:
             check_lag(self.swap_lag, config.swap_every)
         return self
 
     def summary(self, config: TrainingConfig) -> dict:
         return dataclasses.asdict(self)
+
+
+MAX_PIPELINE_DEPTH = 64  # the server keeps D iterations of batches, and their feedback, in memory
 
 
 def check_lag(lag: int, swap_period: int) -> None:

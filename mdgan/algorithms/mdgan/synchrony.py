@@ -137,7 +137,7 @@ class PartialSync:
         harvest = Harvest(rejected=len(replies.rejected))
         for worker, reply in replies.good:
             issued = issued_to[worker]
-            trainer.count_feedback(reply, worker)
+            trainer.count_feedback(reply, worker.worker_id)
             staleness = t - issued.iteration
             if (self.mode == "quorum" and staleness > 0) or staleness > self.config.max_staleness:
                 harvest.late += 1

@@ -22,6 +22,7 @@ from mdgan.algorithms.mdgan.checkpoints import BoundaryCheckpoints
 from mdgan.algorithms.mdgan.handle import COPY, SWAP, SwapOrder, SwapReport, WorkerHandle  # noqa: F401  (re-exported)
 from mdgan.algorithms.mdgan.membership import Membership
 from mdgan.algorithms.mdgan.options import check_lag
+from mdgan.algorithms.mdgan.pipeline import Pipeline
 from mdgan.algorithms.mdgan.swaps import SwapRounds
 from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
@@ -55,7 +56,7 @@ class Trainer:
                  on_boundary: Callable[[int], None] | None = None,
                  checkpoint_every: int = 0, checkpoint_timeout: float | None = None,
                  save_checkpoint: Callable[[int, bool], None] | None = None, swap_lag: int = 0,
-                 stop_after: int | None = None):
+                 pipeline_depth: int = 0, stop_after: int | None = None):
         self.config = config
         self.until = last_iteration(config, stop_after)  # (stop_after: no checkpoints; simulate refuses both)
         self.generator = generator
@@ -84,6 +85,8 @@ class Trainer:
         self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
         # --sync quorum|async: the exchange of an iteration lives in mdgan/algorithms/mdgan/synchrony.py
         self.partial = PartialSync(config) if config.sync != "all" else None
+        # --pipeline-depth D > 0: D iterations of batches in flight (mdgan/algorithms/mdgan/pipeline.py)
+        self.pipeline = Pipeline(pipeline_depth) if pipeline_depth else None
 
     # -- its parts, as the services and the in-process run see them ----------------------------
     @property
@@ -113,6 +116,8 @@ class Trainer:
         return await self.membership.lose(worker, why)
 
     async def checkpoint(self, t: int) -> bool:
+        if self.pipeline is not None:  # the checkpoint holds the answers in flight, not their futures
+            await self.pipeline.drain()
         return await self.checkpoints.checkpoint(t)
 
     @property
@@ -124,7 +129,8 @@ class Trainer:
         return {"completed": self.completed, "swaps": self.swaps, "rejections": self.rejections,
                 "swaps_refused": self.swap_rounds.swaps_refused, "privacy": dict(self.privacy),
                 "swap_period": self.swap_period, "payload_bytes": dict(self.traffic.payload_bytes),
-                "label_bytes": self.traffic.label_bytes, "roster": self.roster.state_dict()}
+                "label_bytes": self.traffic.label_bytes, "roster": self.roster.state_dict(),
+                **({"pipeline": self.pipeline.state_dict()} if self.pipeline is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.completed = self.checkpoints.last = int(state["completed"])
@@ -135,6 +141,11 @@ class Trainer:
         self.traffic.payload_bytes.update(state["payload_bytes"])
         self.traffic.label_bytes = int(state["label_bytes"])
         self.roster.load_state_dict(state["roster"], self.completed)
+        if self.pipeline is not None:
+            if "pipeline" not in state:
+                raise ValueError("this checkpoint was written without --pipeline-depth: resume it with the depth "
+                                 "it was started with")
+            self.pipeline.load_state_dict(state["pipeline"], self.generator.device)
 
     def count_batch(self, batch: WorkerBatch) -> None:
         """Traffic of one worker's batches, as they travel."""
@@ -143,15 +154,17 @@ class Trainer:
                                                            + _wire_nbytes(batch.discriminated, wire))
         self.traffic.label_bytes += _nbytes(batch.generated_labels) + _nbytes(batch.discriminated_labels)
 
-    def count_feedback(self, reply: StepResult, worker: WorkerHandle | None = None) -> None:
+    def count_feedback(self, reply: StepResult, worker_id: str | None = None) -> None:
         self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
-        if worker is not None and math.isfinite(reply.epsilon):  # DP: what that site says it has spent
-            self.privacy[worker.worker_id] = {"epsilon": reply.epsilon, "delta": reply.delta}
+        if worker_id is not None and math.isfinite(reply.epsilon):  # DP: what that site says it has spent
+            self.privacy[worker_id] = {"epsilon": reply.epsilon, "delta": reply.delta}
 
     # -- one iteration -----------------------------------------------------------------------
     async def iteration(self, t: int) -> IterationRecord:
         if self.partial is not None:
             return await self._partial_iteration(t)
+        if self.pipeline is not None:
+            return await self._pipelined_iteration(t)
         started = time.perf_counter()
         active = [w for w in self.roster.members() if not w.needs_copy]
         batches = self.generator.generate(min(self.config.kappa, len(active)))
@@ -164,7 +177,7 @@ class Trainer:
             self.count_batch(batch)
         feedback, stats, lost = [], read_stats(replies.answers), 0
         for worker, reply in replies.good:
-            self.count_feedback(reply, worker)
+            self.count_feedback(reply, worker.worker_id)
             feedback.append((batch_of[worker].generated_index, reply.feedback))
         for worker, why in replies.rejected:
             log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, why)
@@ -207,6 +220,28 @@ class Trainer:
             generate_seconds=max(0.0, updated - started - exchange.waiting - exchange.updating),
             swap_seconds=finished - updated, late=harvest.late, privacy=dict(self.privacy) or None)
 
+    async def _pipelined_iteration(self, t: int) -> IterationRecord:
+        """--pipeline-depth D (mdgan/algorithms/mdgan/pipeline.py): send the batches of t, update G with the
+        feedback on those of t - D."""
+        started = time.perf_counter()
+        active = [w for w in self.roster.members() if not w.needs_copy]
+        lost = await self.pipeline.send(self, t, active)
+        sent = time.perf_counter()
+        used = await self.pipeline.use(self, t)
+        stats = read_stats(used.stats)
+        self.rejections += used.rejected
+        updated = time.perf_counter()
+        swap_round, lost_in_swap = await self._swaps_after(t)
+        finished = time.perf_counter()
+        return IterationRecord(
+            iteration=t, active_workers=len(active), answered=len(stats), rejected=used.rejected,
+            lost=lost + used.lost + lost_in_swap,
+            gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
+            real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
+            swap_round=swap_round, seconds=finished - started, generate_seconds=sent - started,
+            wait_seconds=used.waiting, update_seconds=used.updating, swap_seconds=finished - updated,
+            privacy=dict(self.privacy) or None)
+
     async def _swaps_after(self, t: int) -> tuple[int | None, int]:
         """Boundary t's swaps: install the background round due here, then start the round of t if it
         is a swap boundary (lag 0: swap at once). (the round started here or None, workers lost)"""
@@ -246,7 +281,7 @@ class Trainer:
                                 "%d instead of %d", self.pending.swap_round, t, self.pending.install_at)
                     await self.swap_rounds.finish_swap(t)
                 if self.checkpoints.every and self.checkpoints.last != t:
-                    await self.checkpoints.checkpoint(t)
+                    await self.checkpoint(t)
                 break
             members, _ = self.roster.at_boundary(t)
             if len(members) < self.roster.keep_quorum:
@@ -274,9 +309,14 @@ class Trainer:
             # boundary that installs it (a resumed run then goes on bit for bit).
             if self._checkpoint_due and self.pending is None and t < self.config.iterations:
                 self._checkpoint_due = False
-                await self.checkpoints.checkpoint(t)
+                await self.checkpoint(t)
         if self.partial is not None:
             self.partial.abandon()
+        if self.pipeline is not None:  # the feedback on the last D iterations' batches moves no G
+            if stopped is None:
+                await self.pipeline.finish(self)
+            else:
+                self.pipeline.abandon()
         if self.pending is not None and stopped is None:  # the last round: installed, counted, recorded
             await self.swap_rounds.finish_swap(t)
         if stopped is None and not self.stop_requested:

@@ -179,18 +179,20 @@ class TrainingSpec(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ..., dp_target_epsilon: _Optional[float] = ..., iterations: _Optional[int] = ..., mdgan: _Optional[_Union[MDGANSpec, _Mapping]] = ..., pwgan: _Optional[_Union[PWGANSpec, _Mapping]] = ..., psgan: _Optional[_Union[PSGANSpec, _Mapping]] = ...) -> None: ...
 
 class MDGANSpec(_message.Message):
-    __slots__ = ("swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_lag")
+    __slots__ = ("swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_lag", "pipeline_depth")
     SWAP_CHECK_FIELD_NUMBER: _ClassVar[int]
     SWAP_CHECK_NORM_RATIO_FIELD_NUMBER: _ClassVar[int]
     SWAP_CHECK_LOSS_RATIO_FIELD_NUMBER: _ClassVar[int]
     SWAP_CHECK_MIN_COSINE_FIELD_NUMBER: _ClassVar[int]
     SWAP_LAG_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     swap_check: str
     swap_check_norm_ratio: float
     swap_check_loss_ratio: float
     swap_check_min_cosine: float
     swap_lag: int
-    def __init__(self, swap_check: _Optional[str] = ..., swap_check_norm_ratio: _Optional[float] = ..., swap_check_loss_ratio: _Optional[float] = ..., swap_check_min_cosine: _Optional[float] = ..., swap_lag: _Optional[int] = ...) -> None: ...
+    pipeline_depth: int
+    def __init__(self, swap_check: _Optional[str] = ..., swap_check_norm_ratio: _Optional[float] = ..., swap_check_loss_ratio: _Optional[float] = ..., swap_check_min_cosine: _Optional[float] = ..., swap_lag: _Optional[int] = ..., pipeline_depth: _Optional[int] = ...) -> None: ...
 
 class PWGANSpec(_message.Message):
     __slots__ = ("potential_rounds", "potential_lr", "gradient_penalty")

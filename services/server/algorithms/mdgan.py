@@ -70,8 +70,11 @@ class GrpcWorker(StreamHandle, WorkerHandle):
 
     # -- the training loop's calls -----------------------------------------------------------
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
+        return await (await self.send_step(iteration, batch))
+
+    async def send_step(self, iteration: int, batch: WorkerBatch) -> asyncio.Future:
         message = self.encoder.message(iteration, batch, self.config.wire_dtype)  # shared by the workers of a batch
-        return await self.connection.request(self._steps, iteration, message)
+        return await self.connection.post(self._steps, iteration, message)
 
     async def swap(self, order: SwapOrder) -> SwapReport:
         return await self.connection.request(self._swaps, order.swap_round, self._swap_order(order))
@@ -170,7 +173,8 @@ class MDGANServer:
         self.trainer = Trainer(ctx.config, ctx.generator, roster=ctx.roster, step_timeout=args.step_timeout,
                                swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=self._on_iteration,
                                on_swap=on_swap, checkpoint_every=args.checkpoint_every,
-                               save_checkpoint=save_checkpoint, swap_lag=self.options.swap_lag)
+                               save_checkpoint=save_checkpoint, swap_lag=self.options.swap_lag,
+                               pipeline_depth=self.options.pipeline_depth)
         if ctx.run.state is not None:
             ServerCheckpoints.restore(ctx.run.state, ctx.generator, self.trainer, recorder)
 
