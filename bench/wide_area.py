@@ -1,6 +1,6 @@
 """Which algorithm reaches a given quality first over our links? The server and N sites each in a network
 namespace of their own, every site's link shaped with `tc tbf` to a rate of its own; MD-GAN (`--sync all`,
-`quorum`, `async`, with and without background swaps, float32 and int8 on the wire), FL-GAN and the
+`quorum`, `async`, pipelined, with and without background swaps, float32 and int8 on the wire), FL-GAN and the
 parameter-server GAN run one after another over the same links, with the same seed and data.
 
     sudo nice -n 5 python bench/wide_area.py                                  # the defaults below, ~55 min
@@ -44,14 +44,18 @@ from processes import kill_all, read_jsonl, tls_flags  # noqa: E402
 FOREVER = 1_000_000  # --iterations: the budget stops the run
 
 
-def configurations(workers: int, lag: int) -> dict[str, list[str]]:
+def configurations(workers: int, lag: int, depth: int) -> dict[str, list[str]]:
     """label -> the server's flags that make it."""
     quorum = ["--sync", "quorum", "--quorum", str(workers - 1)]
+    pipeline = ["--pipeline-depth", str(depth)]
     asynchronous = ["--sync", "async", "--max-staleness", "4"]
     background = ["--swap-lag", str(lag)]
     return {
         "mdgan-all": ["--algorithm", "mdgan"],
         "mdgan-all-lag": ["--algorithm", "mdgan", *background],
+        "mdgan-pipeline": ["--algorithm", "mdgan", *pipeline],
+        "mdgan-pipeline-lag": ["--algorithm", "mdgan", *pipeline, *background],
+        "mdgan-pipeline-lag-int8": ["--algorithm", "mdgan", *pipeline, *background, "--wire-dtype", "int8"],
         "mdgan-quorum": ["--algorithm", "mdgan", *quorum],
         "mdgan-quorum-lag": ["--algorithm", "mdgan", *quorum, *background],
         "mdgan-async": ["--algorithm", "mdgan", *asynchronous],
@@ -148,7 +152,8 @@ def report(results: dict, args, sites: list[str]) -> str:
     rates = dict(zip(sites, args.rates))
     lines = [f"N={len(sites)} sites at {', '.join(args.rates)}, round trip {args.rtt:g} ms; b={args.batch_size}, "
              f"swap every {args.swap_every}, "
-             f"lag {args.lag}; {args.budget:.0f} s of training each; FID on {args.eval_samples} samples every "
+             f"lag {args.lag}, pipeline depth {args.depth}; {args.budget:.0f} s of training each; FID on "
+             f"{args.eval_samples} samples every "
              f"{args.eval_every} iterations", "",
              "| configuration | G updates/s (whole run) | between swaps | whole / between | s in swaps | iterations "
              + "".join(f"| s to FID {f:g} " for f in args.fids) + "| last FID (iteration) | MB in / out, slowest link |",
@@ -202,6 +207,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=300.0, help="training seconds per configuration")
     parser.add_argument("--swap-every", type=int, default=400)
     parser.add_argument("--lag", type=int, default=200, help="--swap-lag of the background configurations")
+    parser.add_argument("--depth", type=int, default=4, help="--pipeline-depth of the pipelined configurations")
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-samples", type=int, default=500)
@@ -230,7 +236,7 @@ def main() -> None:
     if reason:
         raise SystemExit(f"cannot build the links: {reason}")
     sites = [f"site-{i}" for i in range(len(args.rates))]
-    chosen = configurations(len(sites), args.lag)
+    chosen = configurations(len(sites), args.lag, args.depth)
     if args.only:
         unknown = set(args.only.split(",")) - set(chosen)
         if unknown:

@@ -492,15 +492,16 @@ def test_the_options_a_command_gives_are_told_apart_from_its_defaults(monkeypatc
 
 
 def test_workers_per_process_makes_one_worker_process_per_core(monkeypatch):
-    from mdgan_app import cli, launcher as cluster
+    from mdgan.config import ConfigError
+    from mdgan_app import launcher as cluster
 
     monkeypatch.setattr(cluster, "usable_cores", lambda: 2)
-    assert [cli.workers_per_process(n, 0) for n in (1, 2, 3, 4, 10, 50)] == [1, 1, 2, 2, 5, 25]
+    assert [cluster.workers_per_process(n, 0) for n in (1, 2, 3, 4, 10, 50)] == [1, 1, 2, 2, 5, 25]
     monkeypatch.setattr(cluster, "usable_cores", lambda: 16)
-    assert [cli.workers_per_process(n, 0) for n in (4, 10, 50)] == [1, 1, 4]
-    assert cli.workers_per_process(10, 3) == 3  # as asked
-    with pytest.raises(cli.ConfigError, match="workers-per-process"):
-        cli.workers_per_process(10, -1)
+    assert [cluster.workers_per_process(n, 0) for n in (4, 10, 50)] == [1, 1, 4]
+    assert cluster.workers_per_process(10, 3) == 3  # as asked
+    with pytest.raises(ConfigError, match="workers-per-process"):
+        cluster.workers_per_process(10, -1)
 
 
 def test_more_workers_than_one_machine_has_ports_for_is_a_clear_error(monkeypatch, capsys, tmp_path):

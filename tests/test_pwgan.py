@@ -195,6 +195,10 @@ def test_the_cli_runs_both_and_refuses_a_psgan_threshold_above_the_workers(tmp_p
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["algorithm"] == "pwgan"
     assert summary["payload_bytes"]["worker_to_server"] == 2 * 2 * (4 * 4 * 784 + 4 * 2 * 4)
+    # a P-WGAN setting left in the environment is another algorithm's option for the runs below: refused
+    assert main(["simulate", "--algorithm", "psgan", *common, "--out", str(tmp_path / "d")]) == 2
+    assert "--potential-rounds is an option of --algorithm pwgan" in capsys.readouterr().err
+    monkeypatch.delenv("MDGAN_SIMULATE_POTENTIAL_ROUNDS")
     assert main(["simulate", "--algorithm", "psgan", "--ps-threshold", "1", *common, "--out", str(tmp_path / "d")]) == 0
     capsys.readouterr()
     for mode in ("simulate", "local"):  # over gRPC: test_pwgan_services, test_psgan_grpc
