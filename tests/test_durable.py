@@ -195,7 +195,7 @@ def test_a_server_killed_after_telling_its_workers_the_run_is_over_resumes_only_
         cluster_factory):
     # Found by the chaos test: told the run is over, the workers forget it and leave; the server, killed
     # before its outputs, resumed from its last periodic checkpoint and waited its join timeout for them.
-    total = CHECKPOINT_EVERY * 2 + 20  # the end is not a periodic checkpoint
+    total = CHECKPOINT_EVERY + 20  # the end is not a periodic checkpoint
     c = cluster_factory()
     c.start_server("--iterations", str(total))
     for i in range(N):
