@@ -67,7 +67,8 @@ class InFlight:
 
 @dataclass
 class Used:
-    """What the feedback on one iteration's batches did to G: its answers, and the workers they came from."""
+    """One use of the feedback on an iteration's batches: the answers used, the ones refused or lost, and
+    the seconds spent waiting for them and updating G."""
 
     iteration: int | None  # the batches' iteration (None: the pipeline is still filling)
     stats: list[StepResult] = field(default_factory=list)
@@ -107,7 +108,7 @@ class Pipeline:
         sent = Sent(worker, worker.worker_id, batch.generated_index)
         try:
             sent.answer = await worker.send_step(t, batch)
-        except WorkerLost as lost:  # (its answer is the loss, found when the iteration's feedback is used)
+        except WorkerLost as lost:  # (the worker leaves at once: send)
             sent.outcome = lost
         return sent
 
@@ -127,8 +128,8 @@ class Pipeline:
             feedback.append((sent.generated_index, reply.feedback))
             used.stats.append(reply)
         for sent, why in replies.rejected:
-            log.warning("iteration %d: %s rejected the batches of iteration %d (%s)", t, sent.worker_id,
-                        flight.iteration, why)
+            log.warning("iteration %d: the answer of %s on the batches of iteration %d was refused (%s)", t,
+                        sent.worker_id, flight.iteration, why)
         for sent, error in replies.lost:
             if sent.worker is not None:
                 used.lost += await trainer.lose(sent.worker, why_lost(error))
