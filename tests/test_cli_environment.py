@@ -144,3 +144,19 @@ def test_mdgan_local_runs_from_a_config_file(tmp_path, run):
     result = run(["mdgan_app.cli", "local", "--config", str(config), "--out", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "3 iterations, 2 of 2 workers alive" in result.stdout
+
+
+def test_mdgan_certs_runs_without_the_training_code(tmp_path):
+    """`mdgan certs` runs where certificates are made (compose's one-shot, the chart's hook Job, a site's
+    machine): it parses alone and never imports torch, which costs seconds a call."""
+    import subprocess
+    import sys
+
+    pki = str(tmp_path / "pki")
+    probe = ("import sys; from mdgan_app.cli import main; "
+             f"codes = [main(['certs', 'init', {pki!r}]), main(['certs', 'issue', {pki!r}, 'site-a', '--worker'])]; "
+             "print(codes, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0] False", done.stdout
+    assert os.path.isfile(os.path.join(pki, "site-a", "tls.crt"))
