@@ -98,6 +98,14 @@ def read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
+def drop_checkpoints(store, iterations) -> None:
+    """Empty these checkpoints' folders of `store` (a CheckpointStore): as if the process died before
+    writing them."""
+    for iteration in iterations:
+        for name in os.listdir(store.folder(iteration)):
+            os.remove(os.path.join(store.folder(iteration), name))
+
+
 def read_json(path: str) -> dict:
     with open(path) as fh:
         return json.load(fh)

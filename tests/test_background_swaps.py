@@ -20,6 +20,7 @@ from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
 from mdgan.run import EvaluationOptions
 from mdgan.simulation import simulate
+from procs import drop_checkpoints
 
 QUIET = EvaluationOptions(every=-1)
 
@@ -80,9 +81,7 @@ def test_checkpoints_wait_for_the_round_in_flight_and_a_resumed_run_goes_on_bit_
                     options=options)
     store = CheckpointStore(os.path.join(out, "checkpoints"))
     assert store.complete() == [10, 16, 28, 30]
-    for iteration in (28, 30):  # as if the process died before checkpoint 28 completed
-        for name in os.listdir(store.folder(iteration)):
-            os.remove(os.path.join(store.folder(iteration), name))
+    drop_checkpoints(store, (28, 30))  # as if the process died before checkpoint 28 completed
     os.remove(os.path.join(out, "summary.json"))
     resumed = simulate(config, data, out, progress=False, evaluation=QUIET, checkpoint_every=8, resume="yes",
                        options=options)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from procs import drop_checkpoints
 from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.algorithms.mdgan.options import MAX_PIPELINE_DEPTH, MDGANOptions
 from mdgan.algorithms.mdgan.trainer import Trainer
@@ -101,9 +102,7 @@ def test_a_checkpoint_holds_the_answers_in_flight_and_a_resumed_run_goes_on_bit_
     flights = state["trainer"]["pipeline"]
     assert [f["iteration"] for f in flights] == [14, 15, 16]  # used at 17, 18 and 19
     assert all(len(f["answers"]) == 3 and all("result" in a for a in f["answers"]) for f in flights)
-    for iteration in [i for i in store.complete() if i > 16]:  # as if the process died after checkpoint 16
-        for name in os.listdir(store.folder(iteration)):
-            os.remove(os.path.join(store.folder(iteration), name))
+    drop_checkpoints(store, [i for i in store.complete() if i > 16])  # as if the process died after 16
     os.remove(os.path.join(out, "summary.json"))
     resumed = simulate(config, data, out, progress=False, evaluation=QUIET, checkpoint_every=8, resume="yes",
                        options=options)

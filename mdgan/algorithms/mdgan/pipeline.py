@@ -28,7 +28,7 @@ import torch
 
 from mdgan.algorithms.base import InputRejected, WorkerLost, sort_replies, why_lost
 from mdgan.algorithms.mdgan.handle import WorkerHandle
-from mdgan.gan import GeneratedBatches, StepResult, read_stats
+from mdgan.gan import GeneratedBatches, StepResult, WorkerBatch, read_stats
 
 log = logging.getLogger("mdgan.algorithms.mdgan.trainer")  # (the training loop's lines, one logger)
 
@@ -70,7 +70,6 @@ class Used:
     """One use of the feedback on an iteration's batches: the answers used, the ones refused or lost, and
     the seconds spent waiting for them and updating G."""
 
-    iteration: int | None  # the batches' iteration (None: the pipeline is still filling)
     stats: list[StepResult] = field(default_factory=list)
     rejected: int = 0
     lost: int = 0
@@ -91,10 +90,11 @@ class Pipeline:
             batches = trainer.generator.generate(min(trainer.config.kappa, len(active)))
         timeout = trainer.step_timeout
         flight = InFlight(t, batches, due=asyncio.get_running_loop().time() + timeout if timeout else float("inf"))
-        sends = [self._send(worker, t, batches, rank) for rank, worker in enumerate(active)]
-        flight.sent = list(await asyncio.gather(*sends))
-        for rank in range(len(active)):
-            trainer.count_batch(batches.for_worker(rank))
+        sent_batches = [batches.for_worker(rank) for rank in range(len(active))]
+        flight.sent = list(await asyncio.gather(*(self._send(worker, t, batch)
+                                                  for worker, batch in zip(active, sent_batches))))
+        for batch in sent_batches:
+            trainer.count_batch(batch)
         self.flights.append(flight)
         lost = 0
         for sent in flight.sent:  # a stream found broken on sending: the worker leaves now
@@ -103,8 +103,7 @@ class Pipeline:
         return lost
 
     @staticmethod
-    async def _send(worker: WorkerHandle, t: int, batches: GeneratedBatches, rank: int) -> Sent:
-        batch = batches.for_worker(rank)
+    async def _send(worker: WorkerHandle, t: int, batch: WorkerBatch) -> Sent:
         sent = Sent(worker, worker.worker_id, batch.generated_index)
         try:
             sent.answer = await worker.send_step(t, batch)
@@ -115,13 +114,13 @@ class Pipeline:
     async def use(self, trainer, t: int) -> Used:
         """Iteration t's update of G: with the feedback on the batches of t - D, once every answer is in."""
         if not self.flights or self.flights[0].iteration > t - self.depth:
-            return Used(None)
+            return Used()
         flight = self.flights.pop(0)
         started = time.perf_counter()
         await self._settle(flight)
         waited = time.perf_counter()
         replies = sort_replies(flight.sent, [sent.reply() for sent in flight.sent])
-        used = Used(flight.iteration, rejected=len(replies.rejected))
+        used = Used(rejected=len(replies.rejected))
         feedback = []
         for sent, reply in replies.good:
             trainer.count_feedback(reply, sent.worker_id)

@@ -36,6 +36,12 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def step_means(stats: list[StepResult]) -> dict[str, float]:
+    """An iteration record's losses and accuracies: means over the answers used (stats read to the host)."""
+    return {name: mean([getattr(s, name) for s in stats])
+            for name in ("gen_loss", "disc_loss", "real_accuracy", "fake_accuracy")}
+
+
 def _wire_nbytes(t: torch.Tensor, wire_dtype: str) -> int:
     """Bytes of a float32 tensor as it travels (compressed: values and int8 scales)."""
     return compression.packed_nbytes(tuple(t.shape), wire_dtype)
@@ -194,8 +200,7 @@ class Trainer:
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
-            gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
-            real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
+            **step_means(stats),
             swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
             wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated,
             privacy=dict(self.privacy) or None)
@@ -213,8 +218,7 @@ class Trainer:
         return IterationRecord(
             iteration=t, active_workers=exchange.issued, answered=len(stats), rejected=harvest.rejected,
             lost=harvest.lost + lost_in_swap,
-            gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
-            real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
+            **step_means(stats),
             swap_round=swap_round, seconds=finished - started, wait_seconds=exchange.waiting,
             update_seconds=exchange.updating,
             generate_seconds=max(0.0, updated - started - exchange.waiting - exchange.updating),
@@ -236,8 +240,7 @@ class Trainer:
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(stats), rejected=used.rejected,
             lost=lost + used.lost + lost_in_swap,
-            gen_loss=mean([s.gen_loss for s in stats]), disc_loss=mean([s.disc_loss for s in stats]),
-            real_accuracy=mean([s.real_accuracy for s in stats]), fake_accuracy=mean([s.fake_accuracy for s in stats]),
+            **step_means(stats),
             swap_round=swap_round, seconds=finished - started, generate_seconds=sent - started,
             wait_seconds=used.waiting, update_seconds=used.updating, swap_seconds=finished - updated,
             privacy=dict(self.privacy) or None)
