@@ -4,9 +4,10 @@ MD-GAN runs (experiments/privacy-utility-mlp.yaml), audits every run and prints 
     nice -n 5 python bench/privacy_utility.py experiments/privacy-utility-mlp.yaml
 
 Columns: epsilon spent (the largest over the sites), MNIST score and FID at the last iteration, the
-mean over sites of the discriminator attack's AUC (d_class_loss, the stronger of the two D attacks
-here) and of the generator attack's (g_distance), and seconds per iteration as a ratio to the run
-without DP of the same invocation (the cost of per-sample gradients, clipping and noise).
+downstream accuracy (when the experiment asks for it: eval_downstream), the mean over sites of the
+discriminator attack's AUC (d_class_loss, the stronger of the two D attacks here; the largest in
+brackets) and of the generator attack's (g_distance), each attack's mean TPR at 0.1% FPR, and seconds
+per iteration as a ratio to the run without DP of the same invocation (the cost of the DP mechanism).
 """
 
 from __future__ import annotations
@@ -49,19 +50,34 @@ def main() -> None:
             report = audit(folder, AuditSettings(members=args.members, generated=args.generated))
             write_report(report, os.path.join(folder, "audit"))
         scores = summary.get("scores") or {}
+
+        def tpr(attack: str) -> float | None:  # the mean over the sites of its TPR at 0.1% FPR
+            values = [s["attacks"][attack]["tpr_at_0.001_fpr"] for s in report["sites"].values()
+                      if attack in s["attacks"]]
+            return sum(values) / len(values) if values else None
+
         rows.append({"run": run["label"], "epsilon": (summary.get("privacy") or {}).get("epsilon_max"),
+                     "mechanism": (summary.get("privacy") or {}).get("mechanism"),
                      "mnist_score": scores.get("mnist_score"), "fid": scores.get("fid"),
+                     "downstream_accuracy": scores.get("downstream_accuracy"),
                      "d_auc": report["summary"].get("d_class_loss", {}).get("auc_mean"),
                      "d_auc_max": report["summary"].get("d_class_loss", {}).get("auc_max"),
                      "g_auc": report["summary"]["g_distance"]["auc_mean"],
+                     "d_tpr_at_0.001_fpr": tpr("d_class_loss"), "g_tpr_at_0.001_fpr": tpr("g_distance"),
                      "seconds_per_iteration": summary["seconds_per_iteration"]})
     base = next((r["seconds_per_iteration"] for r in rows if r["epsilon"] is None), None)
-    print(f"{'run':12} {'epsilon':>8} {'score':>6} {'FID':>7} {'D AUC':>6} {'(max)':>6} {'G AUC':>6} {'time x':>7}")
+
+    def number(value, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
+    print(f"{'run':24} {'epsilon':>8} {'score':>6} {'FID':>7} {'down':>6} {'D AUC':>6} {'(max)':>6} {'G AUC':>6} "
+          f"{'D TPR':>6} {'G TPR':>6} {'time x':>7}")
     for r in rows:
         eps = "inf" if r["epsilon"] is None else f"{r['epsilon']:.2f}"
         ratio = r["seconds_per_iteration"] / base if base else float("nan")
-        print(f"{r['run']:12} {eps:>8} {r['mnist_score']:6.2f} {r['fid']:7.1f} {r['d_auc']:6.3f} {r['d_auc_max']:6.3f} "
-              f"{r['g_auc']:6.3f} {ratio:7.2f}")
+        print(f"{r['run']:24} {eps:>8} {r['mnist_score']:6.2f} {r['fid']:7.1f} {number(r['downstream_accuracy'], '6.3f')} "
+              f"{number(r['d_auc'], '6.3f')} {number(r['d_auc_max'], '6.3f')} {r['g_auc']:6.3f} "
+              f"{number(r['d_tpr_at_0.001_fpr'], '6.3f')} {number(r['g_tpr_at_0.001_fpr'], '6.3f')} {ratio:7.2f}")
     with open(os.path.join(out, "privacy_utility.json"), "w") as fh:
         json.dump(rows, fh, indent=2)
 

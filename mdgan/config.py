@@ -69,19 +69,39 @@ class OptimizerSpec:
             raise ConfigError(f"bad Adam settings {self}")
 
 
+DP_MECHANISMS = ("sgd", "feedback")
+
+
 @dataclass(frozen=True)
 class PrivacySpec:
-    """DP-SGD on every site's real data (mdgan/privacy.py): off unless a noise multiplier or a target
-    epsilon is given. delta 0: min(1e-5, 1/(10 m_n)) per site."""
+    """Differential privacy on every site (mdgan/privacy.py): off unless a noise multiplier or a target
+    epsilon is given. delta 0: min(1e-5, 1/(10 m_n)) per site.
+
+    mechanism "sgd": DP-SGD discriminators (Poisson samples, clipped and noised real-data gradients).
+    mechanism "feedback": private feedback (MD-GAN only): each sample's feedback is clipped to C and
+    noised before it leaves the site; the site's `discriminators` train without noise on disjoint parts
+    of its data and never leave it (mdgan/algorithms/mdgan/private_feedback.py)."""
 
     noise_multiplier: float = 0.0  # sigma; 0 with no target epsilon: not private
     max_grad_norm: float = 1.0  # C, the per-sample clipping norm
     delta: float = 0.0
     target_epsilon: float = 0.0  # > 0: sigma is computed so that the planned run spends this much
+    mechanism: str = "sgd"
+    discriminators: int = 1  # "feedback": K discriminators per site, one part of its data each
 
     @property
     def enabled(self) -> bool:
         return self.noise_multiplier > 0 or self.target_epsilon > 0
+
+    @property
+    def active_mechanism(self) -> str | None:
+        """The mechanism a run uses (None: not private)."""
+        return self.mechanism if self.enabled else None
+
+    @property
+    def keeps_discriminators(self) -> bool:
+        """Private feedback: no discriminator leaves its site (no swaps, no copies for late joiners)."""
+        return self.active_mechanism == "feedback"
 
     def validate(self) -> None:
         for name, value in (("--dp-noise-multiplier", self.noise_multiplier), ("--dp-max-grad-norm", self.max_grad_norm),
@@ -94,6 +114,15 @@ class PrivacySpec:
             raise ConfigError(f"--dp-max-grad-norm must be > 0, got {self.max_grad_norm}")
         if self.delta >= 1:
             raise ConfigError(f"--dp-delta must be in (0, 1/m), got {self.delta}")
+        if self.mechanism not in DP_MECHANISMS:
+            raise ConfigError(f"--dp-mechanism must be one of {', '.join(DP_MECHANISMS)}, got {self.mechanism!r}")
+        if self.mechanism != "sgd" and not self.enabled:
+            raise ConfigError(f"--dp-mechanism {self.mechanism} needs --dp-noise-multiplier or --dp-target-epsilon")
+        if isinstance(self.discriminators, bool) or not isinstance(self.discriminators, int) or self.discriminators < 1:
+            raise ConfigError(f"--dp-discriminators must be a whole number >= 1, got {self.discriminators!r}")
+        if self.discriminators > 1 and self.mechanism != "feedback":
+            raise ConfigError(f"--dp-discriminators {self.discriminators} needs --dp-mechanism feedback (DP-SGD "
+                              "trains one discriminator a site)")
 
 
 @dataclass(frozen=True)
@@ -152,6 +181,9 @@ class TrainingConfig:
             raise ConfigError("--swap-epochs must be > 0")
         if self.swap_every is not None and self.swap_every < 1:
             raise ConfigError("--swap-every must be at least 1")
+        if self.swap_every is not None and self.privacy.keeps_discriminators:
+            raise ConfigError(f"--swap-every {self.swap_every}: with --dp-mechanism feedback no discriminator leaves "
+                              "its site, so there are no swaps (leave --swap-every out)")
         if self.seed < 0:
             raise ConfigError("--seed must be >= 0")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):

@@ -241,6 +241,10 @@ class DiscriminatorSide:
         return self._scratch
 
     @property
+    def shard(self) -> Shard:
+        return self.sampler.shard
+
+    @property
     def shard_index(self) -> int:
         return self.sampler.shard.index
 

@@ -1,4 +1,8 @@
-"""Differentially private discriminators: DP-SGD with Opacus on each site's real data.
+"""Differential privacy per site: each site's settings resolved (both mechanisms), Opacus's RDP
+accounting, and DP-SGD discriminators with Opacus on each site's real data (`--dp-mechanism sgd`).
+Private feedback (`--dp-mechanism feedback`) is MD-GAN's: mdgan/algorithms/mdgan/private_feedback.py.
+
+DP-SGD:
 
 What is private, and why the rest follows (docs/PRIVACY.md has the argument in full):
 
@@ -27,6 +31,7 @@ secret (a production deployment would use Opacus's secure_mode, which this proje
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -49,39 +54,62 @@ def default_delta(shard_size: int) -> float:
 
 @dataclass(frozen=True)
 class SitePrivacy:
-    """The DP-SGD parameters of one site, resolved from the run's PrivacySpec and the site's size."""
+    """The DP parameters of one site, resolved from the run's PrivacySpec and the site's size."""
 
-    noise_multiplier: float  # sigma
+    noise_multiplier: float  # sigma: the noise's std is sigma x C
     max_grad_norm: float  # C
     delta: float
-    sample_rate: float  # q = b / m_n
-    planned_steps: int  # L x I: the steps the noise was calibrated for (target epsilon)
+    sample_rate: float  # sgd: q = b / m_n; feedback: 1 (each answer is one part's Gaussian mechanism)
+    planned_steps: int  # the steps the noise was calibrated for: sgd L x I; feedback ceil(I / K) answers a part
     target_epsilon: float | None = None
+    mechanism: str = "sgd"
+    discriminators: int = 1  # feedback: K parts of the site, one discriminator each
+    # the Gaussian mechanism's noise over its L2 sensitivity, which the accountant composes: sgd sigma;
+    # feedback sigma / (2 sqrt(b)) (a part's b clipped feedback rows can each move by 2C)
+    accounted_noise_multiplier: float = 0.0
+    steps_per_iteration: int = 1  # accounted steps a worker takes an iteration: sgd L, feedback 1 answer
 
     def summary(self) -> dict:
-        return {"noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm,
-                "delta": self.delta, "sample_rate": self.sample_rate, "planned_steps": self.planned_steps,
-                "target_epsilon": self.target_epsilon, "accountant": ACCOUNTANT, "sampling": "poisson"}
+        summary = {"mechanism": self.mechanism, "noise_multiplier": self.noise_multiplier,
+                   "max_grad_norm": self.max_grad_norm, "delta": self.delta, "sample_rate": self.sample_rate,
+                   "planned_steps": self.planned_steps, "target_epsilon": self.target_epsilon,
+                   "accountant": ACCOUNTANT}
+        if self.mechanism == "feedback":
+            return {**summary, "discriminators": self.discriminators,
+                    "accounted_noise_multiplier": self.accounted_noise_multiplier,
+                    "sampling": "one part answers; parallel composition over the parts"}
+        return {**summary, "sampling": "poisson"}
 
 
 def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int, disc_steps: int) -> SitePrivacy:
-    """The site's sigma, C, delta and q; one clear line (ConfigError) for a budget or setting it cannot have."""
+    """The site's sigma, C, delta and sampling; one clear line (ConfigError) for a budget or setting it
+    cannot have."""
+    feedback = spec.mechanism == "feedback"
+    if feedback and shard_size // spec.discriminators < batch_size:
+        raise ConfigError(f"--dp-discriminators {spec.discriminators}: a site of {shard_size} samples split into "
+                          f"{spec.discriminators} parts has parts of {shard_size // spec.discriminators}, fewer than "
+                          f"a batch of {batch_size}; use at most {max(1, shard_size // batch_size)} discriminators")
     if shard_size < batch_size:
         raise ConfigError(f"DP-SGD: a site of {shard_size} samples cannot have an expected batch of {batch_size}")
     delta = spec.delta or default_delta(shard_size)
     if not 0 < delta < 1.0 / shard_size:
         raise ConfigError(f"--dp-delta {delta:g} must be in (0, 1/m) = (0, {1.0 / shard_size:.3g}) for a site of "
                           f"{shard_size} samples (delta >= 1/m lets a mechanism publish a whole record)")
-    q = batch_size / shard_size
-    steps = max(1, iterations * disc_steps)
+    if feedback:
+        q, steps, per_iteration = 1.0, max(1, math.ceil(iterations / spec.discriminators)), 1
+        scale = 2 * math.sqrt(batch_size)  # the sensitivity of a part's b clipped rows, in units of C
+    else:
+        q, steps, per_iteration = batch_size / shard_size, max(1, iterations * disc_steps), disc_steps
+        scale = 1.0
     sigma = spec.noise_multiplier
     if spec.target_epsilon:
         try:
-            sigma = _sigma_for(spec.target_epsilon, delta, q, steps)
+            sigma = _sigma_for(spec.target_epsilon, delta, q, steps) * scale
         except ValueError as exc:
             raise ConfigError(f"--dp-target-epsilon {spec.target_epsilon:g}: no noise reaches it over {steps} steps "
                               f"at sampling rate {q:.3g} and delta {delta:g} ({exc})") from None
-    return SitePrivacy(sigma, spec.max_grad_norm, delta, q, steps, spec.target_epsilon or None)
+    return SitePrivacy(sigma, spec.max_grad_norm, delta, q, steps, spec.target_epsilon or None, spec.mechanism,
+                       spec.discriminators, sigma / scale, per_iteration)
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,6 +122,32 @@ def _sigma_for(target_epsilon: float, delta: float, q: float, steps: int) -> flo
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
         return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q, steps=steps,
                                     accountant=ACCOUNTANT, epsilon_tolerance=0.01)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_step_rdp(noise_multiplier: float, sample_rate: float):
+    """The RDP of one sampled Gaussian step at each of Opacus's orders: (len(orders),)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as analysis
+
+    return analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                                orders=RDPAccountant.DEFAULT_ALPHAS)
+
+
+def spent_epsilon(history, delta: float) -> float:
+    """Opacus's RDP composition over `history` [(sigma, q, steps)] at `delta`, as RDPAccountant.get_epsilon
+    computes it, with each (sigma, q)'s one-step RDP computed once: RDP composes linearly in the steps,
+    and computing it afresh (a second per call at q = 1/2) cost more than the training."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as analysis
+
+    if not history:
+        return 0.0
+    total = sum(_one_step_rdp(sigma, q) * steps for sigma, q, steps in history)
+    with warnings.catch_warnings():  # (the bound holds; at the first steps or a large sigma its best order is
+        warnings.filterwarnings("ignore", message="Optimal order is the")  # an end of the range: said once per run)
+        eps, _ = analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=total, delta=delta)
+    return float(eps)
 
 
 def check_module(module: torch.nn.Module, architecture: str) -> None:
@@ -117,7 +171,8 @@ def check_run(config, shard_sizes: list[int]) -> None:
     line for the first that is not, before a run starts (each worker checks its own again)."""
     from mdgan.models import build_discriminator
 
-    check_module(build_discriminator(config.model, 0), config.model.architecture)
+    if config.privacy.mechanism == "sgd":  # (private feedback trains its discriminators without per-sample gradients)
+        check_module(build_discriminator(config.model, 0), config.model.architecture)
     for size in shard_sizes:
         resolve(config.privacy, size, config.batch_size, config.iterations, config.disc_steps)
 
@@ -147,7 +202,6 @@ class PrivateSteps:
                                      max_grad_norm=site.max_grad_norm, expected_batch_size=batch_size,
                                      loss_reduction="mean", generator=self.noise)
         self.accountant = RDPAccountant()
-        self._one_step: dict[tuple[float, float], object] = {}  # (sigma, q) -> RDP of one step, per order
 
     def sample(self, shard_size: int) -> torch.Tensor:
         """Poisson sampling: each index in with probability q (the batch size varies, may be 0): (n,)."""
@@ -188,33 +242,17 @@ class PrivateSteps:
 
     def epsilon(self) -> float:
         """What the accountant's history spends at the site's delta (RDPAccountant.get_epsilon's number)."""
-        return self._epsilon(self.accountant.history)
+        return spent_epsilon(self.accountant.history, self.site.delta)
 
     def epsilon_after(self, more_steps: int) -> float:
         """The epsilon this site would have spent after `more_steps` more steps (--dp-max-epsilon)."""
         site = self.site
-        return self._epsilon([*self.accountant.history, (site.noise_multiplier, site.sample_rate, more_steps)])
+        return spent_epsilon([*self.accountant.history, (site.noise_multiplier, site.sample_rate, more_steps)],
+                             site.delta)
 
-    def _epsilon(self, history) -> float:
-        """Opacus's RDP composition over `history` [(sigma, q, steps)], as RDPAccountant.get_privacy_spent
-        computes it, with each (sigma, q)'s one-step RDP computed once: RDP composes linearly in the
-        steps, and computing it afresh (a second per call at q = 1/2) cost more than the training."""
-        from opacus.accountants import RDPAccountant
-        from opacus.accountants.analysis import rdp as analysis
-
-        if not history:
-            return 0.0
-        orders = RDPAccountant.DEFAULT_ALPHAS
-        total = 0.0
-        for sigma, q, steps in history:
-            key = (sigma, q)
-            if key not in self._one_step:
-                self._one_step[key] = analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=orders)
-            total = total + self._one_step[key] * steps
-        with warnings.catch_warnings():  # (the bound holds; at the first steps or a large sigma its best order is
-            warnings.filterwarnings("ignore", message="Optimal order is the")  # an end of the range: said once per run)
-            eps, _ = analysis.get_privacy_spent(orders=orders, rdp=total, delta=self.site.delta)
-        return float(eps)
+    def epsilon_after_iteration(self) -> float:
+        """The epsilon after one more MD-GAN iteration's L steps."""
+        return self.epsilon_after(self.site.steps_per_iteration)
 
     def state_dict(self) -> dict:
         return {"accountant": [list(h) for h in self.accountant.history], "noise": self.noise.get_state(),

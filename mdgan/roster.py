@@ -53,7 +53,8 @@ class Roster:
     # waiting for a join that never comes would otherwise be silent until its join timeout.
     report_every = 30.0
 
-    def __init__(self, slots: int, min_workers: int | None = None, pause_timeout: float | None = 0.0):
+    def __init__(self, slots: int, min_workers: int | None = None, pause_timeout: float | None = 0.0,
+                 copies: bool = True):
         if slots < 1:
             raise ValueError("a run has at least one slot")
         if min_workers is not None and not 1 <= min_workers <= slots:
@@ -61,6 +62,7 @@ class Roster:
         self.slots = slots
         self.min_workers = min_workers
         self.pause_timeout = pause_timeout
+        self.copies = copies  # False: no discriminator moves between workers; a joiner without state starts fresh
         self.bindings: dict[int, str] = {}  # slot -> identity, for the whole run
         self._alive: dict[int, object] = {}  # slot -> handle of the connected worker
         self._admitted: dict[int, object] = {}  # slot -> handle taking part in iterations
@@ -203,12 +205,12 @@ class Roster:
                 return RejoinPlan()
             if self.resumed_from in held:
                 return RejoinPlan(restore=self.resumed_from)
-            return RejoinPlan(copy=True)
+            return RejoinPlan(copy=self.copies)
         if trained:
             return RejoinPlan()
         if held:
             return RejoinPlan(restore=max(held))
-        return RejoinPlan(copy=self.iteration > 0)
+        return RejoinPlan(copy=self.iteration > 0 and self.copies)
 
     def short_of(self, count: int, timeout: float | None) -> Exception:
         """Why fewer than `count` workers are in: WorkersFailed when failed workers put them out of

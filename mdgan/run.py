@@ -389,19 +389,26 @@ def privacy_summary(config: TrainingConfig, spent: dict, worker_sizes: dict) -> 
     it (a target epsilon's sigma depends on m_n); noise_multiplier: the sites' sigma when they share one."""
     from mdgan import privacy
 
-    sigmas = {}
+    sigmas, accounted = {}, {}
     for worker, size in worker_sizes.items():
         try:
             site = privacy.resolve(config.privacy, size, config.batch_size, config.iterations, config.disc_steps)
         except ConfigError:  # (a site that could not have trained: it reported nothing either)
             continue
         sigmas[worker] = site.noise_multiplier
+        accounted[worker] = site.accounted_noise_multiplier
     shared = set(sigmas.values())
-    return {"sites": spent, "epsilon_max": max((p["epsilon"] for p in spent.values()), default=None),
-            "noise_multiplier": config.privacy.noise_multiplier or (shared.pop() if len(shared) == 1 else None),
-            "noise_multipliers": sigmas,
-            "target_epsilon": config.privacy.target_epsilon or None, "max_grad_norm": config.privacy.max_grad_norm,
-            "accountant": "rdp", "sampling": "poisson"}
+    summary = {"sites": spent, "epsilon_max": max((p["epsilon"] for p in spent.values()), default=None),
+               "mechanism": config.privacy.mechanism,
+               "noise_multiplier": config.privacy.noise_multiplier or (shared.pop() if len(shared) == 1 else None),
+               "noise_multipliers": sigmas,
+               "target_epsilon": config.privacy.target_epsilon or None, "max_grad_norm": config.privacy.max_grad_norm,
+               "accountant": privacy.ACCOUNTANT, "sampling": "poisson"}
+    if config.privacy.mechanism == "feedback":  # each part's answers are Gaussian steps at rate 1 (mdgan/privacy.py)
+        summary.update(discriminators=config.privacy.discriminators,
+                       sampling="one part answers; parallel composition over the parts",
+                       accounted_noise_multipliers=accounted)
+    return summary
 
 
 def _flat(values: dict, prefix: str = "") -> dict:

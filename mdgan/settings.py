@@ -14,12 +14,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from mdgan.config import (AGGREGATIONS, GAN_KINDS, LOSSES, SYNC_MODES, WIRE_DTYPES, ConfigError, ModelSpec,
+from mdgan.config import (AGGREGATIONS, DP_MECHANISMS, GAN_KINDS, LOSSES, SYNC_MODES, WIRE_DTYPES, ConfigError, ModelSpec,
                           OptimizerSpec, PrivacySpec, TrainingConfig)
 
 PAPER = "training (the paper's N, I, b, kappa, L, E)"
 BEYOND = "beyond the paper: wire compression, robust aggregation, partial synchronisation"
-PRIVACY = "privacy: differentially private discriminators (DP-SGD with Opacus; docs/PRIVACY.md)"
+PRIVACY = ("privacy: differential privacy per site, by DP-SGD discriminators or private feedback (Opacus; "
+           "docs/PRIVACY.md)")
 
 
 def _default(cls, name: str):
@@ -89,13 +90,22 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
             "norm-clip: largest L2 norm of one sample's feedback (0: the median of the norms the workers sent for "
             "that sample)", BEYOND, float, to_workers=False),
     Setting("dp_noise_multiplier", None,
-            "sigma > 0: Gaussian noise of std sigma x C on every D step's clipped real-data gradients, on every site "
-            "(default: not private, unless --dp-target-epsilon)", PRIVACY, float, optional=True),
+            "sigma > 0: Gaussian noise of std sigma x C on every D step's clipped real-data gradients (sgd) or on "
+            "every clipped feedback sample (feedback), on every site (default: not private, unless "
+            "--dp-target-epsilon)", PRIVACY, float, optional=True),
     Setting("dp_target_epsilon", None,
             "instead of --dp-noise-multiplier: each site computes the sigma that spends this epsilon over the "
-            "planned run (I x L steps at sampling rate b / m_n)", PRIVACY, float, optional=True),
-    Setting("dp_max_grad_norm", PrivacySpec.max_grad_norm, "C: every real sample's gradient is clipped to this L2 "
-            "norm", PRIVACY, float),
+            "planned run (sgd: I x L steps at sampling rate b / m_n; feedback: ceil(I / K) answers of each part)",
+            PRIVACY, float, optional=True),
+    Setting("dp_max_grad_norm", PrivacySpec.max_grad_norm, "C: every real sample's gradient (sgd), or every "
+            "generated sample's feedback (feedback), is clipped to this L2 norm", PRIVACY, float),
+    Setting("dp_mechanism", PrivacySpec.mechanism,
+            "sgd: DP-SGD discriminators; feedback (MD-GAN): only clipped, noised feedback leaves a site, its "
+            "discriminators train without noise and never leave it (no swaps)", PRIVACY, str, DP_MECHANISMS),
+    Setting("dp_discriminators", PrivacySpec.discriminators,
+            "--dp-mechanism feedback: K discriminators per site, each on its own part of the site's data; each "
+            "answer comes from one of them, drawn at random (each part answers once every K iterations)",
+            PRIVACY, int),
     Setting("dp_delta", PrivacySpec.delta,
             "delta of each site's (epsilon, delta) (0: min(1e-5, 1/(10 m_n)); must be below 1/m_n)", PRIVACY, float),
 )
@@ -108,13 +118,13 @@ def defaults() -> dict[str, Any]:
     return {s.key: s.default for s in TRAINING_SETTINGS}
 
 
-def privacy_spec(noise_multiplier: float | None, max_grad_norm: float, delta: float,
-                 target_epsilon: float | None) -> PrivacySpec:
+def privacy_spec(noise_multiplier: float | None, max_grad_norm: float, delta: float, target_epsilon: float | None,
+                 mechanism: str = PrivacySpec.mechanism, discriminators: int = PrivacySpec.discriminators) -> PrivacySpec:
     """The run's DP settings; a sigma or target given must be > 0 (leave the flag out for a run without DP)."""
     for flag, value in (("--dp-noise-multiplier", noise_multiplier), ("--dp-target-epsilon", target_epsilon)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value} (leave it out for a run without differential privacy)")
-    return PrivacySpec(noise_multiplier or 0.0, max_grad_norm, delta, target_epsilon or 0.0)
+    return PrivacySpec(noise_multiplier or 0.0, max_grad_norm, delta, target_epsilon or 0.0, mechanism, discriminators)
 
 
 def training_config(values: Mapping[str, Any], dataset: str | None = None, device: str = "cpu",
@@ -150,5 +160,6 @@ def training_config(values: Mapping[str, Any], dataset: str | None = None, devic
         discriminator_optimizer=OptimizerSpec(v["disc_lr"], v["beta1"], v["beta2"]),
         wire_dtype=v["wire_dtype"], aggregation=v["aggregation"], trim_fraction=v["trim_fraction"],
         clip_norm=v["clip_norm"], sync=v["sync"], quorum=v["quorum"], max_staleness=v["max_staleness"],
-        privacy=privacy_spec(v["dp_noise_multiplier"], v["dp_max_grad_norm"], v["dp_delta"], v["dp_target_epsilon"]),
+        privacy=privacy_spec(v["dp_noise_multiplier"], v["dp_max_grad_norm"], v["dp_delta"], v["dp_target_epsilon"],
+                             v["dp_mechanism"], v["dp_discriminators"]),
     ).validate()

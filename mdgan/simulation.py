@@ -59,7 +59,7 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     entry = algorithms.get(algorithm)
     algorithms.refuse(entry, checkpoint_every=checkpoint_every, resume=resume != "no", churn=bool(churn),
                       byzantine=byzantine, crash_every=crash_every, site_dirs=site_dirs,
-                      private=config.privacy.enabled)
+                      private=config.privacy.active_mechanism)
     if stop_after is not None and (checkpoint_every or resume != "no"):
         raise ConfigError("stop_after trains a run's first iterations once: not with checkpoints or --resume")
     if bool(byzantine) != bool(attack):

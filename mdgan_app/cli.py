@@ -144,7 +144,7 @@ def cmd_local(args) -> int:
     # refused here, with a clear message, rather than in the server
     algorithms.refuse(algorithms.get(args.algorithm), checkpoint_every=args.checkpoint_every,
                       resume=bool(args.resume), byzantine=args.byzantine, in_process=False,
-                      private=config.privacy.enabled)
+                      private=config.privacy.active_mechanism)
     algorithm_options(args.algorithm, args, config)
     workers_per_process(args.workers, args.workers_per_process)  # a bad value fails here
     needed = 2 * args.workers + 2  # each service's /metrics, each worker's Peer service, the server's gRPC

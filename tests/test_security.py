@@ -227,6 +227,44 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
 
 
 @pytest.mark.slow
+def test_a_private_feedback_site_takes_no_discriminator_in_even_from_a_member(tmp_path, run_pki):
+    """--dp-mechanism feedback: a push from a member of the run, with its own certificate, is refused
+    (FAILED_PRECONDITION) without harm; the run swaps nothing and ends with simulate's generator."""
+    from mdgan_app.cli import main
+
+    pki_dir, _ = run_pki
+    flags = ["--workers", "2", "--iterations", "200", "--seed", "3", "--gan", "gan", "--dp-mechanism", "feedback",
+             "--dp-discriminators", "2", "--dp-noise-multiplier", "1.0"]
+    out = str(tmp_path / "grpc")
+    server, port = start_server(out, *flags, *tls_flags(pki_dir, "mdgan-server"))
+    workers = [start_worker(out, port, i, 2, "--dataset", "synthetic", *tls_flags(pki_dir, f"worker-{i}"))
+               for i in range(2)]
+    try:
+        target = peer_port(workers[0].log_path)
+        wait_for_iterations(server, out, 1)
+
+        async def push() -> grpc.StatusCode:
+            chunks = [c.SerializeToString() for c in zeroed_discriminator_chunks(1, "worker-1")]
+            async with open_channel(target, credentials(pki_dir, "worker-1"), server_name="worker-0") as channel:
+                return await raw_call(channel, PUSH, chunks, timeout=30)
+
+        code = asyncio.run(push())
+        assert server.wait(180) == 0, server.log()
+        for w in workers:
+            assert w.wait(60) == 0, w.log()
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "takes no discriminators in" in workers[0].log()
+    summary = read_json(os.path.join(out, "summary.json"))
+    assert summary["swaps"] == 0 and summary["payload_bytes"]["worker_to_worker"] == 0
+    assert main(["simulate", *flags, "--dataset", "synthetic", "--no-progress", "--eval-every", "-1",
+                 "--out", str(tmp_path / "sim")]) == 0
+    assert summary["generator_sha256"] == read_json(tmp_path / "sim" / "summary.json")["generator_sha256"]
+
+
+@pytest.mark.slow
 def test_a_members_poisoned_push_ahead_of_its_order_is_checked_and_refused(tmp_path, run_pki):
     """A member's own key (a malicious site, or a stolen key) pushes a zeroed discriminator to its
     designated peer for the next round, before the server has ordered it. It is held until the

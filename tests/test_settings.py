@@ -16,6 +16,9 @@ from mdgan.settings import SETTINGS, TRAINING_SETTINGS
 # a value other than the default, valid on its own with every other setting at its default
 ALTERNATIVES = {"workers": 6, "kappa": 2, "quorum": 2, "architecture": "cnn-mnist", "gen_lr": 1e-4, "disc_lr": 3e-4,
                 "dp_noise_multiplier": 1.5, "dp_target_epsilon": 3.0, "dp_delta": 1e-6, "swap_every": 7}
+# the settings an alternative is valid only with (given by the same path)
+COMPANIONS = {"dp_mechanism": {"dp_noise_multiplier": 1.5},
+              "dp_discriminators": {"dp_mechanism": "feedback", "dp_noise_multiplier": 1.5}}
 
 
 def settings_of(config: TrainingConfig) -> dict:
@@ -32,7 +35,8 @@ def settings_of(config: TrainingConfig) -> dict:
             "aggregation": config.aggregation, "trim_fraction": config.trim_fraction, "sync": config.sync,
             "quorum": config.quorum, "max_staleness": config.max_staleness, "clip_norm": config.clip_norm,
             "dp_noise_multiplier": p.noise_multiplier or None, "dp_target_epsilon": p.target_epsilon or None,
-            "dp_max_grad_norm": p.max_grad_norm, "dp_delta": p.delta}
+            "dp_max_grad_norm": p.max_grad_norm, "dp_delta": p.delta, "dp_mechanism": p.mechanism,
+            "dp_discriminators": p.discriminators}
 
 
 def alternative(setting):
@@ -98,25 +102,29 @@ def test_a_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeyp
 
     setting = SETTINGS[key]
     value = alternative(setting)
+    given = {key: value, **COMPANIONS.get(key, {})}
+    tokens = [token for k, v in given.items() for token in flag_tokens(SETTINGS[k], v)]
     data = ["--dataset", "mnist"]
-    by_flag = config_of(command_parser("simulate").parse_args([*data, *flag_tokens(setting, value)]))
-    assert settings_of(by_flag)[key] == value  # the value took effect
+    by_flag = config_of(command_parser("simulate").parse_args([*data, *tokens]))
+    assert {k: settings_of(by_flag)[k] for k in given} == given  # the values took effect
     assert all(settings_of(by_flag)[other] == SETTINGS[other].default
-               for other in SETTINGS if other not in (key, "workers")), "one flag set another setting"
+               for other in SETTINGS if other not in (*given, "workers")), "one flag set another setting"
 
-    configs = {"mdgan local flag": config_of(command_parser("local").parse_args([*data, *flag_tokens(setting, value)])),
-               "mdgan-server flag": config_of(server_parser().parse_args(flag_tokens(setting, value)))}
+    configs = {"mdgan local flag": config_of(command_parser("local").parse_args([*data, *tokens])),
+               "mdgan-server flag": config_of(server_parser().parse_args(tokens))}
     config_file = tmp_path / "settings.toml"
-    config_file.write_text(settings_toml({key: value}, "one setting"))
+    config_file.write_text(settings_toml(given, "one setting"))
     configs["--config"] = config_of(command_parser("simulate").parse_args([*data, "--config", str(config_file)]))
     with monkeypatch.context() as env:
-        env.setenv(f"MDGAN_SIMULATE_{key.upper()}", "true" if value is True else str(value))
+        for k, v in given.items():
+            env.setenv(f"MDGAN_SIMULATE_{k.upper()}", "true" if v is True else str(v))
         configs["variable"] = config_of(command_parser("simulate").parse_args(data))
     with monkeypatch.context() as env:
-        env.setenv(f"MDGAN_{key.upper()}", "true" if value is True else str(value))
+        for k, v in given.items():
+            env.setenv(f"MDGAN_{k.upper()}", "true" if v is True else str(v))
         configs["mdgan-server variable"] = config_of(server_parser().parse_args([]))
-    configs["experiment"] = experiment_config({**DEFAULTS, key: value})
-    local = command_parser("local").parse_args([*data, *flag_tokens(setting, value)])
+    configs["experiment"] = experiment_config({**DEFAULTS, **given})
+    local = command_parser("local").parse_args([*data, *tokens])
     config_of(local)
     configs["mdgan local -> mdgan-server"] = config_of(server_parser().parse_args(_forwarded_training_flags(local)))
     for path, config in configs.items():

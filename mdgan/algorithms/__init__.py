@@ -70,7 +70,7 @@ def refuse_foreign_options(name: str, settings: Mapping) -> None:
 
 def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = False, churn: bool = False, byzantine: int = 0,
            crash_every: int | None = None, site_dirs: str | None = None, in_process: bool = True,
-           private: bool = False) -> None:
+           private: str | None = None) -> None:
     """One clear line (ConfigError) for the first thing asked of `algorithm` that it cannot do: the one place
     that says which algorithm refuses what (simulate, mdgan local, experiments and mdgan-server ask it)."""
     if not (in_process or algorithm.served):
@@ -88,5 +88,8 @@ def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = Fa
         raise ConfigError(f"differential privacy (--dp-*) is implemented for {_names(lambda a: a.private)} only, "
                           f"not --algorithm {algorithm.name} (its workers' real-data steps are not clipped and "
                           "noised): run one of those, or drop the --dp-* flags")
+    if private and private not in algorithm.private:
+        raise ConfigError(f"--dp-mechanism {private} is implemented for "
+                          f"{_names(lambda a: private in a.private)} only, not --algorithm {algorithm.name}")
     if algorithm.whole_dataset and site_dirs:
         raise ConfigError(f"{algorithm.title} trains on one dataset: give it --data-root, not --site-dirs")

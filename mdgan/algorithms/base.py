@@ -245,7 +245,7 @@ class Algorithm:
     attackers: bool = False  # emulated Byzantine workers (--byzantine, --attack)
     crashes: bool = True  # the paper's crash experiment (a worker fails every I/N iterations)
     whole_dataset: bool = False  # one G and one D on the whole dataset: no sites, one "worker"
-    private: bool = False  # differentially private discriminators (--dp-*, mdgan/privacy.py)
+    private: tuple[str, ...] = ()  # the DP mechanisms it implements (--dp-mechanism, mdgan/privacy.py)
 
     def default_options(self):
         """Its options with their defaults (None: it has none)."""

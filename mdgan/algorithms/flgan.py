@@ -203,4 +203,4 @@ def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
 
 ALGORITHM = Algorithm(
     name="flgan", title="FL-GAN (federated averaging of G and D)", run_in_process=run_in_process,
-    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False, private=True)
+    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False, private=("sgd",))

@@ -110,4 +110,4 @@ def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=No
 ALGORITHM = Algorithm(
     name="standalone", title="a standalone GAN", run_in_process=run_in_process,
     per_worker_per_iteration=per_worker_per_iteration, served=False, crashes=False, whole_dataset=True,
-    private=True)
+    private=("sgd",))

@@ -383,7 +383,8 @@ def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.Train
         algorithm=algorithm, gen_lr=config.generator_optimizer.lr, gen_beta1=config.generator_optimizer.beta1,
         gen_beta2=config.generator_optimizer.beta2, wire_dtype=config.wire_dtype,
         dp_noise_multiplier=config.privacy.noise_multiplier, dp_max_grad_norm=config.privacy.max_grad_norm,
-        dp_delta=config.privacy.delta, dp_target_epsilon=config.privacy.target_epsilon, iterations=config.iterations)
+        dp_delta=config.privacy.delta, dp_target_epsilon=config.privacy.target_epsilon, iterations=config.iterations,
+        dp_mechanism=config.privacy.mechanism, dp_discriminators=config.privacy.discriminators)
 
 
 def config_from_spec(spec) -> "TrainingConfig":
@@ -393,7 +394,8 @@ def config_from_spec(spec) -> "TrainingConfig":
     model = ModelSpec(architecture=spec.architecture, gan=spec.gan, loss=spec.loss, latent_dim=spec.latent_dim,
                       num_classes=spec.num_classes, sample_shape=tuple(spec.sample_shape))
     privacy = PrivacySpec(spec.dp_noise_multiplier, spec.dp_max_grad_norm or PrivacySpec.max_grad_norm, spec.dp_delta,
-                          spec.dp_target_epsilon)
+                          spec.dp_target_epsilon, spec.dp_mechanism or PrivacySpec.mechanism,
+                          spec.dp_discriminators or PrivacySpec.discriminators)
     return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa, privacy=privacy,
                           iterations=spec.iterations or TrainingConfig.iterations,
                           disc_steps=spec.disc_steps, seed=spec.seed, swap_optimizer_state=spec.swap_optimizer_state,

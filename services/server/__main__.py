@@ -112,7 +112,7 @@ async def serve(args) -> dict:
     config = run.config
     algorithm = ALGORITHMS[args.algorithm]
     algorithms.refuse(algorithms.get(args.algorithm, served=True), checkpoint_every=args.checkpoint_every,
-                      resume=run.state is not None, in_process=False, private=config.privacy.enabled)
+                      resume=run.state is not None, in_process=False, private=config.privacy.active_mechanism)
     algorithm.check(args, run)
     if config.privacy.enabled:  # the layers here; each site checks its own size's budget at its welcome
         from mdgan import privacy
@@ -130,7 +130,8 @@ async def serve(args) -> dict:
     layouts = {"generator": codec.layout_of(generator.generator.state_dict()),
                "discriminator": codec.layout_of(initial_discriminator.state_dict())}
     try:
-        roster = Roster(config.workers, args.min_workers, args.pause_timeout)
+        roster = Roster(config.workers, args.min_workers, args.pause_timeout,
+                        copies=not config.privacy.keeps_discriminators)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:

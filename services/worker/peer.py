@@ -222,13 +222,17 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         inbox = node.algorithm if isinstance(node.algorithm, PeerInbox) else None  # None: not in an MD-GAN run
         side, telemetry = (inbox.side if inbox else None), node.telemetry
         mailbox = inbox.mailbox if inbox else None  # the header's `copy` picks the copies' instead
+        keeps = side is not None and side.config.privacy.keeps_discriminators  # private feedback: none comes in
         assembler = codec.StateAssembler(compression.wire_layout(side.state_layout(), side.config.wire_dtype)) \
-            if side is not None else None
+            if side is not None and not keeps else None
         # Refusing mid-stream while the peer still writes can surface as INTERNAL on its side, so a
         # refused stream is drained (up to a bound, discarding) and refused once the peer is done.
         refusal: tuple[grpc.StatusCode, str] | None = None
         if side is None:
             refusal = grpc.StatusCode.FAILED_PRECONDITION, "this worker has not joined a run yet"
+        elif keeps:
+            refusal = (grpc.StatusCode.FAILED_PRECONDITION,
+                       "this site takes no discriminators in (--dp-mechanism feedback: none leaves its site)")
         drain_limit = 2 * (assembler.expected_bytes() if assembler else codec.CHUNK_BYTES) + codec.CHUNK_BYTES
         discarded = 0
         sender, authorized = "", False

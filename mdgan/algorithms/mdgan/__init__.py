@@ -58,4 +58,4 @@ def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
 ALGORITHM = Algorithm(
     name="mdgan", title="MD-GAN", run_in_process=run_in_process, per_worker_per_iteration=per_worker_per_iteration,
     run_traffic=run_traffic, options=MDGANOptions, durable=True, attackers=True,
-    private=True)
+    private=("sgd", "feedback"))

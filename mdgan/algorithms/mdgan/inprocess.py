@@ -16,6 +16,7 @@ from mdgan import compression
 from mdgan.algorithms.base import InProcessRun, RunResult, WorkerLost, crashing
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from mdgan.algorithms.mdgan.options import MDGANOptions
+from mdgan.algorithms.mdgan.private_feedback import PrivateFeedbackSide, worker_side
 from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
 from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.checkpoint import CheckpointStore
@@ -51,7 +52,7 @@ class InProcessSwapBoard:
 
 
 class InProcessWorker(WorkerHandle):
-    def __init__(self, side: DiscriminatorSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
+    def __init__(self, side: DiscriminatorSide | PrivateFeedbackSide, board: InProcessSwapBoard, swap_timeout: float = 60.0,
                  state: CheckpointStore | None = None,
                  attack: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  swap_check: SwapCheck = SwapCheck(),
@@ -64,7 +65,8 @@ class InProcessWorker(WorkerHandle):
         self.swap_timeout = swap_timeout
         self.shard_index = side.shard_index
         self.worker_id = f"worker-{side.shard_index}"
-        self.shard_size = len(side.sampler.shard)
+        self.shard = side.shard
+        self.shard_size = len(self.shard)
         self.crashed = False
         self.state = state  # where this worker saves its checkpoints (its own state dir)
         self._sent: dict[int, int] = {}  # swap round -> payload bytes sent, until the round is installed
@@ -182,7 +184,7 @@ def build_in_process_workers(config: TrainingConfig, shards, state_root: str | N
         feedback_attack, discriminator_attack = make_attacks(attack if shard.index in bad else None, config.seed,
                                                              shard.index)
         workers.append(InProcessWorker(
-            DiscriminatorSide(config, shard), board,
+            worker_side(config, shard), board,
             state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
             attack=feedback_attack, swap_check=swap_check, discriminator_attack=discriminator_attack))
     return workers
@@ -213,7 +215,7 @@ async def _run(run: InProcessRun) -> RunResult:
     swap_check = options.as_check()
     workers = build_in_process_workers(config, shards, state_root, keep, run.byzantine, run.attack, swap_check)
     by_slot = {w.shard_index: w for w in workers}
-    roster = Roster(config.workers, pause_timeout=0)
+    roster = Roster(config.workers, pause_timeout=0, copies=not config.privacy.keeps_discriminators)
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
     trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
                       save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder),
@@ -256,7 +258,7 @@ async def _run(run: InProcessRun) -> RunResult:
             if action == "leave":
                 leave(current, t, "churn")
             elif action == "join" and roster.slot_of(current) is None:
-                fresh = type(current)(DiscriminatorSide(config, current.side.sampler.shard), current.board,
+                fresh = type(current)(worker_side(config, current.shard), current.board,
                                       current.swap_timeout, state=current.state, attack=current.attack,
                                       swap_check=current.swap_check, discriminator_attack=current.discriminator_attack)
                 by_slot[slot] = fresh

@@ -62,6 +62,9 @@ class MDGANOptions:
         if self.pipeline_depth >= config.iterations:
             raise ConfigError(f"--pipeline-depth {self.pipeline_depth} must be below --iterations "
                               f"{config.iterations} (G is first updated at iteration D + 1)")
+        if self.swap_lag and config.privacy.keeps_discriminators:
+            raise ConfigError(f"--swap-lag {self.swap_lag}: with --dp-mechanism feedback no discriminator leaves its "
+                              "site, so there are no swaps to lag (leave --swap-lag out)")
         if self.swap_lag and config.swap_every is not None:
             check_lag(self.swap_lag, config.swap_every)
         return self

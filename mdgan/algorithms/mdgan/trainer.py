@@ -67,7 +67,7 @@ class Trainer:
         self.until = last_iteration(config, stop_after)  # (stop_after: no checkpoints; simulate refuses both)
         self.generator = generator
         if roster is None:  # a fixed set of workers, all present from the start
-            roster = Roster(config.workers)
+            roster = Roster(config.workers, copies=not config.privacy.keeps_discriminators)
             for w in workers or []:
                 roster.arrive(w.shard_index, w.worker_id, w)
             roster.at_boundary(0)  # all of them members from the first iteration
@@ -252,7 +252,7 @@ class Trainer:
         rounds = self.swap_rounds
         if rounds.pending is not None and rounds.pending.install_at <= t:
             lost += await rounds.finish_swap(t)
-        if t % self.swap_period != 0 or len(self.roster.members()) < 2:
+        if t % self.swap_period != 0 or len(self.roster.members()) < 2 or self.config.privacy.keeps_discriminators:
             return None, lost
         swap_round, lost_in_swap = await (rounds.begin_swap(t) if rounds.swap_lag else rounds.swap(t))
         return swap_round, lost + lost_in_swap

@@ -13,12 +13,13 @@ import grpc
 import torch
 
 from mdgan import compression
+from mdgan.algorithms.mdgan.private_feedback import worker_side
 from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
 from mdgan.attacks import make_attacks
 from mdgan.config import ConfigError
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
-from mdgan.gan import DiscriminatorSide, WorkerBatch, read_stats
+from mdgan.gan import WorkerBatch, read_stats
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire as wire_traffic
@@ -38,11 +39,12 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
 
     def __init__(self, node, config: TrainingConfig, shard: Shard):
         super().__init__(node, config, shard)
-        self.side = DiscriminatorSide(config, shard)
+        self.side = worker_side(config, shard)
         if self.side.private is not None:
             site = self.side.private.site
-            log.info("differentially private: sigma %.4g, C %g, q %.4g, delta %g%s", site.noise_multiplier,
-                     site.max_grad_norm, site.sample_rate, site.delta,
+            log.info("differentially private (%s, %d discriminator%s): sigma %.4g, C %g, q %.4g, delta %g%s",
+                     site.mechanism, site.discriminators, "s" if site.discriminators > 1 else "",
+                     site.noise_multiplier, site.max_grad_norm, site.sample_rate, site.delta,
                      f", budget {node.dp_max_epsilon:g}" if node.dp_max_epsilon else "")
             if not node.state_dir:  # the accountant lives in the state: without one a restart forgets what was spent
                 log.warning("differentially private run without --state-dir: if this process restarts, its "
@@ -139,7 +141,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         await asyncio.sleep(0)
         private = self.side.private
         if private is not None and self.node.dp_max_epsilon > 0:
-            ahead = private.epsilon_after(config.disc_steps)
+            ahead = private.epsilon_after_iteration()
             if ahead > self.node.dp_max_epsilon:
                 raise BudgetSpent(f"iteration {batches.iteration} would bring this site's epsilon to {ahead:.3f}, "
                                   f"past --dp-max-epsilon {self.node.dp_max_epsilon:g} (spent: {private.epsilon():.3f}, "
@@ -196,6 +198,9 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
 
     # -- swaps and copies --------------------------------------------------------------------
     async def _on_swap_order(self, call, order: pb.SwapOrder) -> None:
+        if self.side.config.privacy.keeps_discriminators:
+            raise ServerGone(f"the server ordered a {order.kind or 'swap'} (round {order.round}), but this site's "
+                             "discriminators never leave it and it takes none in (--dp-mechanism feedback)")
         # Known before anything else happens: pushes for this round (or this copy) are checked against it.
         box = self.copies if order.kind == "copy" else self.mailbox
         if order.receive_from_identity or order.receive_from_worker:

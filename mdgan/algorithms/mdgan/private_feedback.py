@@ -1,0 +1,195 @@
+"""Private feedback (--dp-mechanism feedback): only clipped, noised feedback leaves a site.
+
+A site splits its data into K disjoint parts (a permutation seeded by run seed and shard) and keeps one
+discriminator per part (`--dp-discriminators K`). Each request of the server (a batch X_d to train on
+and a batch X_g to answer on) is served by one part, drawn at random: a fresh random order of the K
+parts every K requests, so each part answers once every K requests. That part's discriminator trains
+its L steps on its own data and X_d, without noise, and computes the feedback on X_g; each generated
+sample's feedback (the gradient of its own loss) is clipped to L2 norm C and Gaussian noise of std
+sigma x C is added to it before it is sent. No discriminator leaves the site: the server orders no
+swaps and gives late joiners no copies (a site that refused one anyway would fail the run, not send it).
+
+The privacy of one image (docs/PRIVACY.md, "Private feedback", has the argument):
+
+- An answer depends on the site's data only through the drawn part's discriminator; which part is drawn
+  does not depend on the data. So an image of part p is touched only by part p's answers: parallel
+  composition over the parts, each answer a Gaussian mechanism.
+- A part's discriminator may change arbitrarily with one image, so each of the b clipped rows may move
+  by 2C: the L2 sensitivity of an answer is 2 C sqrt(b), and its noise, sigma C, is
+  sigma / (2 sqrt(b)) of it. Opacus's RDP accountant composes n_p such steps at sampling rate 1 for the
+  part that answered most (n_p <= ceil(t / K) after t answers).
+- The generator, and everything the server does, is post-processing of the answers.
+- The random draw of the answering part is not counted as amplification by subsampling: an observer who
+  can tell the parts' answers apart learns which part answered, and then the answer is the plain
+  Gaussian mechanism for its images (Poisson-subsampling accounting at q = 1/K would not hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from mdgan import privacy
+from mdgan.config import PrivacySpec, TrainingConfig
+from mdgan.data import Shard, ShardSampler
+from mdgan.gan import DiscriminatorSide, StepResult, WorkerBatch, derive_seed
+
+
+def worker_side(config: TrainingConfig, shard: Shard) -> "DiscriminatorSide | PrivateFeedbackSide":
+    """An MD-GAN worker's discriminator side for this run: K private-feedback parts, or one DiscriminatorSide
+    (DP-SGD or no DP)."""
+    if config.privacy.keeps_discriminators:
+        return PrivateFeedbackSide(config, shard)
+    return DiscriminatorSide(config, shard)
+
+
+def split_parts(shard: Shard, parts: int, seed: int) -> list[Shard]:
+    """The shard's images in `parts` disjoint parts whose sizes differ by at most one."""
+    order = torch.randperm(len(shard), generator=torch.Generator().manual_seed(seed))
+    return [dataclasses.replace(shard, images=shard.images[picked], labels=shard.labels[picked])
+            for picked in torch.tensor_split(order, parts)]
+
+
+class AnswerSchedule:
+    """Which part answers each request: a fresh random order of the K parts every K requests (seeded), so
+    after t answers every part has given floor(t / K) or ceil(t / K). The next part is known in advance
+    (peek), for the budget check before a step."""
+
+    def __init__(self, parts: int, seed: int):
+        self.parts = parts
+        self._generator = torch.Generator().manual_seed(seed)
+        self._order = self._draw()
+        self._position = 0
+
+    def _draw(self) -> list[int]:
+        return torch.randperm(self.parts, generator=self._generator).tolist()
+
+    def peek(self) -> int:
+        return self._order[self._position]
+
+    def next(self) -> int:
+        part = self._order[self._position]
+        self._position += 1
+        if self._position == self.parts:
+            self._order, self._position = self._draw(), 0
+        return part
+
+    def state_dict(self) -> dict:
+        return {"generator": self._generator.get_state(), "order": list(self._order), "position": self._position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generator.set_state(state["generator"])
+        self._order, self._position = [int(p) for p in state["order"]], int(state["position"])
+
+
+class FeedbackMechanism:
+    """The site's mechanism and accountant: each answer's rows clipped to C and noised, and how many answers
+    each part gave. Noise is drawn on the CPU from the site's seeded generator (the same on any device)."""
+
+    def __init__(self, site: privacy.SitePrivacy, noise_seed: int, schedule_seed: int):
+        self.site = site
+        self.answers = [0] * site.discriminators  # answers given, per part
+        self.schedule = AnswerSchedule(site.discriminators, schedule_seed)
+        self.noise = torch.Generator().manual_seed(noise_seed)
+
+    def sanitize(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """(b, *shape) gradients of each sample's own loss -> each row clipped to L2 norm C, plus N(0, (sigma C)^2)."""
+        rows = per_sample.reshape(len(per_sample), -1)  # (b, d)
+        norms = rows.norm(dim=1, keepdim=True)  # (b, 1)
+        clipped = rows * (self.site.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # Opacus's clip factor
+        noise = torch.normal(0.0, self.site.noise_multiplier * self.site.max_grad_norm, size=tuple(rows.shape),
+                             generator=self.noise)
+        return (clipped + noise.to(rows.device, rows.dtype)).view_as(per_sample)
+
+    def _epsilon(self, answers: list[int]) -> float:
+        # each part's images are touched by its own answers only: the part that answered most bounds all
+        return privacy.spent_epsilon([(self.site.accounted_noise_multiplier, 1.0, max(answers))], self.site.delta)
+
+    def epsilon(self) -> float:
+        return self._epsilon(self.answers)
+
+    def epsilon_after_iteration(self) -> float:
+        """The epsilon after the next answer (--dp-max-epsilon)."""
+        answers = list(self.answers)
+        answers[self.schedule.peek()] += 1
+        return self._epsilon(answers)
+
+    def state_dict(self) -> dict:
+        return {"answers": list(self.answers), "schedule": self.schedule.state_dict(), "noise": self.noise.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["answers"]) != len(self.answers):
+            raise ValueError(f"saved state of {len(state['answers'])} discriminators, this site has {len(self.answers)}")
+        self.answers = [int(n) for n in state["answers"]]
+        self.schedule.load_state_dict(state["schedule"])
+        self.noise.set_state(state["noise"])
+
+
+class PrivateFeedbackSide:
+    """A site's K discriminators (each a DiscriminatorSide over its own part, trained without noise) and the
+    mechanism that sanitizes their answers. It has no state to export: its discriminators never leave."""
+
+    def __init__(self, config: TrainingConfig, shard: Shard):
+        self.config = config
+        self.spec = config.model
+        self.device = torch.device(config.device)
+        self.shard = shard
+        site = privacy.resolve(config.privacy, len(shard), config.batch_size, config.iterations, config.disc_steps)
+        k = site.discriminators
+        plain = dataclasses.replace(config, privacy=PrivacySpec())  # each part trains its D without noise
+        self.parts: list[DiscriminatorSide] = []
+        for j, part in enumerate(split_parts(shard, k, derive_seed(config.seed, "dp-feedback-parts", shard.index))):
+            side = DiscriminatorSide(plain, part)
+            side.sampler = ShardSampler(side.sampler.shard, config.batch_size,
+                                        derive_seed(config.seed, f"dp-feedback-sampling/{shard.index}", j))
+            self.parts.append(side)
+        self.private = FeedbackMechanism(site, derive_seed(config.seed, "dp-feedback-noise", shard.index),
+                                         derive_seed(config.seed, "dp-feedback-schedule", shard.index))
+        self.last_discriminated = None
+
+    @property
+    def shard_index(self) -> int:
+        return self.shard.index
+
+    @property
+    def discriminator(self) -> torch.nn.Module:
+        """The first part's discriminator (what a run keeps of this site for `mdgan audit`)."""
+        return self.parts[0].discriminator
+
+    def step(self, batch: WorkerBatch) -> StepResult:
+        """The drawn part trains and answers; its answer's rows are clipped and noised. The feedback sent is
+        the gradient of the batch's mean loss, as without DP: each sample's own-loss gradient is b times it."""
+        started = time.perf_counter()
+        part = self.private.schedule.next()
+        result = self.parts[part].step(batch)
+        rows = len(result.feedback)
+        feedback = self.private.sanitize(result.feedback * rows) / rows  # (b, *shape)
+        self.private.answers[part] += 1
+        return dataclasses.replace(result, feedback=feedback, epsilon=self.private.epsilon(),
+                                   delta=self.private.site.delta,
+                                   feedback_seconds=time.perf_counter() - started - result.disc_seconds)
+
+    # -- durable state (a checkpoint, kept on the worker) ------------------------------------------
+    def state_dict(self) -> dict:
+        return {"shard_index": self.shard_index, "parts": [side.state_dict() for side in self.parts],
+                "privacy": self.private.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["shard_index"]) != self.shard_index:
+            raise ValueError(f"saved state of shard {state['shard_index']}, this worker holds shard {self.shard_index}")
+        if "parts" not in state:
+            raise ValueError("saved state of a run without private feedback; this run keeps its discriminators")
+        if len(state["parts"]) != len(self.parts):
+            raise ValueError(f"saved state of {len(state['parts'])} discriminators, this site has {len(self.parts)}")
+        for side, saved in zip(self.parts, state["parts"]):
+            side.load_state_dict({**saved, "shard_index": side.shard_index})
+        self.private.load_state_dict(state["privacy"])
+
+    # -- what a site with private feedback never does ------------------------------------------------
+    def _refuse(self, *_args, **_kwargs):
+        raise PermissionError("private feedback (--dp-mechanism feedback): this site's discriminators never leave it "
+                              "and it takes none in")
+
+    export_state = import_state = adopt = state_layout = _refuse
