@@ -83,14 +83,16 @@ NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_
              "swap_optimizer_state", "crash",
              "architecture", "gan", "loss", "split", "iterations", "wire_dtype", "aggregation", "trim_fraction",
              "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "dp_noise_multiplier",
-             "dp_target_epsilon", "dp_max_grad_norm", *(option_key(f) for f in OPTION_FIELDS), "gen_lr", "disc_lr",
+             "dp_target_epsilon", "dp_max_grad_norm", "dp_mechanism", "dp_discriminators",
+             *(option_key(f) for f in OPTION_FIELDS), "gen_lr", "disc_lr",
              "beta1", "beta2", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "swap_optimizer_state": "swapstate", "crash": "crash", "architecture": "", "gan": "",
          "loss": "", "split": "", "iterations": "I", "seed": "seed", "wire_dtype": "wire", "aggregation": "",
          "trim_fraction": "trim", "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K",
          "max_staleness": "S",
-         "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C",
+         "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C", "dp_mechanism": "dp",
+         "dp_discriminators": "parts",
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS},
          "gen_lr": "lrG", "disc_lr": "lrD", "beta1": "beta1_", "beta2": "beta2_"}
 
