@@ -2,7 +2,8 @@
 # The GPU check: how a change is verified on a machine with an NVIDIA GPU and the project installed
 # (`pip install -e '.[dev]'`, or from source with PYTHONPATH). In at most 8 minutes it runs every CUDA
 # test (pytest -m cuda), then short runs on CUDA of `mdgan simulate` and `mdgan local` of every
-# algorithm, MD-GAN crossing three swaps with checks on, with DP, with the int8 wire and with --swap-lag,
+# algorithm, MD-GAN crossing three swaps with checks on, with DP-SGD, with private feedback (no swaps),
+# with the int8 wire and with --swap-lag,
 # each `local` run held to its `simulate` twin bit for bit, and `mdgan audit` of a CUDA run.
 # One line a check, a summary, exit 1 on any failure.
 #
@@ -70,12 +71,15 @@ echo "gpu_check on $card, $DEVICE; MNIST from $DATA; outputs in $OUT"
 #    on CUDA, the services with the server and the workers on different devices)
 check "CUDA tests (pytest -m cuda)" 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
 
-# 2. short runs: MD-GAN with the CNN, 30 iterations, a swap every 10 (3 checked swaps), scores every 10
-common=(--device "$DEVICE" --data-root "$DATA" --no-progress --iterations 30 --swap-every 10 --eval-every 10
+# 2. short runs: MD-GAN with the CNN, 30 iterations, a swap every 10 (3 checked swaps; private feedback
+# swaps nothing), scores every 10
+common=(--device "$DEVICE" --data-root "$DATA" --no-progress --iterations 30 --eval-every 10
         --eval-samples 200 --seed 3)
+swaps() { [ "$1" = mdgan-feedback ] || echo --swap-every 10; }
 declare -A RUNS=(
   [mdgan-cnn]="--architecture cnn-mnist --workers 4 --kappa 2"
   [mdgan-dp]="--workers 4 --dp-noise-multiplier 1.0"
+  [mdgan-feedback]="--architecture cnn-mnist --workers 4 --dp-mechanism feedback --dp-discriminators 3 --dp-noise-multiplier 1.0"
   [mdgan-int8]="--architecture cnn-mnist --workers 4 --wire-dtype int8 --aggregation median"
   [mdgan-swap-lag]="--architecture cnn-mnist --workers 4 --swap-lag 3"
   [flgan]="--algorithm flgan --workers 3"
@@ -83,16 +87,16 @@ declare -A RUNS=(
   [psgan]="--algorithm psgan --workers 3"
   [standalone]="--algorithm standalone"
 )
-ORDER=(mdgan-cnn mdgan-dp mdgan-int8 mdgan-swap-lag flgan pwgan psgan standalone)
+ORDER=(mdgan-cnn mdgan-dp mdgan-feedback mdgan-int8 mdgan-swap-lag flgan pwgan psgan standalone)
 for run in "${ORDER[@]}"; do
   # shellcheck disable=SC2086
-  check "simulate $run" 90 "${MDGAN[@]}" simulate ${RUNS[$run]} "${common[@]}" --out "$OUT/simulate-$run" \
+  check "simulate $run" 90 "${MDGAN[@]}" simulate ${RUNS[$run]} $(swaps "$run") "${common[@]}" --out "$OUT/simulate-$run" \
     $([ "$run" = mdgan-cnn ] && echo --save-discriminators)
 done
 for run in "${ORDER[@]}"; do
   [ "$run" = standalone ] && continue  # (no workers: it has no services)
   # shellcheck disable=SC2086
-  if check "local $run" 120 "${MDGAN[@]}" local ${RUNS[$run]} "${common[@]}" --out "$OUT/local-$run"; then
+  if check "local $run" 120 "${MDGAN[@]}" local ${RUNS[$run]} $(swaps "$run") "${common[@]}" --out "$OUT/local-$run"; then
     same "local == simulate, $run" "$OUT/local-$run" "$OUT/simulate-$run"
   fi
 done

@@ -94,6 +94,9 @@ def test_each_part_answers_in_turn_and_epsilon_is_opacus_rdp_over_the_busiest_pa
     assert results[-1].epsilon == pytest.approx(reference.get_epsilon(site.delta), rel=1e-12)
     assert [r.epsilon for r in results[:3]] == [results[0].epsilon] * 3  # one answer of each part: one step's
     assert results[3].epsilon > results[2].epsilon
+    for batch in _batches(5):  # what --dp-max-epsilon checks before an answer is what the answer spends
+        ahead = side.private.epsilon_after_iteration()
+        assert side.step(batch).epsilon == ahead
 
 
 def test_a_target_epsilon_is_what_the_planned_run_spends():
