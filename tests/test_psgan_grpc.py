@@ -25,7 +25,7 @@ from services.common.proto import coordinator_pb2_grpc, psgan_pb2
 from mdgan_app.traffic import read_exposition
 from services.worker.algorithms.base import ServerGone
 from services.worker.algorithms.psgan import PSGANWorker
-from services.worker.node import WorkerNode
+from services.worker.node import ServerLink, WorkerData, WorkerNode
 
 from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
@@ -182,7 +182,7 @@ def test_hostile_gradients_are_rejected_with_invalid_argument_and_the_run_goes_o
 def test_a_worker_stops_with_a_clear_error_on_invalid_weights():
     config = TrainingConfig(workers=2, batch_size=10, model=ModelSpec(gan="gan")).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
-    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shard), advertise_address="127.0.0.1:9")
     state = PSGANWorker(node, config, shard).side.discriminator.state_dict()
 
     def parts(iteration: int, round_: int, content: str = "weights", model: str = "discriminator"):

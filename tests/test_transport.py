@@ -21,7 +21,7 @@ from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from services.server.coordinator import Coordinator
 from services.worker.algorithms.mdgan import MDGANWorker
-from services.worker.node import WorkerNode
+from services.worker.node import ServerLink, WorkerData, WorkerNode
 from services.worker.peer import PeerServicer, push_discriminator
 
 from procs import read_json, read_jsonl, start_server, start_worker
@@ -197,7 +197,8 @@ def test_joins_beyond_those_in_progress_are_told_to_retry_and_a_worker_does(capl
     async def scenario():
         coordinator = Coordinator(config)
         server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, s))
-        node = WorkerNode(f"127.0.0.1:{port}", "127.0.0.1:9", shard=shard, connect_timeout=60)
+        node = WorkerNode(ServerLink(f"127.0.0.1:{port}", connect_timeout=60), WorkerData(shard=shard),
+                          advertise_address="127.0.0.1:9")
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -247,7 +248,7 @@ def test_an_answer_to_a_stream_the_server_has_ended_is_a_broken_stream():
 
     async def scenario():
         server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(EndsAtOnce(), s))
-        node = WorkerNode(f"127.0.0.1:{port}", "127.0.0.1:9", shard=shard)
+        node = WorkerNode(ServerLink(f"127.0.0.1:{port}"), WorkerData(shard=shard), advertise_address="127.0.0.1:9")
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 call = coordinator_pb2_grpc.CoordinatorStub(channel).Train(timeout=10)
@@ -287,7 +288,8 @@ def test_a_worker_the_server_drops_mid_run_rejoins_and_only_the_runs_end_ends_it
     async def scenario():
         coordinator = Coordinator(config, heartbeat_interval=1)
         server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, s))
-        node = WorkerNode(f"127.0.0.1:{port}", "127.0.0.1:9", shard=shard, connect_timeout=60, server_timeout=60)
+        node = WorkerNode(ServerLink(f"127.0.0.1:{port}", connect_timeout=60, server_timeout=60),
+                          WorkerData(shard=shard), advertise_address="127.0.0.1:9")
         running = asyncio.create_task(node.run())
         try:
             first = await joined(coordinator)
@@ -310,7 +312,7 @@ def test_a_worker_the_server_drops_mid_run_rejoins_and_only_the_runs_end_ends_it
 def test_peer_service_checks_every_pushed_discriminator():
     config = TrainingConfig(workers=2, batch_size=B).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
-    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shard), advertise_address="127.0.0.1:9")
     donor = DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=2), 1))
     state = donor.export_state()
 
@@ -366,7 +368,7 @@ def test_a_late_joiner_whose_donor_left_is_told_and_takes_the_next_copy_attempt(
     # same number, and the run never passed that boundary.
     config = TrainingConfig(workers=3, batch_size=B).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=3), 1)
-    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shard), advertise_address="127.0.0.1:9")
     state = DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=3), 2)).export_state()
 
     async def push(swap_round: int, sender: str) -> grpc.StatusCode:
@@ -500,7 +502,7 @@ def test_each_algorithm_takes_only_its_own_messages():
 
     from services.worker.algorithms import ALGORITHMS
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
-    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shard), advertise_address="127.0.0.1:9")
     taken = {name: set(cls(node, config, shard).receivers()) for name, cls in ALGORITHMS.items()}
     names = list(taken)
     for i, a in enumerate(names):
@@ -565,7 +567,8 @@ def test_workers_sharing_a_process_step_together_then_answer_together():
     workers = []
     for index in range(2):
         shard = load_shard(DataConfig("synthetic", num_shards=2), index)
-        worker = MDGANWorker(WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard), config, shard)
+        node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shard), advertise_address="127.0.0.1:9")
+        worker = MDGANWorker(node, config, shard)
         step = worker.side.step
 
         def recorded_step(batch, step=step, index=index):
@@ -590,7 +593,7 @@ def test_a_poisoned_discriminator_from_the_designated_sender_is_refused_and_the_
     its own D, and a second push for that round (say, the member's real one) is a duplicate."""
     config = TrainingConfig(workers=2, batch_size=B).validate()
     shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
-    node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shard)
+    node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shard), advertise_address="127.0.0.1:9")
     donor = DiscriminatorSide(config, load_shard(DataConfig("synthetic", num_shards=2), 1))
     honest = donor.export_state()
     poisoned = DiscriminatorAttack(attack, config.seed, 1)(honest)
@@ -647,8 +650,8 @@ def test_a_push_that_finds_its_peer_unreachable_is_tried_again_until_the_peer_is
     the swap round no longer waits out a deadline for it (docs/WIDE_AREA.md, the 121 s round)."""
     config = TrainingConfig(workers=2, batch_size=B).validate()
     shards = [load_shard(DataConfig("synthetic", num_shards=2), i) for i in range(2)]
-    receiver_node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shards[0])
-    sender_node = WorkerNode("127.0.0.1:9", "127.0.0.1:9", shard=shards[1])
+    receiver_node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shards[0]), advertise_address="127.0.0.1:9")
+    sender_node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shards[1]), advertise_address="127.0.0.1:9")
     sender_node.worker_id = sender_node.identity = "worker-1"
     sender_node.swap_timeout = 20.0
     with socket.socket() as probe:  # a port nothing listens on yet

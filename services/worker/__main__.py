@@ -33,7 +33,8 @@ from services.common.proto import peer_pb2_grpc
 from services.common.telemetry import Telemetry
 from mdgan.checkpoint import CheckpointError
 from services.worker.algorithms.base import RunFailed, WorkerFailed
-from services.worker.node import FINAL_REFUSALS, JoinRefused, ServerGone, WorkerNode
+from services.worker.node import (FINAL_REFUSALS, JoinRefused, ServerGone, ServerLink, SitePolicy, WorkerData,
+                                  WorkerNode, WorkerState)
 from services.worker.peer import PEER_SERVICE, PeerServicer
 
 log = logging.getLogger("mdgan.worker")
@@ -218,12 +219,12 @@ async def serve(args) -> str:
     # A peer sends one chunk (<= 1 MiB) or one header per message: nothing bigger is accepted.
     server = rpc.make_server(max_receive_bytes=rpc.message_bytes_for(codec.CHUNK_BYTES), guard=guard,
                              max_send_bytes=rpc.message_bytes_for(0), max_concurrent_streams=8)
-    node = WorkerNode(args.server, "", connect_timeout=args.connect_timeout, server_timeout=args.server_timeout,
-                      telemetry=telemetry, device=args.device, tls=credentials, identity=identity,
-                      server_name=args.tls_server_name, state_dir=args.state_dir,
-                      keep_checkpoints=args.keep_checkpoints, run_id=args.run_id, attack=args.attack,
-                      slow_factor=args.slow_factor, swap_check=None if args.swap_check == "run" else args.swap_check,
-                      dp_max_epsilon=args.dp_max_epsilon, **source)
+    node = WorkerNode(
+        ServerLink(args.server, credentials, identity, args.tls_server_name, args.connect_timeout, args.server_timeout),
+        WorkerData(**source), telemetry=telemetry, device=args.device,
+        state=WorkerState(args.state_dir, args.keep_checkpoints, args.run_id),
+        policy=SitePolicy(None if args.swap_check == "run" else args.swap_check, args.dp_max_epsilon, args.attack,
+                          args.slow_factor))
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)

@@ -16,7 +16,7 @@ import time
 import grpc
 import torch
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mdgan import checkpoint
 from mdgan.checkpoint import CheckpointError, CheckpointStore
@@ -94,57 +94,97 @@ async def _why_unreachable(channel: grpc.aio.Channel) -> str:
     return ""
 
 
-class WorkerNode:
-    """Holds one of: its site's own data (shaped for the model once the server's spec arrives; its
-    slot chosen by the operator or by the server), its shard of a shared dataset (emulation; index
-    chosen by the operator), or the whole shared dataset it will cut its shard from once the server
-    assigns an index."""
+@dataclass(frozen=True)
+class WorkerData:
+    """What a worker trains on: exactly one of its site's own data (shaped for the model once the server's
+    spec arrives; its slot chosen by the operator, or None: by the server), its shard of a shared dataset
+    (emulation; index chosen by the operator), or the whole shared dataset it will cut its shard from
+    once the server assigns an index."""
 
-    def __init__(self, server_address: str, advertise_address: str, *, shard: Shard | None = None,
-                 dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None,
-                 site: SiteData | None = None, slot: int | None = None,
-                 connect_timeout: float = 300.0, server_timeout: float = 120.0, run_deadline: float = 7 * 24 * 3600.0,
-                 telemetry: Telemetry | None = None, device: str = "cpu", tls: TLSConfig | None = None,
-                 identity: str = "", server_name: str | None = None, state_dir: str | None = None,
-                 keep_checkpoints: int = 3, run_id: str | None = None, reconnect: bool = True,
-                 attack: str | None = None, slow_factor: float = 1.0, swap_check: str | None = None,
-                 dp_max_epsilon: float = 0.0, split: DataConfig | None = None):
-        if sum(x is not None for x in (shard, dataset, site)) != 1:
+    shard: Shard | None = None
+    dataset: tuple[torch.Tensor, torch.Tensor, DataConfig] | None = None
+    site: SiteData | None = None
+    slot: int | None = None
+    # how the shared dataset an emulated worker's shard comes from was cut (the server records it for
+    # `mdgan audit`); a worker assigned its shard has it with its dataset
+    split: DataConfig | None = None
+
+    def __post_init__(self):
+        if sum(x is not None for x in (self.shard, self.dataset, self.site)) != 1:
             raise ValueError("give a site's data, a shard, or a dataset to take the assigned shard from")
-        self.shard = shard
-        self.dataset = dataset
-        # how the shared dataset an emulated worker's shard comes from was cut (the server records it for
-        # `mdgan audit`); a worker assigned its shard has it with its dataset
-        self.split = split if split is not None else (dataset[2] if dataset is not None else None)
-        self.site = site
+
+
+@dataclass(frozen=True)
+class ServerLink:
+    """How a worker reaches its server, who it is to it, and how long it waits for it."""
+
+    address: str
+    tls: TLSConfig | None = None  # None: --insecure
+    identity: str = ""  # "" : the certificate's
+    server_name: str | None = None
+    connect_timeout: float = 300.0
+    server_timeout: float = 120.0
+    run_deadline: float = 7 * 24 * 3600.0
+    reconnect: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """Durable runs: where the worker keeps its state, how many checkpoints, and the run it is pinned to."""
+
+    state_dir: str | None = None
+    keep_checkpoints: int = 3
+    run_id: str | None = None  # --run-id: join that run only
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """The site's own limits, and the emulations experiments use (mdgan-worker --attack, --slow-factor)."""
+
+    swap_check: str | None = None  # this site's own --swap-check on|off; None: as the run says
+    dp_max_epsilon: float = 0.0  # > 0: leave the run rather than spend more (DP runs)
+    attack: str | None = None  # a Byzantine worker
+    slow_factor: float = 1.0  # a straggler
+
+
+class WorkerNode:
+    """One worker's session with its server: what it trains on (WorkerData), how it reaches the server
+    (ServerLink), its durable state (WorkerState) and its site's policy (SitePolicy)."""
+
+    def __init__(self, link: ServerLink, data: WorkerData, *, advertise_address: str = "",
+                 state: WorkerState = WorkerState(), policy: SitePolicy = SitePolicy(),
+                 telemetry: Telemetry | None = None, device: str = "cpu"):
+        self.shard = data.shard
+        self.dataset = data.dataset
+        self.split = data.split if data.split is not None else (data.dataset[2] if data.dataset is not None else None)
+        self.site = data.site
         self._site_join: pb.Join | None = None  # a site's data facts, sent again on every rejoin
-        self.slot = slot  # sites: the slot (rank) asked for; None: the server assigns one
+        self.slot = data.slot
         self.telemetry = telemetry or Telemetry("worker")
         self.device = device  # this worker's own choice; the run's spec does not carry one
-        # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
-        self.attack_kind = attack
-        self.slow_factor = slow_factor
-        self.swap_check = swap_check  # this site's own --swap-check on|off; None: as the run says
-        self.dp_max_epsilon = dp_max_epsilon  # > 0: leave the run rather than spend more (DP runs)
-        self.server_address = server_address
-        self.advertise_address = advertise_address
-        self.connect_timeout = connect_timeout
-        self.server_timeout = server_timeout
-        self.run_deadline = run_deadline
+        self.attack_kind = policy.attack
+        self.slow_factor = policy.slow_factor
+        self.swap_check = policy.swap_check
+        self.dp_max_epsilon = policy.dp_max_epsilon
+        self.server_address = link.address
+        self.advertise_address = advertise_address  # (known once the Peer service listens)
+        self.connect_timeout = link.connect_timeout
+        self.server_timeout = link.server_timeout
+        self.run_deadline = link.run_deadline
         self.algorithm: WorkerAlgorithm | None = None  # the run's, built at its first welcome
         self._traffic = WorkerAlgorithm.traffic
         self.worker_id = ""
         self._write_lock = asyncio.Lock()
         self.swap_timeout = 60.0
-        self.tls = tls  # None: --insecure
-        self.identity = identity or (tls.identity if tls else "")
-        self.server_name = server_name
+        self.tls = link.tls
+        self.identity = link.identity or (link.tls.identity if link.tls else "")
+        self.server_name = link.server_name
         # Durable runs: the run this worker is in, where it keeps its state, how far its D trained.
-        self.state_dir = state_dir
-        self.keep_checkpoints = keep_checkpoints
-        self.reconnect = reconnect
-        self.run_id = run_id or self._saved_run().get("run_id")
-        self.pinned_run = run_id  # --run-id: join that run only
+        self.state_dir = state.state_dir
+        self.keep_checkpoints = state.keep_checkpoints
+        self.reconnect = link.reconnect
+        self.run_id = state.run_id or self._saved_run().get("run_id")
+        self.pinned_run = state.run_id
         self.faults = FaultReport(lambda: self.worker_id or self.identity or "this worker", self.write)
         self._task: asyncio.Task | None = None  # the task running run(): a fault ends it
         self._call = None  # the Train stream of the session under way (None: between sessions)

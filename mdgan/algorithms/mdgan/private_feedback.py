@@ -121,7 +121,8 @@ class FeedbackMechanism:
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["answers"]) != len(self.answers):
-            raise ValueError(f"saved state of {len(state['answers'])} discriminators, this site has {len(self.answers)}")
+            raise ValueError(f"saved state of {len(state['answers'])} discriminators, this site has "
+                             f"{len(self.answers)}")
         self.answers = [int(n) for n in state["answers"]]
         self.schedule.load_state_dict(state["schedule"])
         self.noise.set_state(state["noise"])
