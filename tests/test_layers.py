@@ -127,6 +127,19 @@ def test_the_switch_pattern_finds_switches():
     assert not SWITCH.search('name="pwgan", title="P-WGAN"')  # an algorithm naming itself is no switch
 
 
+def test_the_peer_service_uses_only_its_typed_host():
+    from services.worker.context import PeerHost
+    from services.worker.node import WorkerNode
+
+    declared = set(PeerHost.__annotations__) | {n for n in vars(PeerHost) if not n.startswith("_")}
+    source = open(os.path.join("services", "worker", "peer.py")).read()
+    used = set(re.findall(r"\bhost\.(\w+)", source))
+    assert used and used <= declared, used - declared
+    assert not re.search(r"\bnode\.", source)  # it holds no WorkerNode to reach into
+    node = WorkerNode.__init__.__code__.co_names + tuple(vars(WorkerNode))
+    assert [name for name in declared if name not in node and not hasattr(WorkerNode, name)] == []
+
+
 def test_worker_algorithms_use_only_their_typed_context():
     from services.worker.context import WorkerContext
     from services.worker.node import WorkerNode

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from services.common.telemetry import Telemetry
     from services.common.tls import TLSConfig
     from services.common.proto import coordinator_pb2 as pb
+    from services.worker.peer import PeerInbox
 
 
 class WorkerContext(Protocol):
@@ -41,3 +42,18 @@ class WorkerContext(Protocol):
     def fail(self, where: str, exc: BaseException) -> None:
         """This worker's own exception in a task of its own (`where`: what it was doing): logged, told to
         the server as a Fault, and the worker's session ends; the worker exits 1."""
+
+
+class PeerHost(Protocol):
+    """What the Peer service (services/worker/peer.py) may use of the worker that serves it;
+    tests/test_layers.py checks that it reaches nothing else."""
+
+    telemetry: Telemetry
+    tls: TLSConfig | None  # None (--insecure): a pusher is who its header says
+    swap_timeout: float  # how long a push waits for the round's order
+
+    def peer_inbox(self) -> PeerInbox | None:
+        """Where pushed discriminators go: the run's MD-GAN worker (None: not in an MD-GAN run)."""
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """The worker's own error while receiving: it ends its session (WorkerContext.fail)."""

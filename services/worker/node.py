@@ -34,6 +34,7 @@ from services.worker.algorithms import ALGORITHMS
 from services.worker.algorithms.base import (BudgetSpent, RunFailed, ServerGone, StreamBroken, WorkerAlgorithm,
                                              WorkerFailed)
 from services.worker.faults import FaultReport
+from services.worker.peer import PeerInbox
 
 log = logging.getLogger("mdgan.worker")
 
@@ -188,6 +189,10 @@ class WorkerNode:
         self.faults = FaultReport(lambda: self.worker_id or self.identity or "this worker", self.write)
         self._task: asyncio.Task | None = None  # the task running run(): a fault ends it
         self._call = None  # the Train stream of the session under way (None: between sessions)
+
+    def peer_inbox(self):
+        """The run's receiving side of pushed discriminators (the Peer service's; None: not an MD-GAN run)."""
+        return self.algorithm if isinstance(self.algorithm, PeerInbox) else None
 
     # -- durable state ---------------------------------------------------------------------------
     def _saved_run(self) -> dict:

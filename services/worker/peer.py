@@ -18,7 +18,7 @@ from services.common.tls import peer_identity
 from mdgan.algorithms.mdgan.swapcheck import check_incoming
 
 if TYPE_CHECKING:
-    from services.worker.node import WorkerNode
+    from services.worker.context import PeerHost
 
 log = logging.getLogger("mdgan.worker")
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
@@ -190,13 +190,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     --insecure it is the name it claims in the header. Either way it must be the sender the server
     designated for the round (see SwapMailbox)."""
 
-    def __init__(self, node: "WorkerNode"):
-        self.node = node
+    def __init__(self, host: PeerHost):
+        self.host = host
         self.active = 0
         self.warnings = rpc.RateLimitedWarnings(log)
 
     def sender_identity(self, context: grpc.aio.ServicerContext, header: peer_pb2.DiscriminatorHeader) -> str:
-        if self.node.tls is not None:
+        if self.host.tls is not None:
             return peer_identity(context) or ""
         return header.sender_identity or header.sender_worker
 
@@ -212,15 +212,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             log.debug("%s", gone)
             return peer_pb2.PushAck()
         except Exception as exc:  # our own error (the check, unpacking): the pusher hears one line, we fail
-            self.node.fail("receiving a discriminator", exc)
+            self.host.fail("receiving a discriminator", exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"the receiver failed: {rpc.one_line(exc)}")
         finally:
             self.active -= 1
 
     async def _receive(self, request_iterator, context: grpc.aio.ServicerContext) -> peer_pb2.PushAck:
-        node = self.node
-        inbox = node.algorithm if isinstance(node.algorithm, PeerInbox) else None  # None: not in an MD-GAN run
-        side, telemetry = (inbox.side if inbox else None), node.telemetry
+        host = self.host
+        inbox = host.peer_inbox()  # None: not in an MD-GAN run
+        side, telemetry = (inbox.side if inbox else None), host.telemetry
         mailbox = inbox.mailbox if inbox else None  # the header's `copy` picks the copies' instead
         keeps = side is not None and side.config.privacy.keeps_discriminators  # private feedback: none comes in
         assembler = codec.StateAssembler(compression.wire_layout(side.state_layout(), side.config.wire_dtype)) \
@@ -259,7 +259,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                     assembler.accept(chunk)
                     sender = self.sender_identity(context, chunk.header)
                     if sender not in mailbox.members:  # not known to be in the run: read nothing before the order
-                        refusal = await mailbox.authorize(chunk.header.round, sender, node.swap_timeout)
+                        refusal = await mailbox.authorize(chunk.header.round, sender, host.swap_timeout)
                         authorized = refusal is None
                     continue
                 if data is not None:
@@ -276,7 +276,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 telemetry.rejected.labels(exc.reason).inc()
                 refusal = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         if refusal is None and not authorized:  # a member read ahead: now the order decides
-            refusal = await mailbox.authorize(assembler.header.round, sender, node.swap_timeout)
+            refusal = await mailbox.authorize(assembler.header.round, sender, host.swap_timeout)
         if refusal is not None:
             if refusal[0] == grpc.StatusCode.PERMISSION_DENIED:
                 telemetry.rejected.labels("sender").inc()
