@@ -25,7 +25,7 @@ from services.common import codec, pki, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, tensor_pb2
 from services.common.tls import TLSConfig
-from services.server.coordinator import Coordinator
+from services.server.coordinator import Admission, Coordinator
 
 from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
@@ -356,8 +356,8 @@ def test_a_shard_is_bound_to_the_identity_that_first_held_it(run_pki):
     who = {name: credentials(pki_dir, name) for name in ("worker-0", "worker-1", "mallory", "mdgan-server")}
 
     async def scenario(authenticated: bool, allowed=None):
-        coordinator = Coordinator(TrainingConfig(workers=2, batch_size=10).validate(), authenticated=authenticated,
-                                  allowed_workers=allowed)
+        coordinator = Coordinator(TrainingConfig(workers=2, batch_size=10).validate(),
+                                  admission=Admission(authenticated, tuple(allowed) if allowed else None))
         server = rpc.make_server(max_receive_bytes=1 << 20)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
         port = (server.add_secure_port("127.0.0.1:0", server_tls.server_credentials()) if authenticated

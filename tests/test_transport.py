@@ -19,7 +19,7 @@ from mdgan.gan import DiscriminatorSide, GeneratorSide
 from services.common import codec, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
-from services.server.coordinator import Coordinator
+from services.server.coordinator import Coordinator, Deadlines
 from services.worker.algorithms.mdgan import MDGANWorker
 from services.worker.node import ServerLink, WorkerData, WorkerNode
 from services.worker.peer import PeerServicer, push_discriminator
@@ -286,7 +286,7 @@ def test_a_worker_the_server_drops_mid_run_rejoins_and_only_the_runs_end_ends_it
         raise AssertionError("the worker did not (re)join")
 
     async def scenario():
-        coordinator = Coordinator(config, heartbeat_interval=1)
+        coordinator = Coordinator(config, deadlines=Deadlines(heartbeat_interval=1))
         server, port = await _serve(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, s))
         node = WorkerNode(ServerLink(f"127.0.0.1:{port}", connect_timeout=60, server_timeout=60),
                           WorkerData(shard=shard), advertise_address="127.0.0.1:9")

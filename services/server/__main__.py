@@ -32,7 +32,7 @@ from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
 from services.server.algorithms import ALGORITHMS
 from services.server.context import ServerContext
-from services.server.coordinator import Coordinator, PeerProbe
+from services.server.coordinator import Admission, Coordinator, Deadlines, PeerProbe
 
 log = logging.getLogger("mdgan.server")
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -155,13 +155,13 @@ async def serve(args) -> dict:
 
     session = algorithm(ServerContext(args, config, run, telemetry, generator, initial_discriminator.state_dict(),
                                       roster, recorder, saver, on_iteration))
-    coordinator = Coordinator(config, telemetry=telemetry, heartbeat_interval=args.heartbeat_interval,
-                              swap_timeout=args.swap_timeout, liveness_timeout=liveness, algorithm=args.algorithm,
-                              model_layouts=layouts, roster=roster, run_id=run.run_id,
-                              swap_round=session.swap_round, class_names=class_names(args),
-                              authenticated=credentials is not None, allowed_workers=allowed,
-                              describe_run=getattr(session, "describe", None), finished_runs=finished_run_ids(args.out),
-                              peer_probe=PeerProbe(credentials) if args.peer_check == "dial" else None)
+    admission = Admission(authenticated=credentials is not None, allowed_workers=tuple(allowed) if allowed else None,
+                          finished_runs=frozenset(finished_run_ids(args.out)),
+                          peer_probe=PeerProbe(credentials) if args.peer_check == "dial" else None)
+    coordinator = Coordinator(config, telemetry=telemetry, algorithm=args.algorithm, model_layouts=layouts,
+                              deadlines=Deadlines(args.heartbeat_interval, args.swap_timeout, liveness),
+                              admission=admission, roster=roster, run_id=run.run_id, swap_round=session.swap_round,
+                              class_names=class_names(args), describe_run=getattr(session, "describe", None))
     receive, send = message_limits(config)
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)

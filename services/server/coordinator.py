@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -68,6 +69,27 @@ class PeerProbe:
         return None if reply.status == health_pb2.HealthCheckResponse.SERVING else "its Peer service is not serving"
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How often the server speaks when idle, and how long it waits for a worker (seconds)."""
+
+    heartbeat_interval: float = 5.0
+    swap_timeout: float = 60.0
+    liveness_timeout: float = 60.0  # a worker silent this long is lost
+    join_read_timeout: float = 30.0  # a stream that sends no Join this long is closed
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Who may join: under mutual TLS (`authenticated`) a worker certificate or a name on `allowed_workers`;
+    never a worker of a run this server finished; a Peer address checked by `peer_probe` (None: on trust)."""
+
+    authenticated: bool = False
+    allowed_workers: tuple[str, ...] | None = None
+    finished_runs: frozenset[str] = frozenset()
+    peer_probe: PeerProbe | None = None
+
+
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """Admits workers into the roster's slots, at any time (they take part from the next iteration
     boundary), and refuses those of another run or another identity.
@@ -78,19 +100,18 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     binds each slot to the first identity that holds it.
     """
 
-    def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None, heartbeat_interval: float = 5.0,
-                 swap_timeout: float = 60.0, liveness_timeout: float = 60.0, join_read_timeout: float = 30.0,
+    def __init__(self, config: TrainingConfig, *, telemetry: Telemetry | None = None,
+                 deadlines: Deadlines = Deadlines(), admission: Admission = Admission(),
                  algorithm: str = "mdgan", model_layouts: dict[str, dict] | None = None, roster: Roster | None = None,
                  run_id: str = "", swap_round=lambda: 0, class_names: tuple[str, ...] | None = None,
-                 authenticated: bool = False, allowed_workers: list[str] | None = None, describe_run=None,
-                 finished_runs: set[str] | frozenset[str] = frozenset(), peer_probe: PeerProbe | None = None):
+                 describe_run=None):
         self.config = config
-        self.peer_probe = peer_probe  # None: a worker's advertised address is taken on trust
-        self.finished_runs = frozenset(finished_runs) - {run_id}  # earlier runs of this server, ended
+        self.peer_probe = admission.peer_probe  # None: a worker's advertised address is taken on trust
+        self.finished_runs = frozenset(admission.finished_runs) - {run_id}  # earlier runs of this server, ended
         # The run's algorithm adds its own options to the Welcome's TrainingSpec (P-WGAN's T, eta, ...).
         self.describe_run = describe_run
-        self.authenticated = authenticated
-        self.allowed_workers = set(allowed_workers) if allowed_workers else None
+        self.authenticated = admission.authenticated
+        self.allowed_workers = set(admission.allowed_workers) if admission.allowed_workers else None
         self._pending_joins = 0
         self.warnings = RateLimitedWarnings(log)  # a flood of bad joins makes a few lines, not a flood
         # The run's class names: declared (--classes) or set by the first site with class folders.
@@ -103,10 +124,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.telemetry = telemetry or Telemetry("server")
         self.telemetry.workers_expected.set(config.workers)
         self.telemetry.run_iterations.set(config.iterations)
-        self.heartbeat_interval = heartbeat_interval
-        self.swap_timeout = swap_timeout
-        self.liveness_timeout = liveness_timeout
-        self.join_read_timeout = join_read_timeout
+        self.heartbeat_interval = deadlines.heartbeat_interval
+        self.swap_timeout = deadlines.swap_timeout
+        self.liveness_timeout = deadlines.liveness_timeout
+        self.join_read_timeout = deadlines.join_read_timeout
         self.roster = roster or Roster(config.workers)
         self.run_id = run_id
         self.swap_round = swap_round  # swap rounds done so far (the Trainer's count)
