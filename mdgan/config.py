@@ -147,7 +147,7 @@ class TrainingConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     generator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     discriminator_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
-    # Beyond the paper (issue 13). How generated batches, feedback and swapped discriminators are
+    # Beyond the paper. How generated batches, feedback and swapped discriminators are
     # rounded on the wire (the rounding is part of the algorithm: mdgan/compression.py).
     wire_dtype: str = "float32"
     # How the server combines the feedback of the workers that got the same X_g (mdgan/aggregation.py):
