@@ -9,11 +9,12 @@ sample's feedback (the gradient of its own loss) is clipped to L2 norm C and Gau
 sigma x C is added to it before it is sent. No discriminator leaves the site: the server orders no
 swaps and gives late joiners no copies (a site that refused one anyway would fail the run, not send it).
 
-The privacy of one image (docs/PRIVACY.md, "Private feedback", has the argument):
+The privacy of one image, replaced by another (the site's size is public; docs/PRIVACY.md, "Private
+feedback", has the argument):
 
-- An answer depends on the site's data only through the drawn part's discriminator; which part is drawn
-  does not depend on the data. So an image of part p is touched only by part p's answers: parallel
-  composition over the parts, each answer a Gaussian mechanism.
+- An answer depends on the site's data only through the drawn part's discriminator; neither which part
+  is drawn nor which part an image is in depends on the data. So an image of part p is touched only by
+  part p's answers: parallel composition over the parts, each answer a Gaussian mechanism.
 - A part's discriminator may change arbitrarily with one image, so each of the b clipped rows may move
   by 2C: the L2 sensitivity of an answer is 2 C sqrt(b), and its noise, sigma C, is
   sigma / (2 sqrt(b)) of it. Opacus's RDP accountant composes n_p such steps at sampling rate 1 for the
