@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mdgan import algorithms, checkpoint, devices
 from mdgan.algorithms.base import InProcessRun
@@ -21,41 +21,81 @@ from mdgan.sites import RunClasses, site_shards
 DISCRIMINATORS_FILE = "discriminators.pt"  # --save-discriminators: worker id -> its final D (mdgan audit)
 
 
+@dataclass(frozen=True)
+class Durability:
+    """Checkpoints and resume (the durable algorithms): as for the server; each worker keeps its state in
+    OUT/workers/worker-K. overwrite: a finished run in out_dir is replaced by this one (without it: a
+    RunFinished error)."""
+
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: str = "no"  # no | yes | auto
+    run_id: str | None = None
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """Failures and attackers emulated in a run.
+
+    crash_every: the paper's crash experiment (the algorithms whose registry entry has `crashes`): every
+    this many iterations one more worker fails (the last by rank), and its data leaves with it.
+    churn: durable algorithms (MD-GAN), [(iteration, "leave" | "join", slot)]: at that iteration boundary
+    the worker of that slot leaves, or comes back (with its saved state if it has one, else a copy of a
+    live peer's discriminator), through the same roster as over gRPC.
+    byzantine, attack: MD-GAN, the last `byzantine` workers by rank send wrong feedback (mdgan/attacks.py),
+    to measure the robust aggregation rules."""
+
+    crash_every: int | None = None
+    churn: list[tuple[int, str, int]] | None = None
+    byzantine: int = 0
+    attack: str | None = None
+
+
+@dataclass(frozen=True)
+class SiteFolders:
+    """Worker i's data from SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a
+    worker does it (mdgan.sites; classes: the run's class names, as the server's --classes)."""
+
+    site_dirs: str | None = None
+    bad_images: str = "refuse"
+    classes: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What a run writes beyond its run folder's usual files: TensorBoard and MLflow tracking
+    (mdgan/tracking.py), and OUT/discriminators.pt, every worker's final discriminator (what `mdgan audit`
+    attacks; MD-GAN, FL-GAN and the standalone GAN)."""
+
+    tensorboard: str | None = None
+    mlflow: str | None = None
+    save_discriminators: bool = False
+
+
 def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: bool = True,
-             evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan",
-             crash_every: int | None = None, churn: list[tuple[int, str, int]] | None = None,
-             checkpoint_every: int = 0, keep_checkpoints: int = 3, resume: str = "no",
-             run_id: str | None = None, byzantine: int = 0, attack: str | None = None,
-             site_dirs: str | None = None, bad_images: str = "refuse", classes: tuple[str, ...] | None = None,
-             options=None, tensorboard: str | None = None, mlflow: str | None = None,
-             save_discriminators: bool = False, stop_after: int | None = None, overwrite: bool = False,
+             evaluation: EvaluationOptions = EvaluationOptions(), algorithm: str = "mdgan", options=None, *,
+             durability: Durability = Durability(), emulation: Emulation = Emulation(),
+             sites: SiteFolders = SiteFolders(), outputs: Outputs = Outputs(), stop_after: int | None = None,
              before_writing=None) -> dict:
     """The whole run in this process: MD-GAN with every worker an object (the same loop as over
     gRPC), or one of the baselines on the same models, seeds and data.
 
-    Worker i's data: shard i of data's dataset (emulation), or with site_dirs all of
-    SITE_DIRS/site-i in the data.dataset format, loaded, checked and shaped as a worker does it
-    (mdgan.sites; classes: the run's class names, as the server's --classes).
-    crash_every: the paper's crash experiment (the algorithms whose registry entry has `crashes`): every this
-    many iterations one more worker fails (the last by rank), and its data leaves with it.
-    churn: durable algorithms (MD-GAN), [(iteration, "leave" | "join", slot)]: at that iteration boundary the worker
-    of that slot leaves, or comes back (with its saved state if it has one, else a copy of a live
-    peer's discriminator), through the same roster as over gRPC.
-    checkpoint_every / resume: as for the server; each worker keeps its state in OUT/workers/worker-K.
-    byzantine, attack: MD-GAN, the last `byzantine` workers by rank send wrong feedback
-    (mdgan/attacks.py), to measure the robust aggregation rules.
-    tensorboard, mlflow: also track the run there (mdgan/tracking.py).
-    save_discriminators: also write OUT/discriminators.pt, every worker's final discriminator (what
-    `mdgan audit` attacks; MD-GAN, FL-GAN and the standalone GAN).
+    Worker i's data: shard i of data's dataset (emulation), or its site folder (sites).
     options: the algorithm's own options (its registry entry's `options`: PWGANOptions, ...; None: the
     defaults).
     stop_after: train only the run's first this many iterations, as the whole run of config.iterations
     trains them (its rounds, crash schedule and records are the whole run's; experiments/replay.py), and
     write the outputs of the G it holds there. Not with checkpoints: a stopped run is not resumed.
-    overwrite: a finished run in out_dir is replaced by this one (without it: a RunFinished error).
     before_writing: called once every setting is accepted, before anything is written to out_dir.
     Every refusal comes before it: a refused run leaves out_dir as it was.
     """
+    checkpoint_every, keep_checkpoints, resume = (durability.checkpoint_every, durability.keep_checkpoints,
+                                                  durability.resume)
+    run_id, overwrite = durability.run_id, durability.overwrite
+    crash_every, churn, byzantine, attack = (emulation.crash_every, emulation.churn, emulation.byzantine,
+                                             emulation.attack)
+    site_dirs, bad_images, classes = sites.site_dirs, sites.bad_images, sites.classes
     entry = algorithms.get(algorithm)
     algorithms.refuse(entry, checkpoint_every=checkpoint_every, resume=resume != "no", churn=bool(churn),
                       byzantine=byzantine, crash_every=crash_every, site_dirs=site_dirs,
@@ -101,11 +141,11 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
                                evaluation.reference, evaluation.large_every, evaluation.large_samples)
     from mdgan.tracking import Tracking
 
-    tracking = Tracking.open(run.run_id or algorithm, tensorboard, mlflow)
+    tracking = Tracking.open(run.run_id or algorithm, outputs.tensorboard, outputs.mlflow)
     recorder = RunRecorder(out_dir, stop_after or config.iterations, progress, algorithm, evaluator,
                            resume_at=run.resumed_from, tracking=tracking)
     result = None
-    discriminators = {} if save_discriminators else None
+    discriminators = {} if outputs.save_discriminators else None
     try:
         result = entry.run_in_process(InProcessRun(
             config, shards, generator_side, recorder, out_dir, run, options, crash_every, churn or [],

@@ -50,7 +50,7 @@ def _print_summary(summary: dict, out: str) -> None:
 
 def cmd_simulate(args) -> int:
     from mdgan.algorithms.mdgan.inprocess import parse_churn
-    from mdgan.simulation import simulate
+    from mdgan.simulation import Durability, Emulation, Outputs, SiteFolders, simulate
     from services.common.settings import (algorithm_options, class_names, configure_compute, data_config,
                                           evaluation_options, training_config)
     from mdgan_app.launcher import _eval_root
@@ -70,15 +70,18 @@ def cmd_simulate(args) -> int:
             check_out_dir(args.out, resume, args.overwrite)  # (again, now that no other command can write there)
             save_launch_settings(args)
 
-        summary = simulate(
-            config, data_config(args, config.workers), args.out, progress=show_progress(args),
-            evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
-            churn=parse_churn(args.churn), checkpoint_every=args.checkpoint_every,
-            keep_checkpoints=args.keep_checkpoints, resume=resume,
-            run_id=args.run_id, site_dirs=args.site_dirs, bad_images=args.bad_images, classes=class_names(args),
-            byzantine=args.byzantine, attack=args.attack,
-            options=algorithm_options(args.algorithm, args), tensorboard=args.tensorboard, mlflow=args.mlflow,
-            save_discriminators=args.save_discriminators, overwrite=args.overwrite, before_writing=accepted)
+        summary = simulate(config, data_config(args, config.workers), args.out, progress=show_progress(args),
+                           evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
+                           options=algorithm_options(args.algorithm, args), before_writing=accepted,
+                           emulation=Emulation(churn=parse_churn(args.churn), byzantine=args.byzantine,
+                                               attack=args.attack),
+                           durability=Durability(checkpoint_every=args.checkpoint_every,
+                                                 keep_checkpoints=args.keep_checkpoints, resume=resume,
+                                                 run_id=args.run_id, overwrite=args.overwrite),
+                           sites=SiteFolders(site_dirs=args.site_dirs, bad_images=args.bad_images,
+                                             classes=class_names(args)),
+                           outputs=Outputs(tensorboard=args.tensorboard, mlflow=args.mlflow,
+                                           save_discriminators=args.save_discriminators))
     _print_summary(summary, args.out)
     return 0
 

@@ -204,7 +204,7 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, s
     unscored unless score_first: what experiments/replay.py and experiments/first_evaluation.py compare
     with a kept run."""
     from mdgan.run import EvaluationOptions
-    from mdgan.simulation import simulate
+    from mdgan.simulation import Durability, Emulation, Outputs, simulate
 
     config = training_config(run)
     data = DataConfig(run["dataset"], run["data_root"], config.workers, 0, split=run["split"],
@@ -217,11 +217,13 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, s
     # (the algorithms that cannot checkpoint run through: a stop restarts them)
     durable = first is None and run["checkpoint_every"] > 0 and algorithms.get(run["algorithm"]).durable
     summary = simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
-                    checkpoint_every=run["checkpoint_every"] if durable else 0, resume="auto" if durable else "no",
-                    crash_every=crash_period(run), byzantine=run["byzantine"] if run["attack"] else 0,
-                    attack=run["attack"] if run["byzantine"] else None,
-                    options=algorithms.get(run["algorithm"]).options_from(run),
-                    save_discriminators=first is None and bool(run["save_discriminators"]), stop_after=first)
+                       options=algorithms.get(run["algorithm"]).options_from(run), stop_after=first,
+                       durability=Durability(checkpoint_every=run["checkpoint_every"] if durable else 0,
+                                             resume="auto" if durable else "no"),
+                       emulation=Emulation(crash_every=crash_period(run),
+                                           byzantine=run["byzantine"] if run["attack"] else 0,
+                                           attack=run["attack"] if run["byzantine"] else None),
+                       outputs=Outputs(save_discriminators=first is None and bool(run["save_discriminators"])))
     if run.get("eval_downstream") and first is None:  # (a run.json kept before the key: none)
         summary = _score_downstream(run, out_dir, summary)
     return summary

@@ -19,7 +19,7 @@ from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
 from mdgan.run import EvaluationOptions
-from mdgan.simulation import simulate
+from mdgan.simulation import Durability, simulate
 from procs import drop_checkpoints
 
 QUIET = EvaluationOptions(every=-1)
@@ -77,14 +77,14 @@ def test_checkpoints_wait_for_the_round_in_flight_and_a_resumed_run_goes_on_bit_
     config = TrainingConfig(workers=3, iterations=30, batch_size=8, swap_every=6, seed=5).validate()
     data, options = DataConfig("synthetic"), MDGANOptions(swap_lag=4)
     out = str(tmp_path / "run")
-    full = simulate(config, data, out, progress=False, evaluation=QUIET, checkpoint_every=8, keep_checkpoints=10,
-                    options=options)
+    full = simulate(config, data, out, progress=False, evaluation=QUIET, options=options,
+                    durability=Durability(checkpoint_every=8, keep_checkpoints=10))
     store = CheckpointStore(os.path.join(out, "checkpoints"))
     assert store.complete() == [10, 16, 28, 30]
     drop_checkpoints(store, (28, 30))  # as if the process died before checkpoint 28 completed
     os.remove(os.path.join(out, "summary.json"))
-    resumed = simulate(config, data, out, progress=False, evaluation=QUIET, checkpoint_every=8, resume="yes",
-                       options=options)
+    resumed = simulate(config, data, out, progress=False, evaluation=QUIET, options=options,
+                       durability=Durability(checkpoint_every=8, resume="yes"))
     assert resumed["resumed_from"] == 16 and resumed["generator_sha256"] == full["generator_sha256"]
     with open(os.path.join(out, "swaps.jsonl")) as fh:
         assert [(r["round"], r["installed"]) for r in map(json.loads, fh)] == [(1, 10), (2, 16), (3, 22), (4, 28), (5, 30)]

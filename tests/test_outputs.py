@@ -24,11 +24,11 @@ def documented(section: str) -> set[str]:
 def test_every_field_a_run_writes_is_documented(tmp_path):
     from mdgan.config import DataConfig, TrainingConfig
     from mdgan.run import EvaluationOptions
-    from mdgan.simulation import simulate
+    from mdgan.simulation import Durability, simulate
 
     config = TrainingConfig(workers=2, iterations=4, batch_size=8, swap_every=2).validate()
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False,
-                       evaluation=EvaluationOptions(every=-1), checkpoint_every=2)
+                       evaluation=EvaluationOptions(every=-1), durability=Durability(checkpoint_every=2))
     with open(tmp_path / "history.jsonl") as fh:
         history = [json.loads(line) for line in fh]
     assert set(summary) - documented("summary.json") == set()

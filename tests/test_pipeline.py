@@ -24,7 +24,7 @@ from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
 from mdgan.run import EvaluationOptions
-from mdgan.simulation import simulate
+from mdgan.simulation import Durability, Emulation, simulate
 
 QUIET = EvaluationOptions(every=-1)
 
@@ -94,8 +94,8 @@ def test_a_checkpoint_holds_the_answers_in_flight_and_a_resumed_run_goes_on_bit_
     config = _config(iterations=30, swap_every=6)
     data, options = DataConfig("synthetic"), MDGANOptions(pipeline_depth=3, swap_lag=2)
     out = str(tmp_path / "run")
-    full = simulate(config, data, out, progress=False, evaluation=QUIET, checkpoint_every=8, keep_checkpoints=10,
-                    options=options)
+    full = simulate(config, data, out, progress=False, evaluation=QUIET, options=options,
+                    durability=Durability(checkpoint_every=8, keep_checkpoints=10))
     store = CheckpointStore(os.path.join(out, "checkpoints"))
     assert 16 in store.complete()
     state = store.load(16, "server")
@@ -104,19 +104,20 @@ def test_a_checkpoint_holds_the_answers_in_flight_and_a_resumed_run_goes_on_bit_
     assert all(len(f["answers"]) == 3 and all("result" in a for a in f["answers"]) for f in flights)
     drop_checkpoints(store, [i for i in store.complete() if i > 16])  # as if the process died after 16
     os.remove(os.path.join(out, "summary.json"))
-    resumed = simulate(config, data, out, progress=False, evaluation=QUIET, checkpoint_every=8, resume="yes",
-                       options=options)
+    resumed = simulate(config, data, out, progress=False, evaluation=QUIET, options=options,
+                       durability=Durability(checkpoint_every=8, resume="yes"))
     assert resumed["resumed_from"] == 16 and resumed["generator_sha256"] == full["generator_sha256"]
 
 
 def test_a_checkpoint_without_a_pipeline_is_refused_by_a_pipelined_resume(tmp_path):
     config = _config(iterations=20, swap_every=6)
     out = str(tmp_path / "run")
-    simulate(config, DataConfig("synthetic"), out, progress=False, evaluation=QUIET, checkpoint_every=8)
+    simulate(config, DataConfig("synthetic"), out, progress=False, evaluation=QUIET,
+             durability=Durability(checkpoint_every=8))
     os.remove(os.path.join(out, "summary.json"))
     with pytest.raises((ConfigError, ValueError), match="without --pipeline-depth"):
-        simulate(config, DataConfig("synthetic"), out, progress=False, evaluation=QUIET, checkpoint_every=8,
-                 resume="yes", options=MDGANOptions(pipeline_depth=2))
+        simulate(config, DataConfig("synthetic"), out, progress=False, evaluation=QUIET,
+                 options=MDGANOptions(pipeline_depth=2), durability=Durability(checkpoint_every=8, resume="yes"))
 
 
 def test_a_stop_waits_for_the_answers_out_and_checkpoints_them(tmp_path):
@@ -151,7 +152,8 @@ def test_a_worker_crashing_or_leaving_with_batches_in_flight_is_dropped_and_the_
     assert [by_t[t].answered for t in (8, 9, 10, 11)] == [4, 4, 3, 3] and by_t[8].lost == 1
     # churn in one process: a worker leaves and comes back (a copy of a peer's D) with batches in flight
     churned = simulate(config, DataConfig("synthetic"), str(tmp_path / "churn"), progress=False, evaluation=QUIET,
-                       churn=[(5, "leave", 1), (11, "join", 1)], options=MDGANOptions(pipeline_depth=2))
+                       options=MDGANOptions(pipeline_depth=2),
+                       emulation=Emulation(churn=[(5, "leave", 1), (11, "join", 1)]))
     assert churned["iterations"] == 20 and churned["workers_alive"] == 4
 
 

@@ -307,7 +307,7 @@ def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
     (sigma is given: the one a target epsilon of 1 finds for these sites, whose search is tested apart.)"""
     from mdgan.audit import AuditSettings, audit
     from mdgan.run import EvaluationOptions
-    from mdgan.simulation import simulate
+    from mdgan.simulation import Outputs, simulate
 
     data = DataConfig("mnist", os.path.join(REPO, "..", "shared", "data"), max_samples=32)
     if not os.path.isdir(os.path.join(data.data_root, "MNIST")):
@@ -317,7 +317,7 @@ def test_the_audit_sees_a_memorising_run_leak_and_dp_stop_it(tmp_path):
         config = TrainingConfig(workers=2, iterations=MEMORISE_ITERATIONS, batch_size=8, disc_steps=2, seed=1,
                                 privacy=privacy).validate()
         simulate(config, data, str(tmp_path / name), progress=False, evaluation=EvaluationOptions(every=-1),
-                 save_discriminators=True)
+                 outputs=Outputs(save_discriminators=True))
         report = audit(str(tmp_path / name), AuditSettings(members=16, nonmembers=500, generated=1000, bootstrap=50))
         aucs[name] = report["summary"]["d_class_loss"]["auc_mean"]
         if privacy.enabled:
@@ -336,13 +336,13 @@ def test_a_site_that_leaves_and_rejoins_keeps_spending_from_its_saved_budget(tmp
     from opacus.accountants import RDPAccountant
 
     from mdgan.run import EvaluationOptions
-    from mdgan.simulation import simulate
+    from mdgan.simulation import Durability, Emulation, simulate
 
     config = TrainingConfig(workers=2, iterations=30, batch_size=8, swap_every=5, seed=4,
                             privacy=PrivacySpec(noise_multiplier=1.5)).validate()
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "run"), progress=False,
-                       evaluation=EvaluationOptions(every=-1), checkpoint_every=5,
-                       churn=[(10, "leave", 1), (20, "join", 1)])
+                       evaluation=EvaluationOptions(every=-1), durability=Durability(checkpoint_every=5),
+                       emulation=Emulation(churn=[(10, "leave", 1), (20, "join", 1)]))
     sites = summary["privacy"]["sites"]
     history = read_jsonl(tmp_path / "run" / "history.jsonl")
     steps = {"worker-0": 30, "worker-1": sum(1 for r in history if r["active_workers"] == 2)}

@@ -138,11 +138,12 @@ def test_a_run_swaps_nothing_and_a_rejoining_site_starts_fresh_instead_of_a_copy
     """In one process with churn: no swaps, no worker-to-worker byte, and worker-1, back after leaving
     without saved state, takes no copy of a peer's discriminator (it would wait for one forever)."""
     from mdgan.run import EvaluationOptions
-    from mdgan.simulation import simulate
+    from mdgan.simulation import Emulation, simulate
 
     config = dataclasses.replace(_config(parts=2, iterations=24), workers=3).validate()
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "run"), progress=False,
-                       evaluation=EvaluationOptions(every=-1), churn=[(8, "leave", 1), (14, "join", 1)])
+                       evaluation=EvaluationOptions(every=-1),
+                       emulation=Emulation(churn=[(8, "leave", 1), (14, "join", 1)]))
     assert summary["iterations"] == 24 and summary["swaps"] == 0
     assert summary["payload_bytes"]["worker_to_worker"] == 0
     sites = summary["privacy"]["sites"]

@@ -11,7 +11,7 @@ from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import ShardSampler, load_all_shards
 from mdgan.gan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
 from mdgan.models import build_discriminator, build_generator
-from mdgan.simulation import simulate
+from mdgan.simulation import Emulation, simulate
 
 
 def _config(**kw) -> TrainingConfig:
@@ -122,7 +122,7 @@ def test_the_server_takes_the_replicas_averaged_buffers():
 def test_with_a_threshold_the_run_goes_on_when_workers_crash(tmp_path):
     config = _config(iterations=5)
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="psgan",
-                       crash_every=2, options=PSGANOptions(threshold=1))
+                       options=PSGANOptions(threshold=1), emulation=Emulation(crash_every=2))
     assert summary["iterations"] == 5 and summary["stopped_early"] is None and summary["workers_alive"] == 1
     answered = [json.loads(line)["answered"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert answered == [3, 3, 2, 2, 1]
@@ -131,7 +131,7 @@ def test_with_a_threshold_the_run_goes_on_when_workers_crash(tmp_path):
 def test_waiting_for_all_stops_the_run_when_a_worker_is_lost(tmp_path):
     config = _config(iterations=5)
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="psgan",
-                       crash_every=2)
+                       emulation=Emulation(crash_every=2))
     # the loss shows in iteration 3, which then has 2 gradients of the 3 it needs: no step, and the end
     assert summary["iterations"] == 3 and "2 workers left after iteration 3, fewer than the threshold 3" \
         in summary["stopped_early"]

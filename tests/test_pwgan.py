@@ -14,7 +14,7 @@ from mdgan.algorithms.pwgan import (COUNT_DTYPE, CriticSide, InProcessCritic, Po
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
-from mdgan.simulation import simulate
+from mdgan.simulation import Emulation, simulate
 
 
 def brute_force_cells(real_values: list[float], generated_values: list[float], phi: list[float]) -> list[int]:
@@ -156,7 +156,7 @@ def test_simulate_is_deterministic_and_its_traffic_is_the_formula(tmp_path, gan)
 def test_goes_on_with_the_remaining_workers_when_workers_crash(tmp_path):
     config = _config(iterations=5)
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm="pwgan",
-                       crash_every=2, options=PWGANOptions(potential_rounds=2))
+                       options=PWGANOptions(potential_rounds=2), emulation=Emulation(crash_every=2))
     assert summary["iterations"] == 5 and summary["stopped_early"] is None
     assert summary["workers_alive"] == 1  # one lost after iteration 2, one after iteration 4
     lines = (tmp_path / "history.jsonl").read_text().splitlines()

@@ -19,7 +19,7 @@ from mdgan.config import DataConfig, TrainingConfig
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
 from mdgan.run import EvaluationOptions, RunFinished
 from mdgan.algorithms.mdgan.inprocess import parse_churn
-from mdgan.simulation import simulate
+from mdgan.simulation import Durability, Emulation, simulate
 
 
 class Handle:
@@ -321,14 +321,15 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
     config = TrainingConfig(workers=3, kappa=2, iterations=40, swap_every=7, batch_size=10).validate()
     data, quiet = DataConfig("synthetic"), EvaluationOptions(every=-1)
     out = str(tmp_path / "run")
-    full = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10)
+    full = simulate(config, data, out, progress=False, evaluation=quiet, durability=Durability(checkpoint_every=10))
     store = CheckpointStore(os.path.join(out, "checkpoints"))
     assert store.complete() == [20, 30, 40]  # the last three: 40 is the run's end
     with pytest.raises(RunFinished, match="finished"):
-        simulate(config, data, out, progress=False, evaluation=quiet, resume="yes")
+        simulate(config, data, out, progress=False, evaluation=quiet, durability=Durability(resume="yes"))
     # as if the process died after the last iteration, before its outputs: nothing is trained again
     os.remove(os.path.join(out, "summary.json"))
-    ended = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10, resume="yes")
+    ended = simulate(config, data, out, progress=False, evaluation=quiet,
+                     durability=Durability(checkpoint_every=10, resume="yes"))
     assert ended["resumed_from"] == 40 and ended["iterations"] == 40
     assert ended["generator_sha256"] == full["generator_sha256"]
     # as if the process died before checkpoint 30 completed (and so before the end)
@@ -336,7 +337,8 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
         for name in os.listdir(store.folder(iteration)):
             os.remove(os.path.join(store.folder(iteration), name))
     os.remove(os.path.join(out, "summary.json"))
-    resumed = simulate(config, data, out, progress=False, evaluation=quiet, checkpoint_every=10, resume="yes")
+    resumed = simulate(config, data, out, progress=False, evaluation=quiet,
+                       durability=Durability(checkpoint_every=10, resume="yes"))
     assert resumed["resumed_from"] == 20 and resumed["run_id"] == full["run_id"]
     assert resumed["generator_sha256"] == full["generator_sha256"]
     with open(os.path.join(out, "history.jsonl")) as fh:
@@ -347,7 +349,7 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
     assert resumed["wall_seconds"] >= sum(row["seconds"] for row in history)
 
     churn = simulate(config, data, str(tmp_path / "churn"), progress=False, evaluation=quiet,
-                     churn=parse_churn("leave:12:2,join:20:2"))
+                     emulation=Emulation(churn=parse_churn("leave:12:2,join:20:2")))
     with open(tmp_path / "churn" / "history.jsonl") as fh:
         active = [json.loads(line)["active_workers"] for line in fh]
     assert active == [3] * 12 + [2] * 8 + [3] * 20 and churn["workers_alive"] == 3
@@ -355,7 +357,8 @@ def test_simulate_resumes_bit_for_bit_and_replays_a_churn_schedule(tmp_path):
         copies = [r for r in map(json.loads, fh) if r.get("kind") == "copy"]
     assert copies == [{"kind": "copy", "iteration": 20, "from": "worker-0", "to": "worker-2", "received": True}]
     with pytest.raises(CheckpointError):
-        simulate(config, data, str(tmp_path / "nothing"), progress=False, evaluation=quiet, resume="yes")
+        simulate(config, data, str(tmp_path / "nothing"), progress=False, evaluation=quiet,
+                 durability=Durability(resume="yes"))
 
 
 def test_a_crash_run_is_the_same_wherever_its_checkpoints_fall_and_resumes_from_a_crash_bit_for_bit(tmp_path):
@@ -364,11 +367,13 @@ def test_a_crash_run_is_the_same_wherever_its_checkpoints_fall_and_resumes_from_
     # batches do not depend on whether one was taken.
     config = TrainingConfig(workers=4, kappa=2, iterations=40, swap_every=7, batch_size=10).validate()
     data, quiet = DataConfig("synthetic"), EvaluationOptions(every=-1)
-    plain = simulate(config, data, str(tmp_path / "plain"), progress=False, evaluation=quiet, crash_every=10)
-    odd = simulate(config, data, str(tmp_path / "odd"), progress=False, evaluation=quiet, crash_every=10,
-                   checkpoint_every=7)
+    plain = simulate(config, data, str(tmp_path / "plain"), progress=False, evaluation=quiet,
+                     emulation=Emulation(crash_every=10))
+    odd = simulate(config, data, str(tmp_path / "odd"), progress=False, evaluation=quiet,
+                   emulation=Emulation(crash_every=10), durability=Durability(checkpoint_every=7))
     out = str(tmp_path / "run")
-    full = simulate(config, data, out, progress=False, evaluation=quiet, crash_every=10, checkpoint_every=10)
+    full = simulate(config, data, out, progress=False, evaluation=quiet, emulation=Emulation(crash_every=10),
+                    durability=Durability(checkpoint_every=10))
     assert plain["generator_sha256"] == odd["generator_sha256"] == full["generator_sha256"]
     assert full["workers_alive"] == 0
     store = CheckpointStore(os.path.join(out, "checkpoints"))
@@ -378,8 +383,8 @@ def test_a_crash_run_is_the_same_wherever_its_checkpoints_fall_and_resumes_from_
         for name in os.listdir(store.folder(iteration)):
             os.remove(os.path.join(store.folder(iteration), name))
     os.remove(os.path.join(out, "summary.json"))
-    resumed = simulate(config, data, out, progress=False, evaluation=quiet, crash_every=10, checkpoint_every=10,
-                       resume="yes")
+    resumed = simulate(config, data, out, progress=False, evaluation=quiet, emulation=Emulation(crash_every=10),
+                       durability=Durability(checkpoint_every=10, resume="yes"))
     assert resumed["resumed_from"] == 20 and resumed["generator_sha256"] == full["generator_sha256"]
     with open(os.path.join(out, "history.jsonl")) as fh:
         active = [json.loads(line)["active_workers"] for line in fh]
@@ -444,11 +449,11 @@ def test_a_checkpoint_names_no_class_of_ours_so_moving_the_code_cannot_break_res
 
     from mdgan.config import DataConfig, ModelSpec, TrainingConfig
     from mdgan.run import EvaluationOptions
-    from mdgan.simulation import simulate
+    from mdgan.simulation import Durability, simulate
 
     config = TrainingConfig(workers=2, iterations=4, batch_size=4, swap_every=2, model=ModelSpec()).validate()
     simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, evaluation=EvaluationOptions(every=-1),
-             checkpoint_every=2)
+             durability=Durability(checkpoint_every=2))
     files = glob.glob(str(tmp_path / "**" / "*.pt"), recursive=True)
     assert any("/checkpoints/" in f for f in files) and any("/workers/" in f for f in files)
     for path in files:

@@ -22,7 +22,7 @@ from procs import Proc, python_module, read_json, start_server
 from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_mnist
 from mdgan.run import EvaluationOptions
-from mdgan.simulation import simulate
+from mdgan.simulation import SiteFolders, simulate
 from mdgan.sites import RunClasses, load_site, map_labels
 from mdgan.images import find_images, load_imagefolder
 from services.common import rpc
@@ -87,7 +87,7 @@ def test_an_image_folder_of_mnist_pngs_loads_and_trains_like_the_idx_files(tmp_p
     for kind, root in sites.items():
         data = DataConfig("imagefolder" if kind == "png" else "mnist", str(root), 2)
         runs[kind] = simulate(config, data, str(tmp_path / f"run-{kind}"), progress=False, evaluation=NO_EVAL,
-                              site_dirs=str(root))
+                              sites=SiteFolders(site_dirs=str(root)))
     # The same images in another order: the same run, trained on the same sites, but not the same bits.
     for summary in runs.values():
         assert summary["iterations"] == 6 and summary["swaps"] == 2
@@ -335,14 +335,14 @@ def test_unlabelled_sites_train_a_plain_gan_and_the_swap_period_follows_the_smal
     data = DataConfig("imagefolder", str(tmp_path), 2)
     plain = TrainingConfig(workers=2, iterations=4, batch_size=10, swap_epochs=1.0, model=ModelSpec(gan="gan"))
     summary = simulate(plain.validate(), data, str(tmp_path / "gan"), progress=False, evaluation=NO_EVAL,
-                       site_dirs=str(tmp_path / "sites"))
+                       sites=SiteFolders(site_dirs=str(tmp_path / "sites")))
     # S = ceil(E * min(m) / b) = ceil(1 * 20 / 10) = 2 (the mean, 25, would give 3)
     assert summary["worker_sizes"] == {"worker-0": 20, "worker-1": 30} and summary["swap_period"] == 2
     assert summary["swaps"] == 2
     acgan = TrainingConfig(workers=2, iterations=4, batch_size=10).validate()
     with pytest.raises(ConfigError, match=r"site-0.*unlabelled.*--gan gan"):
         simulate(acgan, data, str(tmp_path / "acgan"), progress=False, evaluation=NO_EVAL,
-                 site_dirs=str(tmp_path / "sites"))
+                 sites=SiteFolders(site_dirs=str(tmp_path / "sites")))
 
 
 def test_site_flags_are_checked_before_anything_starts(tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 from mdgan import algorithms
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.run import EvaluationOptions
-from mdgan.simulation import simulate
+from mdgan.simulation import Durability, simulate
 
 
 def _run(out, iterations: int, algorithm: str, stop_after: int | None = None) -> tuple[dict, list[dict]]:
@@ -51,4 +51,4 @@ def test_stop_after_outside_the_run_or_with_checkpoints_is_refused(tmp_path):
                      evaluation=EvaluationOptions(every=-1), stop_after=stop_after)
     with pytest.raises(ConfigError, match="not with checkpoints"):
         simulate(config, DataConfig("synthetic"), str(tmp_path / "out"), progress=False,
-                 evaluation=EvaluationOptions(every=-1), stop_after=4, checkpoint_every=2)
+                 evaluation=EvaluationOptions(every=-1), stop_after=4, durability=Durability(checkpoint_every=2))

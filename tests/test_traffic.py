@@ -15,7 +15,7 @@ from mdgan.algorithms import psgan, pwgan
 from mdgan_app.cli import main
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.models import build_discriminator, build_generator
-from mdgan.simulation import simulate
+from mdgan.simulation import Emulation, simulate
 from services.common.telemetry import Telemetry
 from mdgan_app.traffic import traffic_report
 
@@ -58,8 +58,8 @@ def _config(**overrides) -> TrainingConfig:
 
 def _run(tmp_path, algorithm: str, crash_every: int | None = None, **options) -> tuple[str, dict]:
     out = str(tmp_path / algorithm)
-    summary = simulate(_config(), DataConfig("synthetic"), out, progress=False, algorithm=algorithm,
-                       crash_every=crash_every, **options)
+    summary = simulate(_config(), DataConfig("synthetic"), out, progress=False, algorithm=algorithm, **options,
+                       emulation=Emulation(crash_every=crash_every))
     return out, summary
 
 
