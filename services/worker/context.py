@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from services.common.telemetry import Telemetry
     from services.common.tls import TLSConfig
     from services.common.proto import coordinator_pb2 as pb
+    from services.worker.node import SitePolicy
     from services.worker.peer import PeerInbox
 
 
@@ -25,10 +26,7 @@ class WorkerContext(Protocol):
     tls: TLSConfig | None  # its certificate and the CA, for peer-to-peer channels (None: --insecure)
     swap_timeout: float  # the server's swap deadline, from the welcome (s)
     state_dir: str | None  # where it keeps its durable state (None: it keeps none)
-    attack_kind: str | None  # an emulated Byzantine worker's attack (mdgan/attacks.py), or None
-    slow_factor: float  # an emulated straggler: every step takes this many times as long
-    swap_check: str | None  # MD-GAN: this site's own --swap-check (on, off), or None: as the run's spec says
-    dp_max_epsilon: float  # DP: the most epsilon this site spends (0: no limit of its own)
+    policy: SitePolicy  # the site's own limits (--swap-check, --dp-max-epsilon) and emulations (--attack, ...)
 
     async def write(self, call, message: pb.WorkerMessage) -> None:
         """Send one message to the server on the stream `call` (counted on the wire counters)."""

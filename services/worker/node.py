@@ -163,10 +163,7 @@ class WorkerNode:
         self.slot = data.slot
         self.telemetry = telemetry or Telemetry("worker")
         self.device = device  # this worker's own choice; the run's spec does not carry one
-        self.attack_kind = policy.attack
-        self.slow_factor = policy.slow_factor
-        self.swap_check = policy.swap_check
-        self.dp_max_epsilon = policy.dp_max_epsilon
+        self.policy = policy
         self.server_address = link.address
         self.advertise_address = advertise_address  # (known once the Peer service listens)
         self.connect_timeout = link.connect_timeout

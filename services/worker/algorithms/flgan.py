@@ -52,11 +52,12 @@ class FLGANWorker(WorkerAlgorithm):
             raise ServerGone(f"round {order.round} came without valid models: {exc!r}") from exc
         self._incoming.clear()
         private = self.gan.d.private
-        if private is not None and self.node.dp_max_epsilon > 0:  # leave rather than spend past this site's budget
+        budget = self.node.policy.dp_max_epsilon
+        if private is not None and budget > 0:  # leave rather than spend past this site's budget
             ahead = private.epsilon_after(order.iterations * self.gan.config.disc_steps)
-            if ahead > self.node.dp_max_epsilon:
+            if ahead > budget:
                 raise BudgetSpent(f"round {order.round} would bring this site's epsilon to {ahead:.3f}, past "
-                                  f"--dp-max-epsilon {self.node.dp_max_epsilon:g} (spent: {private.epsilon():.3f}, "
+                                  f"--dp-max-epsilon {budget:g} (spent: {private.epsilon():.3f}, "
                                   f"delta {private.site.delta:g})")
         started = time.perf_counter()
         result = await asyncio.to_thread(train_local_round, self.gan, states["generator"], states["discriminator"],

@@ -45,17 +45,17 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             log.info("differentially private (%s, %d discriminator%s): sigma %.4g, C %g, q %.4g, delta %g%s",
                      site.mechanism, site.discriminators, "s" if site.discriminators > 1 else "",
                      site.noise_multiplier, site.max_grad_norm, site.sample_rate, site.delta,
-                     f", budget {node.dp_max_epsilon:g}" if node.dp_max_epsilon else "")
+                     f", budget {node.policy.dp_max_epsilon:g}" if node.policy.dp_max_epsilon else "")
             if not node.state_dir:  # the accountant lives in the state: without one a restart forgets what was spent
                 log.warning("differentially private run without --state-dir: if this process restarts, its "
                             "privacy accountant starts again from zero and undercounts what this site spent")
         # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
-        self.attack, self.discriminator_attack = make_attacks(node.attack_kind, config.seed, shard.index)
-        if node.attack_kind:
-            log.warning("emulating a Byzantine worker: %s %s", node.attack_kind,
+        self.attack, self.discriminator_attack = make_attacks(node.policy.attack, config.seed, shard.index)
+        if node.policy.attack:
+            log.warning("emulating a Byzantine worker: %s %s", node.policy.attack,
                         "discriminators" if self.discriminator_attack else "feedback")
         self.swap_check = SwapCheck()  # the run's, from the welcome's spec (or this site's own --swap-check)
-        self.slow_factor = node.slow_factor
+        self.slow_factor = node.policy.slow_factor
         self.mailbox = SwapMailbox()
         self.copies = CopyMailbox()
         self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
@@ -74,7 +74,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         """The swap rounds done, our own saved state or a copy to wait for."""
         node = self.node
         try:
-            self.swap_check = codec.options_from_spec(welcome.spec, "mdgan", swap_check=node.swap_check).as_check()
+            self.swap_check = codec.options_from_spec(welcome.spec, "mdgan",
+                                                      swap_check=node.policy.swap_check).as_check()
         except ConfigError as exc:
             raise ServerGone(f"the server's swap check settings are invalid: {exc}") from exc
         self.mailbox = SwapMailbox()
@@ -140,11 +141,12 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         # depend on our D) or after this feedback (computed before the second yield).
         await asyncio.sleep(0)
         private = self.side.private
-        if private is not None and self.node.dp_max_epsilon > 0:
+        budget = self.node.policy.dp_max_epsilon
+        if private is not None and budget > 0:
             ahead = private.epsilon_after_iteration()
-            if ahead > self.node.dp_max_epsilon:
+            if ahead > budget:
                 raise BudgetSpent(f"iteration {batches.iteration} would bring this site's epsilon to {ahead:.3f}, "
-                                  f"past --dp-max-epsilon {self.node.dp_max_epsilon:g} (spent: {private.epsilon():.3f}, "
+                                  f"past --dp-max-epsilon {budget:g} (spent: {private.epsilon():.3f}, "
                                   f"delta {private.site.delta:g})")
         started = time.perf_counter()
         # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
