@@ -228,17 +228,18 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
 
 @pytest.mark.slow
 def test_a_private_feedback_site_takes_no_discriminator_in_even_from_a_member(tmp_path, run_pki):
-    """--dp-mechanism feedback: a push from a member of the run, with its own certificate, is refused
-    (FAILED_PRECONDITION) without harm; the run swaps nothing and ends with simulate's generator."""
+    """--dp-mechanism feedback over the services (mutual TLS, checkpoints, a target epsilon): a push from a
+    member of the run, with its own certificate, is refused (FAILED_PRECONDITION) without harm; the run
+    swaps nothing, and ends with simulate's generator and each site's epsilon."""
     from mdgan_app.cli import main
 
     pki_dir, _ = run_pki
-    flags = ["--workers", "2", "--iterations", "200", "--seed", "3", "--gan", "gan", "--dp-mechanism", "feedback",
-             "--dp-discriminators", "2", "--dp-noise-multiplier", "1.0"]
+    flags = ["--workers", "2", "--iterations", "120", "--seed", "3", "--gan", "gan", "--dp-mechanism", "feedback",
+             "--dp-discriminators", "3", "--dp-target-epsilon", "8", "--dp-max-grad-norm", "0.3"]
     out = str(tmp_path / "grpc")
-    server, port = start_server(out, *flags, *tls_flags(pki_dir, "mdgan-server"))
-    workers = [start_worker(out, port, i, 2, "--dataset", "synthetic", *tls_flags(pki_dir, f"worker-{i}"))
-               for i in range(2)]
+    server, port = start_server(out, *flags, "--checkpoint-every", "50", *tls_flags(pki_dir, "mdgan-server"))
+    workers = [start_worker(out, port, i, 2, "--dataset", "synthetic", "--state-dir", str(tmp_path / f"state-{i}"),
+                            *tls_flags(pki_dir, f"worker-{i}")) for i in range(2)]
     try:
         target = peer_port(workers[0].log_path)
         wait_for_iterations(server, out, 1)
@@ -261,7 +262,10 @@ def test_a_private_feedback_site_takes_no_discriminator_in_even_from_a_member(tm
     assert summary["swaps"] == 0 and summary["payload_bytes"]["worker_to_worker"] == 0
     assert main(["simulate", *flags, "--dataset", "synthetic", "--no-progress", "--eval-every", "-1",
                  "--out", str(tmp_path / "sim")]) == 0
-    assert summary["generator_sha256"] == read_json(tmp_path / "sim" / "summary.json")["generator_sha256"]
+    simulated = read_json(tmp_path / "sim" / "summary.json")
+    assert summary["generator_sha256"] == simulated["generator_sha256"]
+    assert summary["privacy"]["sites"] == simulated["privacy"]["sites"]
+    assert 7.9 <= summary["privacy"]["epsilon_max"] <= 8.0  # each part answered its planned 40 times
 
 
 @pytest.mark.slow
