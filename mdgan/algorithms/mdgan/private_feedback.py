@@ -104,6 +104,12 @@ class FeedbackMechanism:
                              generator=self.noise)
         return (clipped + noise.to(rows.device, rows.dtype)).view_as(per_sample)
 
+    def answer(self, part: int, per_sample: torch.Tensor) -> torch.Tensor:
+        """Part `part`'s answer, sanitized, and counted against that part: (b, *shape)."""
+        sanitized = self.sanitize(per_sample)
+        self.answers[part] += 1
+        return sanitized
+
     def _epsilon(self, answers: list[int]) -> float:
         # each part's images are touched by its own answers only: the part that answered most bounds all
         return privacy.spent_epsilon([(self.site.accounted_noise_multiplier, 1.0, max(answers))], self.site.delta)
@@ -149,7 +155,6 @@ class PrivateFeedbackSide:
             self.parts.append(side)
         self.private = FeedbackMechanism(site, derive_seed(config.seed, "dp-feedback-noise", shard.index),
                                          derive_seed(config.seed, "dp-feedback-schedule", shard.index))
-        self.last_discriminated = None
 
     @property
     def shard_index(self) -> int:
@@ -167,8 +172,7 @@ class PrivateFeedbackSide:
         part = self.private.schedule.next()
         result = self.parts[part].step(batch)
         rows = len(result.feedback)
-        feedback = self.private.sanitize(result.feedback * rows) / rows  # (b, *shape)
-        self.private.answers[part] += 1
+        feedback = self.private.answer(part, result.feedback * rows) / rows  # (b, *shape)
         return dataclasses.replace(result, feedback=feedback, epsilon=self.private.epsilon(),
                                    delta=self.private.site.delta,
                                    feedback_seconds=time.perf_counter() - started - result.disc_seconds)
