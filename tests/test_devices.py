@@ -11,7 +11,7 @@ from conftest import CUDA, NO_CUDA, cuda_only
 from mdgan.algorithms.psgan import PSGANOptions
 from mdgan.algorithms.mdgan.options import MDGANOptions
 from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
-from mdgan.simulation import simulate
+from mdgan.simulation import Emulation, simulate
 
 
 @pytest.mark.skipif(CUDA, reason="this machine has CUDA")
@@ -40,13 +40,15 @@ FEATURES = [
     ("pwgan", "pwgan", {"kappa": 1, "wire_dtype": "float32"}, {}),
     ("psgan", "psgan", {"kappa": 1}, {"options": PSGANOptions(threshold=2)}),
     ("dp-sgd", "mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0)}, {}),
-    ("checked-swaps", "mdgan", {}, {"byzantine": 1, "attack": "swap-sign-flip"}),
+    ("dp-feedback", "mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0, mechanism="feedback", discriminators=2),
+                              "swap_every": None}, {}),
+    ("checked-swaps", "mdgan", {}, {"emulation": Emulation(byzantine=1, attack="swap-sign-flip")}),
     ("int8-wire", "mdgan", {"wire_dtype": "int8"}, {}),
     ("median", "mdgan", {"aggregation": "median", "kappa": 1}, {}),
     ("trimmed-mean", "mdgan", {"aggregation": "trimmed-mean", "kappa": 1}, {}),
     ("norm-clip", "mdgan", {"aggregation": "norm-clip", "clip_norm": 0.05, "kappa": 1}, {}),
     ("background-swaps", "mdgan", {"iterations": 7}, {"options": MDGANOptions(swap_lag=1)}),
-    ("crashes", "mdgan", {}, {"crash_every": 2}),
+    ("crashes", "mdgan", {}, {"emulation": Emulation(crash_every=2)}),
 ]
 
 

@@ -10,13 +10,15 @@ import pytest
 from mdgan.attacks import SWAP_ATTACKS
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.run import EvaluationOptions
-from mdgan.simulation import simulate
+from mdgan.simulation import Emulation, simulate
 
 
-def _run(tmp_path, name: str, **kwargs) -> tuple[dict, list[dict]]:
+def _run(tmp_path, name: str, byzantine: int = 0, attack: str | None = None,
+         options=None) -> tuple[dict, list[dict]]:
     config = TrainingConfig(workers=4, iterations=40, batch_size=8, swap_every=5, seed=3).validate()
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path / name), progress=False,
-                       evaluation=EvaluationOptions(every=-1), **kwargs)
+                       evaluation=EvaluationOptions(every=-1), options=options,
+                       emulation=Emulation(byzantine=byzantine, attack=attack))
     with open(tmp_path / name / "swaps.jsonl") as fh:
         return summary, [json.loads(line) for line in fh]
 
