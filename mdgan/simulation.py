@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, replace
 
 from mdgan import algorithms, checkpoint, devices
-from mdgan.algorithms.base import InProcessRun
+from mdgan.algorithms.base import Emulation, InProcessRun
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
@@ -32,24 +32,6 @@ class Durability:
     resume: str = "no"  # no | yes | auto
     run_id: str | None = None
     overwrite: bool = False
-
-
-@dataclass(frozen=True)
-class Emulation:
-    """Failures and attackers emulated in a run.
-
-    crash_every: the paper's crash experiment (the algorithms whose registry entry has `crashes`): every
-    this many iterations one more worker fails (the last by rank), and its data leaves with it.
-    churn: durable algorithms (MD-GAN), [(iteration, "leave" | "join", slot)]: at that iteration boundary
-    the worker of that slot leaves, or comes back (with its saved state if it has one, else a copy of a
-    live peer's discriminator), through the same roster as over gRPC.
-    byzantine, attack: MD-GAN, the last `byzantine` workers by rank send wrong feedback (mdgan/attacks.py),
-    to measure the robust aggregation rules."""
-
-    crash_every: int | None = None
-    churn: list[tuple[int, str, int]] | None = None
-    byzantine: int = 0
-    attack: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,8 +130,8 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     discriminators = {} if outputs.save_discriminators else None
     try:
         result = entry.run_in_process(InProcessRun(
-            config, shards, generator_side, recorder, out_dir, run, options, crash_every, churn or [],
-            checkpoint_every, keep_checkpoints, byzantine, attack, discriminators, stop_after))
+            config, shards, generator_side, recorder, out_dir, run, options, emulation, checkpoint_every,
+            keep_checkpoints, discriminators, stop_after))
     finally:
         wall = recorder.close(result.iterations if result else None)
     if discriminators:

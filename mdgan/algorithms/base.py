@@ -197,6 +197,24 @@ def crashing(on_iteration: Callable[[IterationRecord], None] | None, crash_every
     return after
 
 
+@dataclass(frozen=True)
+class Emulation:
+    """Failures and attackers emulated in a run.
+
+    crash_every: the paper's crash experiment (the algorithms whose registry entry has `crashes`): every
+    this many iterations one more worker fails (the last by rank), and its data leaves with it.
+    churn: durable algorithms (MD-GAN), [(iteration, "leave" | "join", slot)]: at that iteration boundary
+    the worker of that slot leaves, or comes back (with its saved state if it has one, else a copy of a
+    live peer's discriminator), through the same roster as over gRPC.
+    byzantine, attack: MD-GAN, the last `byzantine` workers by rank send wrong feedback (mdgan/attacks.py),
+    to measure the robust aggregation rules."""
+
+    crash_every: int | None = None
+    churn: list[tuple[int, str, int]] | None = None
+    byzantine: int = 0
+    attack: str | None = None
+
+
 @dataclass
 class InProcessRun:
     """Everything an algorithm's in-process run (`mdgan simulate`) is given; what it does not use
@@ -209,12 +227,9 @@ class InProcessRun:
     out_dir: str
     run: RunStart  # run id, and the checkpoint it resumes from (durable algorithms)
     options: Any = None  # the algorithm's own options (Algorithm.options), checked
-    crash_every: int | None = None
-    churn: list[tuple[int, str, int]] = field(default_factory=list)
+    emulation: Emulation = Emulation()  # crashes, churn and attackers
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
-    byzantine: int = 0
-    attack: str | None = None
     # when given, filled at the end with worker id -> the discriminator each worker last held (MD-GAN,
     # the standalone GAN) or last sent to be averaged (FL-GAN): what `mdgan audit` attacks
     discriminators: dict | None = None

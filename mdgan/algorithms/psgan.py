@@ -414,9 +414,9 @@ def build_in_process_replicas(config: TrainingConfig, shards: list[Shard]) -> li
 
 def run_in_process(run: InProcessRun) -> RunResult:
     """The parameter-server GAN in one process (`mdgan simulate`); run.generator is the server's G. A worker
-    fails every run.crash_every iterations."""
+    fails every run.emulation.crash_every iterations."""
     workers = build_in_process_replicas(run.config, run.shards)
-    after = crashing(run.recorder, run.crash_every, lambda: [w for w in workers if not w.crashed])
+    after = crashing(run.recorder, run.emulation.crash_every, lambda: [w for w in workers if not w.crashed])
     trainer = PSGANTrainer(run.config, (run.options or PSGANOptions()).check(run.config),
                                   ParameterServer(run.config, run.generator), workers, on_iteration=after,
                                   stop_after=run.stop_after)

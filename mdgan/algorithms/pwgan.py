@@ -456,10 +456,10 @@ def build_in_process_critics(config: TrainingConfig, options: PWGANOptions, shar
 
 
 def run_in_process(run: InProcessRun) -> RunResult:
-    """P-WGAN in one process (`mdgan simulate`); a worker fails every run.crash_every iterations."""
+    """P-WGAN in one process (`mdgan simulate`); a worker fails every run.emulation.crash_every iterations."""
     options = (run.options or PWGANOptions()).check(run.config)
     workers = build_in_process_critics(run.config, options, run.shards)
-    after = crashing(run.recorder, run.crash_every, lambda: [w for w in workers if not w.crashed])
+    after = crashing(run.recorder, run.emulation.crash_every, lambda: [w for w in workers if not w.crashed])
     return asyncio.run(PWGANTrainer(run.config, options, run.generator, workers, on_iteration=after,
                                     stop_after=run.stop_after).run())
 

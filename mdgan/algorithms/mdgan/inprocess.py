@@ -209,11 +209,12 @@ def run_in_process(run: InProcessRun) -> RunResult:
 
 async def _run(run: InProcessRun) -> RunResult:
     config, shards, generator_side, recorder = run.config, run.shards, run.generator, run.recorder
-    keep, checkpoint_every, churn = run.keep_checkpoints, run.checkpoint_every, list(run.churn)
+    keep, checkpoint_every, churn = run.keep_checkpoints, run.checkpoint_every, list(run.emulation.churn or [])
     state_root = os.path.join(run.out_dir, "workers", run.run.run_id)
     options = run.options or MDGANOptions()
     swap_check = options.as_check()
-    workers = build_in_process_workers(config, shards, state_root, keep, run.byzantine, run.attack, swap_check)
+    workers = build_in_process_workers(config, shards, state_root, keep, run.emulation.byzantine,
+                                       run.emulation.attack, swap_check)
     by_slot = {w.shard_index: w for w in workers}
     roster = Roster(config.workers, pause_timeout=0, copies=not config.privacy.keeps_discriminators)
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
@@ -243,7 +244,7 @@ async def _run(run: InProcessRun) -> RunResult:
             worker.crash()
             log.info("%s: %s leaves after iteration %d", why, worker.worker_id, t)
 
-    on_iteration = crashing(recorder, run.crash_every, roster.alive, lambda worker, t: leave(worker, t, "crash"))
+    on_iteration = crashing(recorder, run.emulation.crash_every, roster.alive, lambda worker, t: leave(worker, t, "crash"))
 
     def on_boundary(t: int) -> None:
         for _ in range(len(churn)):
