@@ -69,16 +69,13 @@ class SitePrivacy:
     accounted_noise_multiplier: float = 0.0
     steps_per_iteration: int = 1  # accounted steps a worker takes an iteration: sgd L, feedback 1 answer
 
-    def summary(self) -> dict:
-        summary = {"mechanism": self.mechanism, "noise_multiplier": self.noise_multiplier,
-                   "max_grad_norm": self.max_grad_norm, "delta": self.delta, "sample_rate": self.sample_rate,
-                   "planned_steps": self.planned_steps, "target_epsilon": self.target_epsilon,
-                   "accountant": ACCOUNTANT}
-        if self.mechanism == "feedback":
-            return {**summary, "discriminators": self.discriminators,
-                    "accounted_noise_multiplier": self.accounted_noise_multiplier,
-                    "sampling": "one part answers; parallel composition over the parts"}
-        return {**summary, "sampling": "poisson"}
+
+def mechanism_summary(spec: PrivacySpec) -> dict:
+    """summary.json's privacy fields that every site of a run shares: its mechanism and how it is accounted."""
+    if spec.mechanism == "feedback":
+        return {"mechanism": "feedback", "accountant": ACCOUNTANT, "discriminators": spec.discriminators,
+                "sampling": "one part answers; parallel composition over the parts"}
+    return {"mechanism": "sgd", "accountant": ACCOUNTANT, "sampling": "poisson"}
 
 
 def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int, disc_steps: int) -> SitePrivacy:

@@ -389,25 +389,22 @@ def privacy_summary(config: TrainingConfig, spent: dict, worker_sizes: dict) -> 
     it (a target epsilon's sigma depends on m_n); noise_multiplier: the sites' sigma when they share one."""
     from mdgan import privacy
 
-    sigmas, accounted = {}, {}
+    sites = {}
     for worker, size in worker_sizes.items():
         try:
-            site = privacy.resolve(config.privacy, size, config.batch_size, config.iterations, config.disc_steps)
+            sites[worker] = privacy.resolve(config.privacy, size, config.batch_size, config.iterations,
+                                            config.disc_steps)
         except ConfigError:  # (a site that could not have trained: it reported nothing either)
             continue
-        sigmas[worker] = site.noise_multiplier
-        accounted[worker] = site.accounted_noise_multiplier
+    sigmas = {worker: site.noise_multiplier for worker, site in sites.items()}
     shared = set(sigmas.values())
     summary = {"sites": spent, "epsilon_max": max((p["epsilon"] for p in spent.values()), default=None),
-               "mechanism": config.privacy.mechanism,
                "noise_multiplier": config.privacy.noise_multiplier or (shared.pop() if len(shared) == 1 else None),
                "noise_multipliers": sigmas,
                "target_epsilon": config.privacy.target_epsilon or None, "max_grad_norm": config.privacy.max_grad_norm,
-               "accountant": privacy.ACCOUNTANT, "sampling": "poisson"}
-    if config.privacy.mechanism == "feedback":  # each part's answers are Gaussian steps at rate 1 (mdgan/privacy.py)
-        summary.update(discriminators=config.privacy.discriminators,
-                       sampling="one part answers; parallel composition over the parts",
-                       accounted_noise_multipliers=accounted)
+               **privacy.mechanism_summary(config.privacy)}
+    if config.privacy.mechanism == "feedback":  # what each site's accountant composes (mdgan/privacy.py)
+        summary["accounted_noise_multipliers"] = {w: site.accounted_noise_multiplier for w, site in sites.items()}
     return summary
 
 

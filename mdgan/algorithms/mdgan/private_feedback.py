@@ -28,6 +28,7 @@ feedback", has the argument):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -85,6 +86,13 @@ class AnswerSchedule:
         self._order, self._position = [int(p) for p in state["order"]], int(state["position"])
 
 
+@functools.lru_cache(maxsize=256)
+def _gaussian_epsilon(noise_multiplier: float, steps: int, delta: float) -> float:
+    """Opacus's RDP epsilon of `steps` Gaussian steps at sampling rate 1 (every answer asks for it; it
+    changes once every K answers)."""
+    return privacy.spent_epsilon([(noise_multiplier, 1.0, steps)], delta)
+
+
 class FeedbackMechanism:
     """The site's mechanism and accountant: each answer's rows clipped to C and noised, and how many answers
     each part gave. Noise is drawn on the CPU from the site's seeded generator (the same on any device)."""
@@ -112,7 +120,7 @@ class FeedbackMechanism:
 
     def _epsilon(self, answers: list[int]) -> float:
         # each part's images are touched by its own answers only: the part that answered most bounds all
-        return privacy.spent_epsilon([(self.site.accounted_noise_multiplier, 1.0, max(answers))], self.site.delta)
+        return _gaussian_epsilon(self.site.accounted_noise_multiplier, max(answers), self.site.delta)
 
     def epsilon(self) -> float:
         return self._epsilon(self.answers)
