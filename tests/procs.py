@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from conftest import REPO
 
@@ -48,6 +51,39 @@ class Proc:
             self.popen.kill()
             self.popen.wait()
         self._log.close()
+
+
+@dataclass
+class Completed:
+    """What a command left: its exit status and what it printed (subprocess.CompletedProcess's names)."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def mdgan_in_process(*argv: str, check: bool = True) -> Completed:
+    """`mdgan ARGV` run by its own main() in this test process: the command's parser and code, without
+    a new interpreter's seconds of imports. For commands that train or read in this process (simulate,
+    traffic, split, certs, score, experiment); `mdgan local` and the services run as processes. torch's
+    thread count is put back afterwards (`--threads` sets it for the process)."""
+    import torch
+
+    from mdgan_app.cli import main
+
+    threads = torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in argv])
+            except SystemExit as exit:  # argparse's refusals
+                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
+    done = Completed(code, out.getvalue(), err.getvalue())
+    if check:
+        assert code == 0, f"mdgan {' '.join(map(str, argv))} exited {code}:\n{done.stdout}{done.stderr}"
+    return done
 
 
 def python_module(name: str, argv: list[str], log_dir: str, env: dict | None = None) -> Proc:

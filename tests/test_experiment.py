@@ -285,7 +285,7 @@ def test_the_kept_tables_count_each_run_as_it_finishes(tmp_path, mnist_root):
 
 
 @pytest.mark.slow
-def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
+def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root, capsys):
     """--keep DIR: what a multi-day experiment keeps under git. A machine that starts with only DIR
     takes its finished runs as done, draws the same tables, and adds its own runs to DIR."""
     keep = tmp_path / "kept"
@@ -296,13 +296,20 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
               + [{"algorithm": "standalone", "seed": 0, "label": "standalone"}],
               "plot": "bands"}
 
-    def experiment(config: dict) -> dict:
-        done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, config),
-                               "--no-progress", "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+    from mdgan_app.cli import main
 
-    first = experiment(config)
+    def experiment(config: dict, kept=keep) -> tuple[int, dict | None, str]:
+        """`mdgan experiment CONFIG --keep DIR`, in this process: (exit status, its JSON, its stderr)."""
+        code = main(["experiment", _write(tmp_path, config), "--no-progress", "--keep", str(kept)])
+        printed = capsys.readouterr()
+        return code, json.loads(printed.out) if code == 0 else None, printed.err
+
+    def experiment_ok(config: dict) -> dict:
+        code, report, err = experiment(config)
+        assert code == 0, err
+        return report
+
+    first = experiment_ok(config)
     assert first["ran"] == 3 and sorted(first["kept"]) == ["mdgan-N2-seed0", "mdgan-N2-seed1", "standalone-N1-seed0"]
     full = (tmp_path / "machine1" / "runs" / "mdgan-N2-seed0" / "history.jsonl").read_text().splitlines()
     kept = (keep / "runs" / "mdgan-N2-seed0" / "history.jsonl").read_text().splitlines()
@@ -317,7 +324,7 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
         assert (keep / name).stat().st_size > 100
 
     # another machine, nothing but the kept folder: nothing to run, the same tables
-    second = experiment(dict(config, out=str(tmp_path / "machine2"), runs=config["runs"] + [
+    second = experiment_ok(dict(config, out=str(tmp_path / "machine2"), runs=config["runs"] + [
         {"algorithm": "standalone", "seed": 1, "label": "standalone"}]))
     assert second["ran"] == 1 and len(second["kept"]) == 4  # only the new run ran, and is kept now
     # a run restored and kept again keeps its training times (its history holds the evaluation lines only)
@@ -345,15 +352,13 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     other = tmp_path / "other-kept"
     shutil.copytree(keep / "runs" / "mdgan-N2-seed0", other / "runs" / "run")
     alone = dict(config, out=str(tmp_path / "machine4"), runs=config["runs"][:1])
-    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, alone),
-                           "--no-progress", "--keep", str(other)], cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0 and json.loads(done.stdout)["ran"] == 0, done.stderr
+    code, report, err = experiment(alone, kept=other)
+    assert code == 0 and report["ran"] == 0, err
 
     # a kept run is never mistaken for a run of other settings
     changed = dict(config, out=str(tmp_path / "machine3"), base=dict(config["base"], batch_size=4))
-    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", _write(tmp_path, changed),
-                           "--no-progress", "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
-    assert done.returncode != 0 and "other settings" in done.stderr and "Traceback" not in done.stderr
+    code, _, err = experiment(changed)
+    assert code != 0 and "other settings" in err and "Traceback" not in err
 
 
 def test_a_dry_run_times_each_unfinished_run_here_and_writes_nothing(tmp_path, capsys):

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import REPO
-from procs import session_processes
+from procs import mdgan_in_process, session_processes
 
 pytestmark = pytest.mark.slow
 
@@ -418,10 +418,7 @@ def test_a_resumed_mdgan_local_goes_on_with_the_settings_it_was_launched_with(tm
     [earlier] = (run / "earlier-logs").iterdir()  # the logs of the start before, which say why it stopped
     assert f"stopped at iteration {stopped_at} by a signal" in (earlier / "server.log").read_text()
     assert "restores its state of iteration" in (run / "logs" / "server.log").read_text()
-    reference = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "simulate", "--out", str(tmp_path / "reference"),
-                                "--no-progress", "--eval-every", "-1", *flags], cwd=REPO, capture_output=True,
-                               text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr
+    mdgan_in_process("simulate", "--out", str(tmp_path / "reference"), "--no-progress", "--eval-every", "-1", *flags)
     uninterrupted = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert summary["generator_sha256"] == uninterrupted["generator_sha256"]
 

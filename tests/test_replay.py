@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from procs import mdgan_in_process
 
 REPLAY = os.path.join(REPO, "experiments", "replay.py")
 
@@ -27,9 +28,7 @@ def test_a_kept_crash_run_replays_to_the_last_digit_and_a_changed_record_is_foun
               "runs": [{"algorithm": "mdgan", "kappa": "log2", "crash": "every I/N"}]}
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", str(path), "--no-progress",
-                           "--keep", str(keep)], cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    mdgan_in_process("experiment", str(path), "--no-progress", "--keep", str(keep))
     (name,) = os.listdir(keep / "runs")
     run_dir = keep / "runs" / name
 

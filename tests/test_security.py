@@ -27,7 +27,7 @@ from services.common.proto import coordinator_pb2_grpc, peer_pb2, tensor_pb2
 from services.common.tls import TLSConfig
 from services.server.coordinator import Admission, Coordinator
 
-from procs import read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
+from procs import mdgan_in_process, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 TRAIN = "/mdgan.v1.Coordinator/Train"
 PUSH = "/mdgan.v1.Peer/PushDiscriminator"
@@ -218,10 +218,7 @@ def test_a_push_from_anyone_but_the_designated_sender_is_refused_and_changes_not
         assert re.search(r'mdgan_rejected_inputs_total\{reason="sender"\} 3\.0', fh.read())
     swaps = read_jsonl(os.path.join(out, "swaps.jsonl"))
     assert len(swaps) == 20 and all(w["received"] for s in swaps for w in s["workers"].values())
-    sim = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "simulate", *flags, "--dataset", "synthetic",
-                          "--no-progress", "--out", str(tmp_path / "sim")], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
-    assert sim.returncode == 0, sim.stderr
+    mdgan_in_process("simulate", *flags, "--dataset", "synthetic", "--no-progress", "--out", str(tmp_path / "sim"))
     assert read_json(os.path.join(out, "summary.json"))["generator_sha256"] == \
         read_json(tmp_path / "sim" / "summary.json")["generator_sha256"]
 

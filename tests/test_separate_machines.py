@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
-from procs import Proc, read_json
+from procs import Proc, mdgan_in_process, read_json
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 from netns import Consortium, why_not_available  # noqa: E402
@@ -33,9 +32,8 @@ TRAINING = {"MDGAN_ITERATIONS": "12", "MDGAN_BATCH_SIZE": "10", "MDGAN_SWAP_EVER
 
 
 def mdgan(*argv: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *argv], cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    """The commands that make the sites' folders and kits, and the simulation, in this process."""
+    return mdgan_in_process(*argv).stdout
 
 
 def kit_environment(kit: str, data: str | None, state: str | None, out: str | None) -> dict[str, str]:
