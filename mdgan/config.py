@@ -222,13 +222,16 @@ class TrainingConfig:
         """--sync quorum: the number of answers an iteration waits for."""
         return self.quorum or max(1, self.workers - 1)
 
-    def swap_period(self, shard_size: int) -> int:
-        """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11).
+    def swap_period(self, shard_size: int) -> int | None:
+        """S = ceil(E * m / b) iterations between swaps (Algorithm 1, line 11); None where no
+        discriminator leaves its site (private feedback: no swaps).
 
         With workers of different sizes (sites) the trainers pass the smallest m: no discriminator
         then sees more than E epochs of the data it trains on between two swaps (with the mean, the
         smallest site's D would see more and overfit it); FL-GAN rounds use the same S.
         """
+        if self.privacy.keeps_discriminators:
+            return None
         if self.swap_every is not None:
             return self.swap_every
         return max(1, math.ceil(self.swap_epochs * shard_size / self.batch_size))

@@ -166,8 +166,9 @@ def _symbols(name: str, options: dict) -> str:
 
 def format_formulas(report: dict) -> str:
     lines = [f"payload bytes per iteration: N={report['workers']} b={report['batch_size']} d={report['sample_size']} "
-             f"{report['architecture']} {report['gan']} L={report['disc_steps']} m={report['shard_size']} "
-             f"(S={report['period']}: swaps, FL-GAN rounds) wire={report['wire_dtype']}"
+             f"{report['architecture']} {report['gan']} L={report['disc_steps']} m={report['shard_size']}"
+             + (" (no swaps: private feedback)" if report["period"] is None
+                else f" (S={report['period']}: swaps, FL-GAN rounds)") + f" wire={report['wire_dtype']}"
              + "".join(f" {_symbols(name, o)}" for name, o in report["options"].items()),
              f"{'algorithm':10} {'C->W per worker':>16} {'W->C per worker':>16} {'W->W per worker':>16} "
              f"{'all N workers':>15} {'x MD-GAN':>9}"]

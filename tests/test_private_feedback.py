@@ -141,8 +141,11 @@ def test_a_run_swaps_nothing_and_a_rejoining_site_starts_fresh_instead_of_a_copy
     summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "run"), progress=False,
                        evaluation=EvaluationOptions(every=-1),
                        emulation=Emulation(churn=[(8, "leave", 1), (14, "join", 1)]))
-    assert summary["iterations"] == 24 and summary["swaps"] == 0
+    assert summary["iterations"] == 24 and summary["swaps"] == 0 and summary["swap_period"] is None
     assert summary["payload_bytes"]["worker_to_worker"] == 0
+    from mdgan.algorithms.mdgan import per_worker_per_iteration
+
+    assert per_worker_per_iteration(config, 600)["worker_to_worker"] == 0  # Table III without swaps
     sites = summary["privacy"]["sites"]
     assert sites["worker-1"]["epsilon"] < sites["worker-0"]["epsilon"]  # it answered fewer requests
     assert summary["privacy"]["mechanism"] == "feedback" and summary["privacy"]["discriminators"] == 2

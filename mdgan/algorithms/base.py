@@ -82,7 +82,7 @@ class RunResult:
     workers_alive: int
     swaps: int
     rejections: int
-    swap_period: int
+    swap_period: int | None  # None: no swaps (private feedback)
     traffic: Traffic
     last: IterationRecord | None
     stopped_early: str | None = None

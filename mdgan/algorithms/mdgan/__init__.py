@@ -25,13 +25,14 @@ from mdgan.config import TrainingConfig
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
     """The paper's Table III per worker per iteration: 2 b d floats down, b d up, |theta| per swap
-    (every S = ceil(E m / b) iterations), in the wire's dtype."""
+    (every S = ceil(E m / b) iterations; none with private feedback), in the wire's dtype."""
     from mdgan.compression import packed_nbytes
 
     sample = packed_nbytes((config.batch_size, config.model.sample_size), config.wire_dtype)
+    period = config.swap_period(shard_size)
     return {"server_to_worker": 2 * sample, "worker_to_server": sample,
-            "worker_to_worker": discriminator_state_bytes(config.to_dict(), config.wire_dtype)
-            / config.swap_period(shard_size)}
+            "worker_to_worker": 0.0 if period is None
+            else discriminator_state_bytes(config.to_dict(), config.wire_dtype) / period}
 
 
 def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):

@@ -76,8 +76,9 @@ class MDGANOptions:
 MAX_PIPELINE_DEPTH = 64  # the server keeps D iterations of batches, and their feedback, in memory
 
 
-def check_lag(lag: int, swap_period: int) -> None:
-    """One round in flight at a time: its discriminators are installed before the next round's snapshot."""
-    if lag >= swap_period:
+def check_lag(lag: int, swap_period: int | None) -> None:
+    """One round in flight at a time: its discriminators are installed before the next round's snapshot.
+    (swap_period None: no rounds; a lag there is refused with the mechanism, mdgan/config.py)"""
+    if swap_period is not None and lag >= swap_period:
         raise ConfigError(f"--swap-lag {lag} must be below the swap period S = {swap_period} iterations "
                           "(a round's discriminators are installed before the next round starts)")

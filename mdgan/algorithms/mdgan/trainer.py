@@ -84,7 +84,7 @@ class Trainer:
         self.rejections = 0
         self.privacy: dict[str, dict] = {}  # DP: worker id -> the (epsilon, delta) it last reported
         self.completed = 0  # iterations done (the boundary the run stands at)
-        self.swap_period: int | None = None
+        self.swap_period: int | None = None  # S; None also where no discriminator leaves its site
         if workers:  # a fixed set: each worker's own m_n is known now (S from the smallest, see swap_period)
             self.swap_period = config.swap_period(min(w.shard_size for w in workers))
             check_lag(swap_lag, self.swap_period)
@@ -143,7 +143,7 @@ class Trainer:
         self.swap_rounds.swaps, self.rejections = int(state["swaps"]), int(state["rejections"])
         self.swap_rounds.swaps_refused = int(state.get("swaps_refused", 0))  # (a checkpoint from before the check)
         self.privacy = dict(state.get("privacy", {}))
-        self.swap_period = int(state["swap_period"])
+        self.swap_period = None if state["swap_period"] is None else int(state["swap_period"])
         self.traffic.payload_bytes.update(state["payload_bytes"])
         self.traffic.label_bytes = int(state["label_bytes"])
         self.roster.load_state_dict(state["roster"], self.completed)
@@ -252,7 +252,7 @@ class Trainer:
         rounds = self.swap_rounds
         if rounds.pending is not None and rounds.pending.install_at <= t:
             lost += await rounds.finish_swap(t)
-        if t % self.swap_period != 0 or len(self.roster.members()) < 2 or self.config.privacy.keeps_discriminators:
+        if self.swap_period is None or t % self.swap_period != 0 or len(self.roster.members()) < 2:
             return None, lost
         swap_round, lost_in_swap = await (rounds.begin_swap(t) if rounds.swap_lag else rounds.swap(t))
         return swap_round, lost + lost_in_swap
@@ -266,7 +266,7 @@ class Trainer:
     async def run(self) -> RunResult:
         if not self.roster.started:
             await self.wait_to_start(None)
-        if self.swap_period is None:
+        if self.swap_period is None and not self.config.privacy.keeps_discriminators:
             shard_size = min((w.shard_size for w in self.roster.alive()), default=0)
             self.swap_period = self.config.swap_period(shard_size)
         check_lag(self.swap_rounds.swap_lag, self.swap_period)
