@@ -44,11 +44,22 @@ def test_a_round_trip_across_delayed_links_is_the_delays_set(shaped):
     # the site's link: 20 ms up, 30 ms down; the server's: 5 ms each way -> 60 ms a round trip
     delayed = {"site": ("20ms", "30ms"), "server": ("5ms", "5ms")}
     with Consortium(["server", "site", "near"], delayed=delayed, shaped=shaped) as lan:
-        far = round_trip(lan, "site", "server")
-        assert abs(far["median_ms"] - 60.0) < 1.0, far
-        assert far["min_ms"] > 59.0, far  # never early
-        near = round_trip(lan, "near", "server")  # an undelayed machine: the server's 10 ms only
-        assert abs(near["median_ms"] - 10.0) < 1.0, near
+        far = settled_round_trip(lan, "site", "server", 60.0)
+        near = settled_round_trip(lan, "near", "server", 10.0)  # an undelayed machine: the server's 10 ms only
+    assert abs(far["median_ms"] - 60.0) < 1.0, far
+    assert abs(near["median_ms"] - 10.0) < 1.0, near
+
+
+def settled_round_trip(lan: Consortium, client: str, server: str, expected_ms: float, tries: int = 3) -> dict:
+    """A round trip's measurement, never below the delays set; measured again (up to `tries` times)
+    while its median is more than a millisecond above them: a loaded machine (the other test process,
+    other work) only ever adds to a round trip, and a relay that adds its own delay adds it every time."""
+    for _ in range(tries):
+        measured = round_trip(lan, client, server)
+        assert measured["min_ms"] > expected_ms - 1.0, measured  # never early
+        if abs(measured["median_ms"] - expected_ms) < 1.0:
+            break
+    return measured
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")
