@@ -204,6 +204,9 @@ def main() -> None:
                         help="each site's round trip to the server in ms, half of it each way on its link "
                              "(bench/delay_link.py; 0: none)")
     parser.add_argument("--jitter", type=float, default=0.0, help="each frame's delay spread by +- this many ms")
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="a network setting for every machine's namespace, repeatable "
+                             "(net.ipv4.tcp_slow_start_after_idle=0: no return to slow start after an idle link)")
     parser.add_argument("--budget", type=float, default=300.0, help="training seconds per configuration")
     parser.add_argument("--swap-every", type=int, default=400)
     parser.add_argument("--lag", type=int, default=200, help="--swap-lag of the background configurations")
@@ -254,6 +257,9 @@ def main() -> None:
     delayed = {site: (half, half) for site in sites} if args.rtt > 0 else {}
     with Consortium(["server", *sites], domain="wan.test", shaped=dict(zip(sites, args.rates)),
                     delayed=delayed, jitter=f"{args.jitter:g}ms") as lan:
+        for machine in lan.machines.values():  # (TCP's settings are each network namespace's own)
+            for setting in args.sysctl:
+                subprocess.run(["ip", "netns", "exec", machine["ns"], "sysctl", "-q", "-w", setting], check=True)
         for label, flags in chosen.items():
             print(f"{label}: {' '.join(flags)}", flush=True)
             results[label] = run(label, flags, args, lan, sites, tls, os.path.join(args.out, label))
