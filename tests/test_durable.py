@@ -195,8 +195,8 @@ def test_a_worker_killed_and_restarted_rejoins_the_run(cluster_factory):
 
 def test_a_server_killed_after_telling_its_workers_the_run_is_over_resumes_only_to_write_its_outputs(
         cluster_factory):
-    # Found by the chaos test: told the run is over, the workers forget it and leave; the server, killed
-    # before its outputs, resumed from its last periodic checkpoint and waited its join timeout for them.
+    # Told the run is over, the workers forget it and leave. A server killed before writing its outputs
+    # resumes from its final checkpoint, writes them, and waits for no one's return beyond a moment.
     total = CHECKPOINT_EVERY + 20  # the end is not a periodic checkpoint
     c = cluster_factory()
     c.start_server("--iterations", str(total))
@@ -262,9 +262,9 @@ def test_a_worker_of_another_run_is_refused_with_a_clear_error(cluster_factory):
 
 
 def test_a_worker_away_at_its_runs_end_forgets_that_run_and_joins_the_next(tmp_path):
-    # Killed before its run ended, a worker kept that run in its state: restarted (a StatefulSet's
-    # restart, compose's), the next run's server refused it as another run's worker, exit 3, and it was
-    # restarted and refused again without end until someone emptied its state volume.
+    # A worker killed before its run ended keeps that run in its state. Restarted (a StatefulSet's
+    # restart, compose's) into the next run, it learns from that run's server that its own run ended,
+    # forgets it and joins; one pinned to the old run (--run-id) is done.
     pki_dir = str(tmp_path / "pki")
     pki.provision_run(pki_dir, ["worker-0", "worker-1", "worker-2"])
     flags = ["--workers", "2", "--iterations", "200", "--dataset", "synthetic", "--architecture", "mlp",
