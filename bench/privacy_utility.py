@@ -8,7 +8,7 @@ downstream accuracy (when the experiment asks for it: eval_downstream), the mean
 discriminator attack's AUC (d_class_loss, the stronger of the two D attacks here; the largest in
 brackets) and of the generator attack's (g_distance), each attack's mean TPR at 0.1% FPR, and seconds
 per iteration as a ratio to the run without DP of the same invocation (the cost of the DP mechanism).
-Runs sharing a label (seeds) are one line: the mean, +- the standard deviation over them, and n.
+Runs sharing a label (seeds) are one line: the seeds, and each column's mean +- its standard deviation.
 
     nice -n 19 python bench/privacy_utility.py CONFIG --jobs 2 --keep docs/results/NAME \
         --with docs/results/OTHER/privacy_utility.json    # and the rows of another table (seed 0)

@@ -2,8 +2,8 @@
 # Make .venv with the project (editable) and the extras given (default: dev), as
 # `python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'` does, only faster where uv can be had:
 # uv installs the same packages, from the same indexes (pip's own settings, pip.conf and PIP_*
-# variables, passed on as uv's flags), with their bytecode compiled, in a tenth of pip's time. Where uv
-# cannot be installed or fails, pip does the install. .ci/run uses this; the README's commands use pip.
+# variables, passed on as uv's flags), with their bytecode compiled: 53 s against pip's 154 s from
+# empty caches on a 2-core machine. Where uv cannot be installed or fails, pip does the install. .ci/run uses this; the README's commands use pip.
 #
 #   scripts/install_venv.sh            # .venv with '.[dev]'
 #   scripts/install_venv.sh tracking   # .venv with '.[tracking]'

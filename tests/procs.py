@@ -30,6 +30,16 @@ class Proc:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} still running after {timeout} s; log:\n{self.log()}") from None
 
+    def wait_for_log(self, text: str, timeout: float) -> str:
+        """Block until the log holds `text`; fails (with the log) if the process exits first or `timeout`
+        passes. Returns the log."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.log()):
+            assert self.popen.poll() is None, f"{self.name} exited before logging {text!r}:\n{log}"
+            assert time.monotonic() < deadline, f"{self.name} did not log {text!r} within {timeout} s:\n{log}"
+            time.sleep(0.1)
+        return log
+
     def log(self) -> str:
         if not self._log.closed:
             self._log.flush()
@@ -83,6 +93,19 @@ def mdgan_in_process(*argv: str, check: bool = True) -> Completed:
     done = Completed(code, out.getvalue(), err.getvalue())
     if check:
         assert code == 0, f"mdgan {' '.join(map(str, argv))} exited {code}:\n{done.stdout}{done.stderr}"
+    return done
+
+
+def mdgan(*argv: str, check: bool = True, env: dict | None = None, timeout: float = 300):
+    """`mdgan ARGV` as the tests run it: `mdgan local` as the command it is (its services are processes),
+    every other command in this process (mdgan_in_process). Its exit status, stdout and stderr."""
+    if argv[0] != "local":
+        assert env is None, "an environment is for a process"
+        return mdgan_in_process(*argv, check=check)
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *map(str, argv)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
     return done
 
 

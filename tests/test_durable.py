@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from conftest import REPO
 from procs import python_module, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
@@ -139,7 +138,7 @@ def test_a_server_stopped_with_sigterm_then_killed_resumes_each_time_and_ends_wh
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert all(w.popen.poll() is None for w in c.workers.values())  # waiting for the successor
     c.start_server("--resume")
-    assert f"resumed from iteration {stopped_at}" in _wait_for_line(c.server, "resumed from iteration", 120)
+    assert f"resumed from iteration {stopped_at}" in c.server.wait_for_log("resumed from iteration", 120)
 
     # a periodic checkpoint after the successor's start, swaps before the kill and after it
     kill_at = random.Random().randint(stopped_at + CHECKPOINT_EVERY + 30, ITERATIONS - 100)
@@ -160,18 +159,6 @@ def test_a_server_stopped_with_sigterm_then_killed_resumes_each_time_and_ends_wh
     run = read_json(os.path.join(c.out, "run_identity.json"))
     assert summary["run_id"] == run["run_id"]
     assert summary["generator_sha256"] == _uninterrupted_sha(tmp_path)
-
-
-def _wait_for_line(proc, text: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = proc.log()
-        if text in log:
-            return log
-        if proc.popen.poll() is not None:
-            raise AssertionError(f"{proc.name} exited before logging {text!r}:\n{log}")
-        time.sleep(0.1)
-    raise AssertionError(f"{proc.name} did not log {text!r} within {timeout} s:\n{proc.log()}")
 
 
 def test_a_worker_killed_and_restarted_rejoins_the_run(cluster_factory):

@@ -5,28 +5,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
-from procs import mdgan_in_process, read_json, read_jsonl, start_server, start_worker, wait_for_iterations
+from procs import mdgan, read_json, read_jsonl, start_server, start_worker, wait_for_iterations
 
 pytestmark = pytest.mark.slow
 
 D = 784  # MNIST sample size
 THETA = 670_219  # |theta| of the paper's MLP discriminator
-
-
-def mdgan(*args: str, timeout: float = 300):
-    """`mdgan local` as the command it is (its services are processes); other commands in this process."""
-    if args[0] != "local":
-        return mdgan_in_process(*args)
-    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def table_iii(iterations: int, workers: int, b: int, swaps: int) -> dict:

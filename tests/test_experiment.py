@@ -13,7 +13,7 @@ from mdgan.config import ConfigError
 from mdgan_app.experiment import expand, load_config, run_experiment
 
 from conftest import REPO
-from procs import session_processes
+from procs import mdgan_in_process, session_processes
 
 
 def _write(tmp_path, config: dict) -> str:
@@ -285,7 +285,7 @@ def test_the_kept_tables_count_each_run_as_it_finishes(tmp_path, mnist_root):
 
 
 @pytest.mark.slow
-def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root, capsys):
+def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root):
     """--keep DIR: what a multi-day experiment keeps under git. A machine that starts with only DIR
     takes its finished runs as done, draws the same tables, and adds its own runs to DIR."""
     keep = tmp_path / "kept"
@@ -296,18 +296,12 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root, capsy
               + [{"algorithm": "standalone", "seed": 0, "label": "standalone"}],
               "plot": "bands"}
 
-    from mdgan_app.cli import main
-
-    def experiment(config: dict, kept=keep) -> tuple[int, dict | None, str]:
-        """`mdgan experiment CONFIG --keep DIR`, in this process: (exit status, its JSON, its stderr)."""
-        code = main(["experiment", _write(tmp_path, config), "--no-progress", "--keep", str(kept)])
-        printed = capsys.readouterr()
-        return code, json.loads(printed.out) if code == 0 else None, printed.err
+    def experiment(config: dict, kept=keep):
+        """`mdgan experiment CONFIG --keep DIR`, in this process: its exit status and what it printed."""
+        return mdgan_in_process("experiment", _write(tmp_path, config), "--no-progress", "--keep", kept, check=False)
 
     def experiment_ok(config: dict) -> dict:
-        code, report, err = experiment(config)
-        assert code == 0, err
-        return report
+        return json.loads(mdgan_in_process("experiment", _write(tmp_path, config), "--no-progress", "--keep", keep).stdout)
 
     first = experiment_ok(config)
     assert first["ran"] == 3 and sorted(first["kept"]) == ["mdgan-N2-seed0", "mdgan-N2-seed1", "standalone-N1-seed0"]
@@ -352,13 +346,13 @@ def test_kept_runs_outlive_the_machine_that_ran_them(tmp_path, mnist_root, capsy
     other = tmp_path / "other-kept"
     shutil.copytree(keep / "runs" / "mdgan-N2-seed0", other / "runs" / "run")
     alone = dict(config, out=str(tmp_path / "machine4"), runs=config["runs"][:1])
-    code, report, err = experiment(alone, kept=other)
-    assert code == 0 and report["ran"] == 0, err
+    done = experiment(alone, kept=other)
+    assert done.returncode == 0 and json.loads(done.stdout)["ran"] == 0, done.stderr
 
     # a kept run is never mistaken for a run of other settings
     changed = dict(config, out=str(tmp_path / "machine3"), base=dict(config["base"], batch_size=4))
-    code, _, err = experiment(changed)
-    assert code != 0 and "other settings" in err and "Traceback" not in err
+    done = experiment(changed)
+    assert done.returncode != 0 and "other settings" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_dry_run_times_each_unfinished_run_here_and_writes_nothing(tmp_path, capsys):

@@ -8,14 +8,11 @@ import asyncio
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO
-from procs import drop_checkpoints, mdgan_in_process
+from procs import drop_checkpoints, mdgan
 from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.algorithms.mdgan.options import MAX_PIPELINE_DEPTH, MDGANOptions
 from mdgan.algorithms.mdgan.trainer import Trainer
@@ -196,10 +193,8 @@ def test_mdgan_local_with_a_pipeline_ends_with_simulates_generator(tmp_path):
     flags = ["--dataset", "synthetic", "--workers", "3", "--iterations", "26", "--batch-size", "8",
              "--swap-every", "6", "--swap-lag", "2", "--pipeline-depth", "3", "--checkpoint-every", "10",
              "--eval-every", "-1", "--seed", "4"]
-    local = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "local", *flags, "--out", str(tmp_path / "local")],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr[-3000:]
-    mdgan_in_process("simulate", *flags, "--out", str(tmp_path / "simulate"))
+    mdgan("local", *flags, "--out", str(tmp_path / "local"))
+    mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("local", "simulate")]
     assert summaries[0]["generator_sha256"] == summaries[1]["generator_sha256"]
     assert summaries[0]["payload_bytes"] == summaries[1]["payload_bytes"]

@@ -8,8 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
 from mdgan.data import load_shard
 from mdgan.gan import DiscriminatorSide, GeneratorSide
 
-from procs import mdgan_in_process, read_json, read_jsonl, start_server, start_worker
+from procs import mdgan, read_json, read_jsonl, start_server, start_worker
 
 
 def _side(privacy: PrivacySpec, seed: int = 0, iterations: int = 100) -> DiscriminatorSide:
@@ -218,12 +216,7 @@ def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites
     runs = {}
     for mode in ("simulate", "local"):
         out = tmp_path / mode
-        if mode == "local":  # its services are processes
-            done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", mode, *flags, "--out", str(out)], cwd=REPO,
-                                  capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stderr
-        else:
-            mdgan_in_process(mode, *flags, "--out", str(out))
+        mdgan(mode, *flags, "--out", str(out))
         runs[mode] = read_json(out / "summary.json")
     assert runs["local"]["generator_sha256"] == runs["simulate"]["generator_sha256"]
     for summary in runs.values():

@@ -27,20 +27,9 @@ from services.worker.algorithms.base import ServerGone
 from services.worker.algorithms.psgan import PSGANWorker
 from services.worker.node import ServerLink, WorkerData, WorkerNode
 
-from procs import mdgan_in_process, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
+from procs import mdgan, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 
 INVALID_ARGUMENT = 3
-
-
-def mdgan(*args: str, check: bool = True):
-    """`mdgan local` as the command it is (its services are processes); other commands in this process."""
-    if args[0] != "local":
-        return mdgan_in_process(*args, check=check)
-    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=300)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def wire_payload(run_dir) -> dict[tuple[str, str], int]:

@@ -6,16 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
 import torch
 
-from conftest import REPO
 from mdgan.config import TrainingConfig
-from procs import mdgan_in_process, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
+from procs import mdgan, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 from services.common import codec, pki
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, pwgan_pb2
@@ -25,16 +22,6 @@ pytestmark = pytest.mark.slow
 
 D = 784  # the synthetic dataset's samples are MNIST-shaped
 INVALID_ARGUMENT = 3
-
-
-def mdgan(*args: str, timeout: float = 300):
-    """`mdgan local` as the command it is (its services are processes); other commands in this process."""
-    if args[0] != "local":
-        return mdgan_in_process(*args)
-    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def per_iteration(workers: int, b: int, rounds: int) -> int:

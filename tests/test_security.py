@@ -499,11 +499,7 @@ def test_thousands_of_malformed_messages_get_no_unknown_and_no_traceback(tmp_pat
     workers = [start_worker(out, port, 0, 2, "--dataset", "synthetic", *tls_flags(pki_dir, "worker-0"))]
     try:
         ports = {"server": port, "worker": peer_port(workers[0].log_path)}
-        deadline = time.monotonic() + 120
-        while " as worker-0" not in workers[0].log():  # worker-0 in the run; the server waits for worker-1
-            assert workers[0].popen.poll() is None, workers[0].log()
-            assert time.monotonic() < deadline, workers[0].log()
-            time.sleep(0.1)
+        workers[0].wait_for_log(" as worker-0", 120)  # worker-0 in the run; the server waits for worker-1
         fuzzer = credentials(pki_dir, "mallory")
         ca = fuzzer.ca
         with_cert = asyncio.run(_fuzz(ports, fuzzer, ca, 2000, seed=1))

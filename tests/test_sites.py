@@ -7,8 +7,6 @@ import asyncio
 import json
 import os
 import struct
-import subprocess
-import sys
 from collections import Counter
 
 import grpc
@@ -18,7 +16,7 @@ import torch
 from PIL import Image
 
 from conftest import REPO
-from procs import Proc, mdgan_in_process, python_module, read_json, start_server
+from procs import Proc, mdgan, python_module, read_json, start_server
 from mdgan.config import ConfigError, DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_mnist
 from mdgan.run import EvaluationOptions
@@ -31,17 +29,6 @@ from services.common.proto import coordinator_pb2_grpc
 from services.server.coordinator import Coordinator
 
 NO_EVAL = EvaluationOptions(every=-1)
-
-
-def mdgan(*args: str, env: dict | None = None, timeout: float = 300):
-    """`mdgan local` as the command it is (its services are processes); other commands in this process."""
-    if args[0] != "local":
-        assert env is None, "an environment is for a process"
-        return mdgan_in_process(*args)
-    result = subprocess.run([sys.executable, "-m", "mdgan_app.cli", *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def write_pngs(root, images: torch.Tensor, labels: torch.Tensor, indices) -> None:

@@ -7,8 +7,7 @@ import signal
 
 import pytest
 
-from procs import read_json, read_jsonl, start_server, start_worker, wait_for_iterations
-from test_e2e import mdgan
+from procs import mdgan, read_json, read_jsonl, start_server, start_worker, wait_for_iterations
 
 pytestmark = pytest.mark.slow
 

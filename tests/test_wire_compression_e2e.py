@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from procs import read_json
-from test_e2e import D, THETA, mdgan, table_iii
+from procs import mdgan, read_json
+from test_e2e import D, THETA, table_iii
 
 pytestmark = pytest.mark.slow
 

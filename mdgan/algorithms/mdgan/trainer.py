@@ -266,7 +266,7 @@ class Trainer:
     async def run(self) -> RunResult:
         if not self.roster.started:
             await self.wait_to_start(None)
-        if self.swap_period is None and not self.config.privacy.keeps_discriminators:
+        if self.swap_period is None:  # (stays None for a run without swaps: TrainingConfig.swap_period)
             shard_size = min((w.shard_size for w in self.roster.alive()), default=0)
             self.swap_period = self.config.swap_period(shard_size)
         check_lag(self.swap_rounds.swap_lag, self.swap_period)
