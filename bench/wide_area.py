@@ -105,7 +105,10 @@ def measure(out: str, fids: list[float], mdgan: bool) -> dict:
     return result
 
 
-def run(label: str, flags: list[str], args, lan: Consortium, sites: list[str], tls: str, out: str) -> dict:
+def run(label: str, flags: list[str], args, lan: Consortium, sites: list[str], tls: str, out: str,
+        min_iterations: int = 0, until=None) -> dict:
+    """Train one configuration for args.budget training seconds and at least min_iterations, or until
+    until(history rows) is true."""
     os.makedirs(out, exist_ok=True)
     logs = open(os.path.join(out, "processes.log"), "w")
     n = len(sites)
@@ -126,7 +129,10 @@ def run(label: str, flags: list[str], args, lan: Consortium, sites: list[str], t
     load = [os.getloadavg()[0]]
     history = os.path.join(out, "history.jsonl")
     try:
-        while training_seconds(read_jsonl(history)) < args.budget:
+        while True:
+            rows = read_jsonl(history)
+            if training_seconds(rows) >= args.budget and len(rows) >= min_iterations or until and until(rows):
+                break
             if server.poll() is not None:
                 raise SystemExit(f"{label}: the server exited; see {out}/processes.log")
             time.sleep(1)

@@ -1,0 +1,294 @@
+"""The wide-area table with latency: for four sites behind links of each rate and round trip, each
+configuration's G updates a second over the link, and its time to reach an FID.
+
+    sudo python bench/wide_area_table.py measure --out /tmp/wat                  # the rates, ~45 min
+    python bench/wide_area_table.py report --out /tmp/wat --scores docs/results/wide-area-scores-mlp-cpu
+
+- `measure` builds, for each rate of --rates and round trip of --rtts, four sites behind that link
+  (bench/wide_area.py's LAN: a namespace per machine, mutual TLS, `tc tbf` at the rate both ways, the
+  round trip half each way on each site's link through bench/delay_link.py) and trains each
+  configuration for --budget seconds with no evaluation, one after another: the rate is G updates (or
+  FL-GAN's local steps) per training second, its swaps, rounds and transfers included. OUT/rates.json.
+- `report` divides each configuration's iterations to an FID by its rate. The iterations come from
+  `mdgan simulate` runs of the same setting (experiments/wide-area-scores-mlp-cpu.yaml): every
+  configuration here but `quorum` computes over any link exactly what `mdgan simulate` computes, bit for
+  bit (`local == simulate`), so where a run reaches an FID does not depend on the link, only how long
+  it takes. `quorum` drops the slowest answer of each iteration, which depends on timing; its iterations
+  are those of `all` (in one process every worker answers at once, and quorum is `all` there), so its
+  times are an estimate, marked so.
+- `check` runs one configuration over one link until its FID is at or below a threshold (scoring every
+  --eval-every iterations, in the server's thread), and prints the training seconds it took beside the
+  time `report` predicts from rates.json and the scores: the method, tested end to end.
+
+Every configuration uses the setting of the scores' experiment: MNIST, MLP ACGAN, N = 4 IID shards,
+b = 10, k = 1, a swap (FL-GAN: a round) every 400 iterations. Rates compare within one `measure` only;
+run it on an otherwise idle machine (the load average is recorded with each rate).
+
+Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2 for `measure` and `check`, MNIST under --data-root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import wide_area  # noqa: E402
+from netns import Consortium, why_not_available  # noqa: E402
+from processes import read_jsonl  # noqa: E402
+
+WORKERS = 4
+SETTING = {"batch_size": 10, "swap_every": 400, "eval_samples": 500}
+
+
+def configurations(depth: int) -> dict[str, dict]:
+    """label -> the server's flags, and the label of the scores' runs whose iterations it takes."""
+    return {
+        "mdgan-all": {"flags": ["--algorithm", "mdgan"], "scores": "MD-GAN all"},
+        "mdgan-quorum": {"flags": ["--algorithm", "mdgan", "--sync", "quorum", "--quorum", str(WORKERS - 1)],
+                         "scores": "MD-GAN all", "estimate": True},
+        "mdgan-pipeline": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth)],
+                           "scores": f"MD-GAN depth {depth}"},
+        "flgan": {"flags": ["--algorithm", "flgan"], "scores": "FL-GAN"},
+        # every worker's gradients each step (the default threshold), so that it computes what simulate does
+        "psgan": {"flags": ["--algorithm", "psgan"], "scores": "parameter-server GAN"},
+    }
+
+
+def cell_key(rate: str, rtt: float) -> str:
+    return f"{rate} {rtt:g}ms"
+
+
+def run_args(args, budget: float, eval_every: int, fids: list[float]) -> argparse.Namespace:
+    return argparse.Namespace(**SETTING, seed=args.seed, budget=budget, eval_every=eval_every, fids=fids,
+                              data_root=args.data_root)
+
+
+def consortium(rate: str, rtt: float, jitter: float = 0.0) -> tuple[Consortium, list[str]]:
+    sites = [f"site-{i}" for i in range(WORKERS)]
+    half = f"{rtt / 2:g}ms"  # a site's round trip to the server, half each way on its own link
+    delayed = {site: (half, half) for site in sites} if rtt > 0 else {}
+    return Consortium(["server", *sites], domain="wan.test", shaped={s: rate for s in sites},
+                      delayed=delayed, jitter=f"{jitter:g}ms"), sites
+
+
+def pki(out: str) -> str:
+    from services.common import pki as certificates
+
+    tls = os.path.join(out, "pki")
+    certificates.init_ca(tls, overwrite=True)
+    certificates.issue(tls, "mdgan-server", "server", sans=["server.wan.test"], overwrite=True)
+    for i in range(WORKERS):
+        certificates.issue(tls, f"worker-{i}", "worker", sans=[f"site-{i}.wan.test"], overwrite=True)
+    return tls
+
+
+def measure(args) -> None:
+    chosen = pick(configurations(args.depth), args.only)
+    path = os.path.join(args.out, "rates.json")
+    saved = load(path) if os.path.exists(path) else {"setting": {**SETTING, "workers": WORKERS,
+                                                                   "depth": args.depth}, "rates": {}}
+    tls = pki(args.out)
+    for rate in args.rates:
+        for rtt in args.rtts:
+            key = cell_key(rate, rtt)
+            lan, sites = consortium(rate, rtt)
+            with lan:
+                for label, config in chosen.items():
+                    if label in saved["rates"].get(key, {}) and not args.again:
+                        continue
+                    out = os.path.join(args.out, "runs", f"{rate}-{rtt:g}ms", label)
+                    print(f"{key} {label}: {' '.join(config['flags'])}", flush=True)
+                    # FL-GAN's rows share their round's wall time, the first round's with the workers' warm-up: that
+                    # round is left out, and two more are trained at least
+                    warm_up = SETTING["swap_every"] if label == "flgan" else 1
+                    r = wide_area.run(label, config["flags"], run_args(args, args.budget, 100_000, []), lan, sites,
+                                      tls, out, min_iterations=3 * warm_up)
+                    rows = [row for row in read_jsonl(os.path.join(out, "history.jsonl")) if row["iteration"] > warm_up]
+                    seconds = sum(row["seconds"] for row in rows)
+                    saved["rates"].setdefault(key, {})[label] = {
+                        "updates_per_second": len(rows) / seconds, "iterations": len(rows),
+                        "training_seconds": round(seconds, 1), "swap_rounds": r["swap_rounds"],
+                        "load": r["load"], "link_bytes": r["link_bytes"]}
+                    print(f"  {len(rows)} iterations in {seconds:.1f} s: {len(rows) / seconds:.2f}/s "
+                          f"(load {r['load'][0]:.1f}/{r['load'][-1]:.1f})", flush=True)
+                    write(path, saved)
+
+
+def pick(chosen: dict, only: str) -> dict:
+    if not only:
+        return chosen
+    unknown = set(only.split(",")) - set(chosen)
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
+    return {k: v for k, v in chosen.items() if k in only.split(",")}
+
+
+def load(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def write(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def iterations_to(scores: str) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """label -> seed -> [(iteration, FID)] of the scores' kept runs (their results.csv)."""
+    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    with open(os.path.join(scores, "results.csv")) as fh:
+        for row in csv.DictReader(fh):
+            curves.setdefault(row["label"], {}).setdefault(int(row["seed"]), []).append(
+                (int(row["iteration"]), float(row["fid"])))
+    return curves
+
+
+def first_at(curve: list[tuple[int, float]], threshold: float) -> int | None:
+    """The first scored iteration whose FID is at or below the threshold."""
+    return next((i for i, fid in sorted(curve) if fid <= threshold), None)
+
+
+def spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.0f}"
+    return f"{statistics.mean(values):.0f} +- {statistics.stdev(values):.0f}"
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def time_to(runs: dict[int, list[tuple[int, float]]], threshold: float, speed: float) -> list[float]:
+    """Seconds each seed's run takes to reach the FID at `speed` G updates a second (seeds that reach it)."""
+    return [i / speed for i in (first_at(curve, threshold) for curve in runs.values()) if i is not None]
+
+
+def report(args) -> str:
+    saved = load(os.path.join(args.out, "rates.json"))
+    curves = iterations_to(args.scores)
+    chosen = configurations(saved["setting"]["depth"])
+    rates = saved["rates"]
+    longest = max((i for runs in curves.values() for c in runs.values() for i, _ in c), default=0)
+    lines = [f"Time to an FID: the mean over the seeds that reach it (+- their sd; how many of how many), "
+             f"'-' where none does within {longest:,} iterations; '~': quorum's iterations are all's."]
+    for rate in dict.fromkeys(k.split()[0] for k in rates):
+        cells = [k for k in rates if k.split()[0] == rate]
+        zero = rates.get(cell_key(rate, 0), {})
+        lines += ["", f"### Every site at {rate}", "",
+                  "| configuration | round trip | G updates/s | / its rate at 0 ms | / MD-GAN all at 0 ms | "
+                  + " | ".join(f"time to FID {f:g}" for f in args.fids) + " |",
+                  "| --- " * (5 + len(args.fids)) + "|"]
+        first: dict[tuple[str, float], tuple[float, str]] = {}
+        for label, config in chosen.items():
+            runs = curves.get(config["scores"], {})
+            for key in cells:
+                measured = rates[key].get(label)
+                if measured is None:
+                    continue
+                speed = measured["updates_per_second"]
+                base = zero.get(label, {}).get("updates_per_second")
+                paper = zero.get("mdgan-all", {}).get("updates_per_second")
+                times = []
+                for threshold in args.fids:
+                    got = time_to(runs, threshold, speed)
+                    if not got:
+                        times.append("-")
+                        continue
+                    cell = ("~" if config.get("estimate") else "") + duration(statistics.mean(got))
+                    cell += f" (+- {duration(statistics.stdev(got))}, {len(got)} of {len(runs)})" if len(got) > 1 \
+                        else f" ({len(got)} of {len(runs)})"
+                    times.append(cell)
+                    if len(got) == len(runs) and not config.get("estimate"):
+                        best = first.get((key, threshold))
+                        if best is None or statistics.mean(got) < best[0]:
+                            first[(key, threshold)] = (statistics.mean(got), label)
+                lines.append(f"| {label} | {key.split()[1]} | {speed:.2f} | "
+                             f"{'-' if not base else format(speed / base, '.2f')} | "
+                             f"{'-' if not paper else format(speed / paper, '.2f')} | " + " | ".join(times) + " |")
+        lines.append("")
+        for (key, threshold), (seconds, label) in first.items():
+            lines.append(f"- first to FID {threshold:g} at {key.split()[1]}: {label} ({duration(seconds)}; of the "
+                         "configurations whose every seed reaches it)")
+    lines += ["", "Iterations to each FID (the first scored iteration at or below it), per seed of the scores:"]
+    for label, runs in curves.items():
+        lines.append(f"- {label}: " + "; ".join(
+            f"FID {f:g}: " + ", ".join(str(first_at(runs[s], f) or "-") for s in sorted(runs)) for f in args.fids))
+    loads = [r["load"][-1] for cell in rates.values() for r in cell.values()]
+    lines.append(f"- load average at the end of each rate's run: {min(loads):.1f} to {max(loads):.1f}")
+    return "\n".join(lines)
+
+
+def check(args) -> None:
+    """One configuration over one link until FID <= --fid: the measured time beside the predicted one."""
+    config = configurations(args.depth)[args.config]
+    saved = load(os.path.join(args.out, "rates.json"))
+    measured = saved["rates"][cell_key(args.rates[0], args.rtts[0])][args.config]["updates_per_second"]
+    curve = iterations_to(args.scores)[config["scores"]][args.seed]
+    tls = pki(args.out)
+    lan, sites = consortium(args.rates[0], args.rtts[0])
+    out = os.path.join(args.out, "check", f"{args.config}-{args.rates[0]}-{args.rtts[0]:g}ms-seed{args.seed}")
+    reached = first_at(curve, args.fid)
+    if reached is None:
+        raise SystemExit(f"the scores' seed {args.seed} never reaches FID {args.fid:g}")
+    with lan:
+        # until its own evaluation reaches the FID, or for the predicted time and a half
+        def reached_it(rows: list[dict]) -> bool:
+            return any(e["fid"] <= args.fid for row in rows for e in row.get("evaluations", []))
+
+        r = wide_area.run(args.config, config["flags"], run_args(args, 1.5 * reached / measured, args.eval_every,
+                                                                 [args.fid]), lan, sites, tls, out, until=reached_it)
+    got = r["time_to_fid"][str(args.fid)]
+    hit = next((e["iteration"] for e in r["evaluations"] if e["fid"] <= args.fid), None)
+    scored = dict(curve)
+    result = {"config": args.config, "cell": cell_key(args.rates[0], args.rtts[0]), "seed": args.seed,
+              "fid": args.fid, "predicted_iteration": reached, "predicted_seconds": reached / measured,
+              "iteration": hit, "seconds": got, "updates_per_second": r["updates_per_second"], "load": r["load"],
+              # over the link, the run computes what simulate computed: its every FID is the scores' own
+              "fids_as_scored": [e["fid"] == scored.get(e["iteration"]) for e in r["evaluations"]]}
+    write(out + ".json", result)
+    print(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["measure", "report", "check"])
+    parser.add_argument("--out", default="/tmp/mdgan-wide-area-table")
+    parser.add_argument("--rates", default="100mbit,10mbit", help="every site's link, in tc's syntax; one per table")
+    parser.add_argument("--rtts", default="0,20,80,150", help="round trips between a site and the server, ms")
+    parser.add_argument("--budget", type=float, default=45.0, help="training seconds per configuration and link")
+    parser.add_argument("--depth", type=int, default=4, help="--pipeline-depth of mdgan-pipeline")
+    parser.add_argument("--only", default="", help="comma-separated configurations (default: all of them)")
+    parser.add_argument("--again", action="store_true", help="measure again what OUT/rates.json already has")
+    parser.add_argument("--scores", default=os.path.join(REPO, "docs", "results", "wide-area-scores-mlp-cpu"),
+                        help="the kept `mdgan experiment` of the scores (its results.csv)")
+    parser.add_argument("--fids", default="100,50", help="FID thresholds, comma-separated")
+    parser.add_argument("--config", default="mdgan-pipeline", help="check: the configuration")
+    parser.add_argument("--fid", type=float, default=100.0, help="check: the FID to reach")
+    parser.add_argument("--eval-every", type=int, default=500, help="check: as the scores' runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
+    args = parser.parse_args()
+    args.rates = args.rates.split(",")
+    args.rtts = [float(x) for x in args.rtts.split(",")]
+    args.fids = [float(f) for f in args.fids.split(",")]
+    if args.what == "report":
+        print(report(args))
+        return
+    reason = why_not_available()
+    if reason:
+        raise SystemExit(f"cannot build the links: {reason}")
+    os.makedirs(args.out, exist_ok=True)
+    measure(args) if args.what == "measure" else check(args)
+
+
+if __name__ == "__main__":
+    main()

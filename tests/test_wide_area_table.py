@@ -1,0 +1,104 @@
+"""bench/wide_area_table.py's report: a configuration's time to an FID is the iterations its seeds' runs
+needed, divided by its rate over the link, and the kept table in docs/results/wide-area-latency is the one
+its kept rates and scores give (never pasted and left stale)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import wide_area_table  # noqa: E402
+
+KEPT = os.path.join(REPO, "docs", "results", "wide-area-latency")
+MARK = re.compile(r"<!-- generated: (python bench/wide_area_table\.py report [^>]*?) -->\n(.*?)<!-- /generated -->",
+                  re.S)
+
+
+def write_scores(folder, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "results.csv"), "w", newline="") as fh:
+        out = csv.DictWriter(fh, ["run", "label", "seed", "iteration", "fid"])
+        out.writeheader()
+        for label, seeds in curves.items():
+            for seed, curve in seeds.items():
+                for iteration, fid in curve:
+                    out.writerow({"run": f"{label}-{seed}", "label": label, "seed": seed, "iteration": iteration,
+                                  "fid": fid})
+
+
+def rate(updates_per_second: float) -> dict:
+    return {"updates_per_second": updates_per_second, "load": [0.5, 1.5]}
+
+
+def report(tmp_path, rates: dict, curves: dict, fids=(100.0, 50.0)) -> list[str]:
+    write_scores(tmp_path / "scores", curves)
+    (tmp_path / "rates.json").write_text(json.dumps({"setting": {"depth": 4}, "rates": rates}))
+    args = argparse.Namespace(out=str(tmp_path), scores=str(tmp_path / "scores"), fids=list(fids))
+    return wide_area_table.report(args).splitlines()
+
+
+def row(lines: list[str], label: str, rtt: str) -> list[str]:
+    found = [line.strip("| ").split(" | ") for line in lines if line.startswith(f"| {label} | {rtt} |")]
+    assert len(found) == 1, lines
+    return found[0]
+
+
+def test_time_to_an_fid_is_the_seeds_iterations_over_the_rate_over_that_link(tmp_path):
+    curves = {
+        # seed 0 reaches FID 100 at 6,000, seed 1 at 3,000; neither reaches 50
+        "MD-GAN all": {0: [(3000, 180.0), (6000, 95.0)], 1: [(3000, 100.0), (6000, 70.0)]},
+        # one seed of two reaches 100 (at 6,000), and 50 (at 9,000)
+        "MD-GAN depth 4": {0: [(3000, 400.0), (6000, 90.0), (9000, 50.0)], 1: [(3000, 500.0), (9000, 120.0)]},
+    }
+    rates = {"100mbit 0ms": {"mdgan-all": rate(20.0), "mdgan-pipeline": rate(25.0), "mdgan-quorum": rate(10.0)},
+             "100mbit 80ms": {"mdgan-all": rate(5.0), "mdgan-pipeline": rate(20.0)}}
+    lines = report(tmp_path, rates, curves)
+    # 4,500 iterations on average: 225 s at 20/s, 900 s at 5/s; the seeds' 300 and 150 s, 1,200 and 600 s
+    assert row(lines, "mdgan-all", "0ms")[2:7] == ["20.00", "1.00", "1.00", "3.8 min (+- 1.8 min, 2 of 2)", "-"]
+    assert row(lines, "mdgan-all", "80ms")[2:6] == ["5.00", "0.25", "0.25", "15.0 min (+- 7.1 min, 2 of 2)"]
+    # against its own rate without delay, and the paper's protocol's
+    assert row(lines, "mdgan-pipeline", "80ms")[2:7] == ["20.00", "0.80", "1.00", "5.0 min (1 of 2)",
+                                                         "7.5 min (1 of 2)"]
+    # quorum's iterations are all's: an estimate, so marked, and never "first"
+    assert row(lines, "mdgan-quorum", "0ms")[5].startswith("~7.5 min")
+    first = "of the configurations whose every seed reaches it"
+    assert f"- first to FID 100 at 0ms: mdgan-all (3.8 min; {first})" in lines
+    assert f"- first to FID 100 at 80ms: mdgan-all (15.0 min; {first})" in lines
+    assert not any(line.startswith("- first to FID 50") for line in lines)  # no configuration's every seed got there
+    assert "- MD-GAN depth 4: FID 100: 6000, -; FID 50: 9000, -" in lines
+
+
+def test_the_first_scored_iteration_at_or_below_the_threshold_counts():
+    curve = [(1000, 300.0), (500, 400.0), (1500, 100.0), (2000, 99.0)]
+    assert wide_area_table.first_at(curve, 100.0) == 1500
+    assert wide_area_table.first_at(curve, 50.0) is None
+
+
+def kept_blocks() -> list[tuple[str, str, str]]:
+    found = []
+    for name in ("README.md",):
+        path = os.path.join(KEPT, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                found += [(m.group(1), m.group(2).strip("\n"), path) for m in MARK.finditer(fh.read())]
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(KEPT, "rates.json")), reason="no kept wide-area table yet")
+def test_the_kept_table_is_what_its_kept_rates_and_scores_give():
+    blocks = kept_blocks()
+    assert blocks, f"{KEPT}/README.md shows no generated table"
+    for command, shown, path in blocks:
+        argv = command.split()[1:]
+        given = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        assert shown == given.strip("\n"), f"{path}'s table is stale: {command}"
