@@ -1,28 +1,35 @@
 """The wide-area table with latency: for four sites behind links of each rate and round trip, each
 configuration's G updates a second over the link, and its time to reach an FID.
 
-    sudo python bench/wide_area_table.py measure --out /tmp/wat                  # the rates, ~45 min
-    python bench/wide_area_table.py report --out /tmp/wat --scores docs/results/wide-area-scores-mlp-cpu
+    sudo python bench/wide_area_table.py measure --out /tmp/wat --budget 30                       # ~40 min
+    sudo python bench/wide_area_table.py measure --out /tmp/wat --budget 60 --only mdgan-pipeline --again
+    python bench/wide_area_table.py report --out /tmp/wat                                # the tables
+    sudo python bench/wide_area_table.py check --out /tmp/wat --rates 100mbit --rtts 80 --config mdgan-all --fid 653.07
 
 - `measure` builds, for each rate of --rates and round trip of --rtts, four sites behind that link
   (bench/wide_area.py's LAN: a namespace per machine, mutual TLS, `tc tbf` at the rate both ways, the
   round trip half each way on each site's link through bench/delay_link.py) and trains each
-  configuration for --budget seconds with no evaluation, one after another: the rate is G updates (or
-  FL-GAN's local steps) per training second, its swaps, rounds and transfers included. OUT/rates.json.
-- `report` divides each configuration's iterations to an FID by its rate. The iterations come from
-  `mdgan simulate` runs of the same setting (experiments/wide-area-scores-mlp-cpu.yaml): every
-  configuration here but `quorum` computes over any link exactly what `mdgan simulate` computes, bit for
-  bit (`local == simulate`), so where a run reaches an FID does not depend on the link, only how long
-  it takes. `quorum` drops the slowest answer of each iteration, which depends on timing; its iterations
-  are those of `all` (in one process every worker answers at once, and quorum is `all` there), so its
-  times are an estimate, marked so.
-- `check` runs one configuration over one link until its FID is at or below a threshold (scoring every
-  --eval-every iterations, in the server's thread), and prints the training seconds it took beside the
-  time `report` predicts from rates.json and the scores: the method, tested end to end.
+  configuration with no evaluation, one after another, for --warm-up and then --budget seconds of
+  training. Its rate: G updates (FL-GAN: local steps) per training second after the warm-up, the first
+  iteration (FL-GAN: the first round, whose rows share its wall time) left out: they hold the workers'
+  start. OUT/rates.json; `--again` measures again what it has. `rates` computes the rates again from
+  the runs' histories (another --warm-up) without training.
+- `report` divides each configuration's iterations to an FID by its rate (`--into DOC`: into the
+  document's block `<!-- generated: python bench/wide_area_table.py report ... -->`). The iterations
+  come from `mdgan simulate` runs of the same setting (experiments/wide-area-scores-mlp-cpu.yaml, kept in
+  --scores): every configuration here but `quorum` computes over any link exactly what `mdgan simulate`
+  computes, bit for bit (`local == simulate`), so where a run reaches an FID does not depend on the link,
+  only how long it takes. `quorum` drops the last answer of each iteration, which depends on timing;
+  its iterations are those of `all` (in one process every worker answers at once, and quorum is `all`
+  there), so its times are an estimate, marked so.
+- `check` trains one configuration over one link until its own evaluation (every --eval-every
+  iterations, in the server's thread) reaches --fid, and writes OUT/checks/NAME.json: the training
+  seconds it took, the scores' iteration, and whether every FID it scored is the scores' own. `report`
+  sets each check beside its prediction.
 
 Every configuration uses the setting of the scores' experiment: MNIST, MLP ACGAN, N = 4 IID shards,
-b = 10, k = 1, a swap (FL-GAN: a round) every 400 iterations. Rates compare within one `measure` only;
-run it on an otherwise idle machine (the load average is recorded with each rate).
+b = 10, k = 1, a swap (FL-GAN: a round) every 400 iterations. Rates compare within one machine only; run
+`measure` and `check` on an otherwise idle machine (the load average is recorded with each rate).
 
 Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2 for `measure` and `check`, MNIST under --data-root.
 """
@@ -31,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -105,20 +114,47 @@ def measure(args) -> None:
                         continue
                     out = os.path.join(args.out, "runs", f"{rate}-{rtt:g}ms", label)
                     print(f"{key} {label}: {' '.join(config['flags'])}", flush=True)
-                    # FL-GAN's rows share their round's wall time, the first round's with the workers' warm-up: that
-                    # round is left out, and two more are trained at least
-                    warm_up = SETTING["swap_every"] if label == "flgan" else 1
-                    r = wide_area.run(label, config["flags"], run_args(args, args.budget, 100_000, []), lan, sites,
-                                      tls, out, min_iterations=3 * warm_up)
-                    rows = [row for row in read_jsonl(os.path.join(out, "history.jsonl")) if row["iteration"] > warm_up]
-                    seconds = sum(row["seconds"] for row in rows)
+                    r = wide_area.run(label, config["flags"], run_args(args, args.budget + args.warm_up, 100_000, []),
+                                      lan, sites, tls, out, min_iterations=3 * first_rows(label))
                     saved["rates"].setdefault(key, {})[label] = {
-                        "updates_per_second": len(rows) / seconds, "iterations": len(rows),
-                        "training_seconds": round(seconds, 1), "swap_rounds": r["swap_rounds"],
-                        "load": r["load"], "link_bytes": r["link_bytes"]}
-                    print(f"  {len(rows)} iterations in {seconds:.1f} s: {len(rows) / seconds:.2f}/s "
-                          f"(load {r['load'][0]:.1f}/{r['load'][-1]:.1f})", flush=True)
+                        **steady(out, label, args.warm_up), "swap_rounds": r["swap_rounds"], "load": r["load"],
+                        "link_bytes": r["link_bytes"]}
+                    got = saved["rates"][key][label]
+                    print(f"  {got['iterations']} iterations in {got['training_seconds']} s after the warm-up: "
+                          f"{got['updates_per_second']:.2f}/s (load {r['load'][0]:.1f}/{r['load'][-1]:.1f})",
+                          flush=True)
                     write(path, saved)
+
+
+def first_rows(label: str) -> int:
+    """The rows that hold the workers' start: the first iteration's, or FL-GAN's first round's (its rows share
+    their round's wall time)."""
+    return SETTING["swap_every"] if label == "flgan" else 1
+
+
+def steady(out: str, label: str, warm_up: float) -> dict:
+    """The rate of a run's history after its start and the first `warm_up` seconds of training (the pipeline
+    fills and TCP's windows open in them)."""
+    clock, kept = 0.0, []
+    for row in read_jsonl(os.path.join(out, "history.jsonl")):
+        if row["iteration"] > first_rows(label):
+            clock += row["seconds"]
+            if clock > warm_up:
+                kept.append(row["seconds"])
+    seconds = sum(kept)
+    return {"updates_per_second": len(kept) / seconds if seconds else 0.0, "iterations": len(kept),
+            "training_seconds": round(seconds, 1), "warm_up": warm_up}
+
+
+def rates_again(args) -> None:
+    """rates.json's rates again from the runs' own histories (another --warm-up), training nothing."""
+    path = os.path.join(args.out, "rates.json")
+    saved = load(path)
+    for key, cell in saved["rates"].items():
+        rate, rtt = key.split()
+        for label, measured in cell.items():
+            measured.update(steady(os.path.join(args.out, "runs", f"{rate}-{rtt}", label), label, args.warm_up))
+    write(path, saved)
 
 
 def pick(chosen: dict, only: str) -> dict:
@@ -222,9 +258,37 @@ def report(args) -> str:
     for label, runs in curves.items():
         lines.append(f"- {label}: " + "; ".join(
             f"FID {f:g}: " + ", ".join(str(first_at(runs[s], f) or "-") for s in sorted(runs)) for f in args.fids))
+    checks = sorted(glob.glob(os.path.join(args.out, "checks", "*.json")))
+    if checks:
+        lines += ["", "Checks, trained over the link until their own evaluation reached the FID (scored every 500 "
+                  "iterations in the server's thread); predicted: the scores' iteration / the rate above:", "",
+                  "| configuration | link | seed | FID | at iteration (scores') | training seconds | predicted | "
+                  "every FID as the scores' |", "| --- " * 8 + "|"]
+        for path in checks:
+            c = load(path)
+            speed = rates[c["cell"]][c["config"]]["updates_per_second"]
+            same = f"{'yes' if all(c['fids_as_scored']) else 'no'} ({len(c['fids_as_scored'])})"
+            lines.append(f"| {c['config']} | {c['cell']} | {c['seed']} | {c['fid']:.1f} | {c['iteration']} "
+                         f"({c['predicted_iteration']}) | {c['seconds']:.0f} | "
+                         f"{c['predicted_iteration'] / speed:.0f} | {same} |")
     loads = [r["load"][-1] for cell in rates.values() for r in cell.values()]
     lines.append(f"- load average at the end of each rate's run: {min(loads):.1f} to {max(loads):.1f}")
     return "\n".join(lines)
+
+
+def write_into(path: str, table: str) -> None:
+    """Replaces the content of the document's block '<!-- generated: python bench/wide_area_table.py report ...
+    -->' ... '<!-- /generated -->' with the table (atomically)."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    found = re.search(r"(<!-- generated: python bench/wide_area_table\.py report [^>]*-->\n)(.*?)(<!-- /generated -->)",
+                      text, re.S)
+    if not found:
+        raise SystemExit(f"{path} has no block '<!-- generated: python bench/wide_area_table.py report ... -->'")
+    text = text[:found.start(2)] + f"{table}\n\n" + text[found.end(2):]
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def check(args) -> None:
@@ -235,7 +299,7 @@ def check(args) -> None:
     curve = iterations_to(args.scores)[config["scores"]][args.seed]
     tls = pki(args.out)
     lan, sites = consortium(args.rates[0], args.rtts[0])
-    out = os.path.join(args.out, "check", f"{args.config}-{args.rates[0]}-{args.rtts[0]:g}ms-seed{args.seed}")
+    out = os.path.join(args.out, "checks", f"{args.config}-{args.rates[0]}-{args.rtts[0]:g}ms-seed{args.seed}")
     reached = first_at(curve, args.fid)
     if reached is None:
         raise SystemExit(f"the scores' seed {args.seed} never reaches FID {args.fid:g}")
@@ -260,17 +324,21 @@ def check(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["measure", "report", "check"])
+    parser.add_argument("what", choices=["measure", "rates", "report", "check"])
     parser.add_argument("--out", default="/tmp/mdgan-wide-area-table")
     parser.add_argument("--rates", default="100mbit,10mbit", help="every site's link, in tc's syntax; one per table")
     parser.add_argument("--rtts", default="0,20,80,150", help="round trips between a site and the server, ms")
     parser.add_argument("--budget", type=float, default=45.0, help="training seconds per configuration and link")
+    parser.add_argument("--warm-up", type=float, default=10.0,
+                        help="training seconds at the start of each run that its rate leaves out (trained on top of "
+                             "--budget)")
     parser.add_argument("--depth", type=int, default=4, help="--pipeline-depth of mdgan-pipeline")
     parser.add_argument("--only", default="", help="comma-separated configurations (default: all of them)")
     parser.add_argument("--again", action="store_true", help="measure again what OUT/rates.json already has")
     parser.add_argument("--scores", default=os.path.join(REPO, "docs", "results", "wide-area-scores-mlp-cpu"),
                         help="the kept `mdgan experiment` of the scores (its results.csv)")
     parser.add_argument("--fids", default="100,50", help="FID thresholds, comma-separated")
+    parser.add_argument("--into", help="report: write the tables into this document's generated block")
     parser.add_argument("--config", default="mdgan-pipeline", help="check: the configuration")
     parser.add_argument("--fid", type=float, default=100.0, help="check: the FID to reach")
     parser.add_argument("--eval-every", type=int, default=500, help="check: as the scores' runs")
@@ -281,7 +349,10 @@ def main() -> None:
     args.rtts = [float(x) for x in args.rtts.split(",")]
     args.fids = [float(f) for f in args.fids.split(",")]
     if args.what == "report":
-        print(report(args))
+        print(report(args)) if not args.into else write_into(args.into, report(args))
+        return
+    if args.what == "rates":
+        rates_again(args)
         return
     reason = why_not_available()
     if reason:

@@ -62,7 +62,14 @@ def test_time_to_an_fid_is_the_seeds_iterations_over_the_rate_over_that_link(tmp
     }
     rates = {"100mbit 0ms": {"mdgan-all": rate(20.0), "mdgan-pipeline": rate(25.0), "mdgan-quorum": rate(10.0)},
              "100mbit 80ms": {"mdgan-all": rate(5.0), "mdgan-pipeline": rate(20.0)}}
+    # a check over the 80 ms link: seed 0 reached FID 100 at 6,000 in 1,150 s, against 6,000 / 5 = 1,200 predicted
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "checks" / "mdgan-all.json").write_text(json.dumps(
+        {"config": "mdgan-all", "cell": "100mbit 80ms", "seed": 0, "fid": 100.0, "predicted_iteration": 6000,
+         "iteration": 6000, "seconds": 1150.4, "fids_as_scored": [True] * 12}))
     lines = report(tmp_path, rates, curves)
+    assert row(lines, "mdgan-all", "100mbit 80ms") == ["mdgan-all", "100mbit 80ms", "0", "100.0", "6000 (6000)",
+                                                       "1150", "1200", "yes (12)"]
     # 4,500 iterations on average: 225 s at 20/s, 900 s at 5/s; the seeds' 300 and 150 s, 1,200 and 600 s
     assert row(lines, "mdgan-all", "0ms")[2:7] == ["20.00", "1.00", "1.00", "3.8 min (+- 1.8 min, 2 of 2)", "-"]
     assert row(lines, "mdgan-all", "80ms")[2:6] == ["5.00", "0.25", "0.25", "15.0 min (+- 7.1 min, 2 of 2)"]
