@@ -103,6 +103,9 @@ def measure(args) -> None:
     path = os.path.join(args.out, "rates.json")
     saved = load(path) if os.path.exists(path) else {"setting": {**SETTING, "workers": WORKERS,
                                                                    "depth": args.depth}, "rates": {}}
+    if saved["setting"]["depth"] != args.depth:
+        raise SystemExit(f"{path} holds rates at --depth {saved['setting']['depth']}: "
+                         f"another --out for depth {args.depth}")
     tls = pki(args.out)
     for rate in args.rates:
         for rtt in args.rtts:
