@@ -150,6 +150,37 @@ def run(label: str, flags: list[str], args, lan: Consortium, sites: list[str], t
     return result
 
 
+def pick(chosen: dict, only: str) -> dict:
+    """The configurations --only names (comma-separated; all of them when empty)."""
+    if not only:
+        return chosen
+    unknown = set(only.split(",")) - set(chosen)
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
+    return {k: v for k, v in chosen.items() if k in only.split(",")}
+
+
+def certificates(out: str, sites: list[str]) -> str:
+    """A throwaway CA under OUT/pki, the server's certificate and one per site (worker-i): its folder."""
+    from services.common import pki
+
+    tls = os.path.join(out, "pki")
+    pki.init_ca(tls, overwrite=True)
+    pki.issue(tls, "mdgan-server", "server", sans=["server.wan.test"], overwrite=True)
+    for i, site in enumerate(sites):
+        pki.issue(tls, f"worker-{i}", "worker", sans=[f"{site}.wan.test"], overwrite=True)
+    return tls
+
+
+def wan(sites: list[str], rates: list[str], rtt: float, jitter: float = 0.0) -> Consortium:
+    """The server and the sites, site i's link at rates[i] and, when rtt > 0, a round trip of rtt ms to the
+    server: half each way on the site's own link."""
+    half = f"{rtt / 2:g}ms"
+    delayed = {site: (half, half) for site in sites} if rtt > 0 else {}
+    return Consortium(["server", *sites], domain="wan.test", shaped=dict(zip(sites, rates)), delayed=delayed,
+                      jitter=f"{jitter:g}ms")
+
+
 def fmt(value, spec: str = ".0f", none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
@@ -245,24 +276,10 @@ def main() -> None:
     if reason:
         raise SystemExit(f"cannot build the links: {reason}")
     sites = [f"site-{i}" for i in range(len(args.rates))]
-    chosen = configurations(len(sites), args.lag, args.depth)
-    if args.only:
-        unknown = set(args.only.split(",")) - set(chosen)
-        if unknown:
-            raise SystemExit(f"--only: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
-        chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
-    from services.common import pki
-
-    tls = os.path.join(args.out, "pki")
-    pki.init_ca(tls, overwrite=True)
-    pki.issue(tls, "mdgan-server", "server", sans=["server.wan.test"], overwrite=True)
-    for i, site in enumerate(sites):
-        pki.issue(tls, f"worker-{i}", "worker", sans=[f"{site}.wan.test"], overwrite=True)
+    chosen = pick(configurations(len(sites), args.lag, args.depth), args.only)
+    tls = certificates(args.out, sites)
     results = {}
-    half = f"{args.rtt / 2:g}ms"  # a site's round trip to the server, half each way on its own link
-    delayed = {site: (half, half) for site in sites} if args.rtt > 0 else {}
-    with Consortium(["server", *sites], domain="wan.test", shaped=dict(zip(sites, args.rates)),
-                    delayed=delayed, jitter=f"{args.jitter:g}ms") as lan:
+    with wan(sites, args.rates, args.rtt, args.jitter) as lan:
         for machine in lan.machines.values():  # (TCP's settings are each network namespace's own)
             for setting in args.sysctl:
                 subprocess.run(["ip", "netns", "exec", machine["ns"], "sysctl", "-q", "-w", setting], check=True)

@@ -49,7 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import wide_area  # noqa: E402
-from netns import Consortium, why_not_available  # noqa: E402
+from netns import why_not_available  # noqa: E402
 from processes import read_jsonl  # noqa: E402
 
 WORKERS = 4
@@ -79,46 +79,32 @@ def run_args(args, budget: float, eval_every: int, fids: list[float]) -> argpars
                               data_root=args.data_root)
 
 
-def consortium(rate: str, rtt: float, jitter: float = 0.0) -> tuple[Consortium, list[str]]:
-    sites = [f"site-{i}" for i in range(WORKERS)]
-    half = f"{rtt / 2:g}ms"  # a site's round trip to the server, half each way on its own link
-    delayed = {site: (half, half) for site in sites} if rtt > 0 else {}
-    return Consortium(["server", *sites], domain="wan.test", shaped={s: rate for s in sites},
-                      delayed=delayed, jitter=f"{jitter:g}ms"), sites
-
-
-def pki(out: str) -> str:
-    from services.common import pki as certificates
-
-    tls = os.path.join(out, "pki")
-    certificates.init_ca(tls, overwrite=True)
-    certificates.issue(tls, "mdgan-server", "server", sans=["server.wan.test"], overwrite=True)
-    for i in range(WORKERS):
-        certificates.issue(tls, f"worker-{i}", "worker", sans=[f"site-{i}.wan.test"], overwrite=True)
-    return tls
+SITES = [f"site-{i}" for i in range(WORKERS)]
+# a document's generated table: its command (group 1) and what that command printed (group 2)
+BLOCK = re.compile(r"<!-- generated: (python bench/wide_area_table\.py report [^>]*?) -->\n(.*?)<!-- /generated -->",
+                   re.S)
 
 
 def measure(args) -> None:
-    chosen = pick(configurations(args.depth), args.only)
+    chosen = wide_area.pick(configurations(args.depth), args.only)
     path = os.path.join(args.out, "rates.json")
     saved = load(path) if os.path.exists(path) else {"setting": {**SETTING, "workers": WORKERS,
                                                                    "depth": args.depth}, "rates": {}}
     if saved["setting"]["depth"] != args.depth:
         raise SystemExit(f"{path} holds rates at --depth {saved['setting']['depth']}: "
                          f"another --out for depth {args.depth}")
-    tls = pki(args.out)
+    tls = wide_area.certificates(args.out, SITES)
     for rate in args.rates:
         for rtt in args.rtts:
             key = cell_key(rate, rtt)
-            lan, sites = consortium(rate, rtt)
-            with lan:
+            with wide_area.wan(SITES, [rate] * WORKERS, rtt) as lan:
                 for label, config in chosen.items():
                     if label in saved["rates"].get(key, {}) and not args.again:
                         continue
                     out = os.path.join(args.out, "runs", f"{rate}-{rtt:g}ms", label)
                     print(f"{key} {label}: {' '.join(config['flags'])}", flush=True)
                     r = wide_area.run(label, config["flags"], run_args(args, args.budget + args.warm_up, 100_000, []),
-                                      lan, sites, tls, out, min_iterations=3 * first_rows(label))
+                                      lan, SITES, tls, out, min_iterations=3 * first_rows(label))
                     saved["rates"].setdefault(key, {})[label] = {
                         **steady(out, label, args.warm_up), "swap_rounds": r["swap_rounds"], "load": r["load"],
                         "link_bytes": r["link_bytes"]}
@@ -158,15 +144,6 @@ def rates_again(args) -> None:
         for label, measured in cell.items():
             measured.update(steady(os.path.join(args.out, "runs", f"{rate}-{rtt}", label), label, args.warm_up))
     write(path, saved)
-
-
-def pick(chosen: dict, only: str) -> dict:
-    if not only:
-        return chosen
-    unknown = set(only.split(",")) - set(chosen)
-    if unknown:
-        raise SystemExit(f"--only: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
-    return {k: v for k, v in chosen.items() if k in only.split(",")}
 
 
 def load(path: str) -> dict:
@@ -284,8 +261,7 @@ def write_into(path: str, table: str) -> None:
     -->' ... '<!-- /generated -->' with the table (atomically)."""
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    found = re.search(r"(<!-- generated: python bench/wide_area_table\.py report [^>]*-->\n)(.*?)(<!-- /generated -->)",
-                      text, re.S)
+    found = BLOCK.search(text)
     if not found:
         raise SystemExit(f"{path} has no block '<!-- generated: python bench/wide_area_table.py report ... -->'")
     text = text[:found.start(2)] + f"{table}\n\n" + text[found.end(2):]
@@ -300,19 +276,18 @@ def check(args) -> None:
     saved = load(os.path.join(args.out, "rates.json"))
     measured = saved["rates"][cell_key(args.rates[0], args.rtts[0])][args.config]["updates_per_second"]
     curve = iterations_to(args.scores)[config["scores"]][args.seed]
-    tls = pki(args.out)
-    lan, sites = consortium(args.rates[0], args.rtts[0])
+    tls = wide_area.certificates(args.out, SITES)
     out = os.path.join(args.out, "checks", f"{args.config}-{args.rates[0]}-{args.rtts[0]:g}ms-seed{args.seed}")
     reached = first_at(curve, args.fid)
     if reached is None:
         raise SystemExit(f"the scores' seed {args.seed} never reaches FID {args.fid:g}")
-    with lan:
-        # until its own evaluation reaches the FID, or for the predicted time and a half
-        def reached_it(rows: list[dict]) -> bool:
-            return any(e["fid"] <= args.fid for row in rows for e in row.get("evaluations", []))
+    def reached_it(rows: list[dict]) -> bool:
+        return any(e["fid"] <= args.fid for row in rows for e in row.get("evaluations", []))
 
+    with wide_area.wan(SITES, [args.rates[0]] * WORKERS, args.rtts[0]) as lan:
+        # until its own evaluation reaches the FID, or for the predicted time and a half
         r = wide_area.run(args.config, config["flags"], run_args(args, 1.5 * reached / measured, args.eval_every,
-                                                                 [args.fid]), lan, sites, tls, out, until=reached_it)
+                                                                 [args.fid]), lan, SITES, tls, out, until=reached_it)
     got = r["time_to_fid"][str(args.fid)]
     hit = next((e["iteration"] for e in r["evaluations"] if e["fid"] <= args.fid), None)
     scored = dict(curve)
