@@ -10,8 +10,9 @@ What is private, and why the rest follows (docs/PRIVACY.md has the argument in f
   (each of its m_n images taken independently with probability q = b / m_n, the sampling the
   accountant's guarantee assumes), every real sample's gradient is clipped to L2 norm C
   (`max_grad_norm`), the clipped gradients are summed, Gaussian noise N(0, (sigma C)^2) is added
-  and the sum is divided by b (Opacus's GradSampleModule computes the per-sample gradients, its
-  DPOptimizer clips, noises and scales them).
+  and the sum is divided by b (Opacus's ghost clipping: GradSampleModuleFastGradientClipping computes
+  each sample's gradient norm without making its gradient, a second backward pass sums the clipped
+  gradients, and DPOptimizerFastGradientClipping noises and scales the sum).
 - The generated part of the step (X_d, from the server's G, which never saw the site's data) is
   added without noise: it holds no private data.
 - Opacus's RDP accountant composes every step the site took (L per iteration it took part in,
@@ -185,19 +186,21 @@ class PrivateSteps:
     def __init__(self, discriminator: torch.nn.Module, optimizer: torch.optim.Optimizer, site: SitePrivacy,
                  batch_size: int, sampling_seed: int, noise_seed: int):
         from opacus.accountants import RDPAccountant
-        from opacus.grad_sample import GradSampleModule
-        from opacus.optimizers import DPOptimizer
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
 
         self.site = site
         self.batch_size = batch_size
-        # hooks on D's own layers: its forward passes record per-sample gradients only while enabled
-        self.module = GradSampleModule(discriminator, batch_first=True, loss_reduction="sum")
+        # hooks on D's own layers: while enabled, a backward pass records each sample's gradient norm
+        # (ghost clipping: from the layers' inputs and output gradients, no per-sample gradient made)
+        self.module = GradSampleModuleFastGradientClipping(discriminator, batch_first=True, loss_reduction="sum",
+                                                           max_grad_norm=site.max_grad_norm, use_ghost_clipping=True)
         self.module.disable_hooks()
         self.noise = torch.Generator().manual_seed(noise_seed)  # drawn on the CPU: the same on any device
         self.sampling = torch.Generator().manual_seed(sampling_seed)
-        self.optimizer = DPOptimizer(optimizer, noise_multiplier=site.noise_multiplier,
-                                     max_grad_norm=site.max_grad_norm, expected_batch_size=batch_size,
-                                     loss_reduction="mean", generator=self.noise)
+        self.optimizer = DPOptimizerFastGradientClipping(
+            optimizer, noise_multiplier=site.noise_multiplier, max_grad_norm=site.max_grad_norm,
+            expected_batch_size=batch_size, loss_reduction="mean", generator=self.noise)
         self.accountant = RDPAccountant()
 
     def sample(self, shard_size: int) -> torch.Tensor:
@@ -205,30 +208,38 @@ class PrivateSteps:
         return torch.nonzero(torch.rand(shard_size, generator=self.sampling) < self.site.sample_rate).flatten()
 
     def real_step(self, parameters: list[torch.nn.Parameter], per_sample_losses) -> None:
-        """Clip, sum, noise and scale the real part's per-sample gradients into .grad (Opacus's DPOptimizer)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        """The real part's per-sample gradients clipped to C, summed, noised and divided by b, into .grad.
+
+        Opacus's ghost clipping: a first backward pass records each sample's gradient norm, a second one
+        of the losses weighted by min(1, C / norm) gives the sum of the clipped gradients; its
+        DPOptimizerFastGradientClipping adds N(0, (sigma C)^2) and divides by b."""
         self.module.enable_hooks()
         try:
             losses = per_sample_losses()  # (n,)
             if losses is not None and losses.numel():
-                losses.sum().backward()
-            else:  # an empty Poisson sample: no gradient, the noise alone
-                for p in parameters:
-                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+                losses.sum().backward(retain_graph=True)
+                clip = self.module.get_clipping_coef().detach()  # (n,)
+            else:
+                losses = None
         finally:
             self.module.disable_hooks()
+        self.optimizer.zero_grad(set_to_none=True)
+        if losses is not None:
+            (losses * clip).sum().backward()
+        for p in parameters:
+            if p.grad is None:  # an empty Poisson sample: no gradient, the noise alone
+                p.grad = torch.zeros_like(p)
         if parameters[0].device.type != "cpu":
-            self._noise_on_cpu(parameters)
+            self._noise_on_cpu()
         else:
-            self.optimizer.pre_step()  # clip per sample, sum, add N(0, (sigma C)^2), divide by b
+            self.optimizer.pre_step()  # sum, add N(0, (sigma C)^2), divide by b
         for p in parameters:  # the generated part's gradient is added to .grad from here on
-            p.grad_sample = None
             p.summed_grad = None
         self.accountant.step(noise_multiplier=self.site.noise_multiplier, sample_rate=self.site.sample_rate)
 
-    def _noise_on_cpu(self, parameters) -> None:
+    def _noise_on_cpu(self) -> None:
         """DPOptimizer's steps with the noise drawn on the CPU and moved (a CUDA D: same draws as on a CPU)."""
-        self.optimizer.clip_and_accumulate()
+        self.optimizer.accumulate()
         sigma_c = self.site.noise_multiplier * self.site.max_grad_norm
         for p in self.optimizer.params:
             noise = torch.normal(0.0, sigma_c, size=p.summed_grad.shape, generator=self.noise)

@@ -52,6 +52,51 @@ def test_a_private_step_clips_noises_and_accounts_and_is_repeatable():
     assert plain.private is None and np.isnan(plain.step(batch).epsilon)
 
 
+def _private_steps(noise_multiplier: float, max_grad_norm: float):
+    from mdgan.privacy import PrivateSteps, SitePrivacy
+
+    torch.manual_seed(3)
+    disc = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LeakyReLU(0.2), torch.nn.Linear(8, 3))
+    site = SitePrivacy(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, delta=1e-5, sample_rate=0.5,
+                       planned_steps=1)
+    optimizer = torch.optim.SGD(disc.parameters(), lr=0.0)
+    return disc, PrivateSteps(disc, optimizer, site, batch_size=4, sampling_seed=0, noise_seed=11)
+
+
+def test_a_private_step_sums_each_samples_clipped_gradient_and_divides_by_b():
+    """The real part's .grad is sum_i min(1, C / ||g_i||) g_i / b over the sampled images: each sample's
+    gradient made one at a time here, against the norms Opacus's ghost clipping finds without them."""
+    disc, private = _private_steps(noise_multiplier=0.0, max_grad_norm=2.0)
+    x = torch.randn(5, 6) * torch.tensor([[0.01], [0.1], [1.0], [3.0], [10.0]])  # norms below and above C
+
+    def losses():
+        return disc(x).pow(2).sum(dim=1)  # (5,)
+
+    parameters = list(disc.parameters())
+    expected = [torch.zeros_like(p) for p in parameters]
+    clipped = 0
+    for i in range(len(x)):
+        grads = torch.autograd.grad(disc(x[i:i + 1]).pow(2).sum(), parameters)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, 2.0 / (float(norm) + 1e-6))
+        clipped += factor < 1.0
+        for e, g in zip(expected, grads):
+            e += factor * g / 4
+    assert 0 < clipped < len(x)  # both kinds of sample are in the batch
+    private.real_step(parameters, losses)
+    for p, e in zip(parameters, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-7)
+
+
+def test_an_empty_poisson_sample_is_the_noise_alone_drawn_from_the_sites_generator():
+    disc, private = _private_steps(noise_multiplier=2.0, max_grad_norm=0.5)
+    parameters = list(disc.parameters())
+    private.real_step(parameters, lambda: None)
+    draws = torch.Generator().manual_seed(11)
+    for p in parameters:  # N(0, (sigma C)^2) a coordinate, over b, in the parameters' order
+        torch.testing.assert_close(p.grad, torch.normal(0.0, 1.0, size=p.shape, generator=draws) / 4, rtol=0, atol=0)
+
+
 def test_the_noise_is_the_privacy_a_clipped_noiseless_step_would_not_have():
     """The same seeds and draws at two noise levels give different weights: the noise really
     reaches them (were it dropped, both steps would be the same)."""
