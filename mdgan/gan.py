@@ -189,6 +189,15 @@ class StepResult:
 STATS = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy")
 
 
+@dataclass(frozen=True)
+class DiscriminatorStats:
+    """The last discriminator step's loss and accuracies: 0-dim float32 tensors on D's device."""
+
+    loss: torch.Tensor
+    real_accuracy: torch.Tensor  # share of real samples D calls real
+    fake_accuracy: torch.Tensor  # share of generated samples D calls generated
+
+
 def read_stats(results: list[StepResult]) -> list[StepResult]:
     """The results with their losses and accuracies as floats: the tensors among them read from their
     device in one transfer a device (one host synchronisation, where an .item() each was one each). The
@@ -289,24 +298,25 @@ class DiscriminatorSide:
             batch = dataclasses.replace(batch, **{k: None if v is None else v.to(self.device) for k, v in (
                 ("generated", batch.generated), ("generated_labels", batch.generated_labels),
                 ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
-        disc_loss, real_acc, fake_acc = self.private_disc_steps(batch.discriminated, batch.discriminated_labels)
+        stats = self.private_disc_steps(batch.discriminated, batch.discriminated_labels)
         self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
         trained = time.perf_counter()
         generated = batch.generated.detach().clone().requires_grad_(True)
         gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
         (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
-        return StepResult(feedback, disc_loss, gen_loss.item(), real_acc, fake_acc, trained - started,
-                          time.perf_counter() - trained, private.epsilon(), private.site.delta)
+        return StepResult(feedback, stats.loss, gen_loss.detach(), stats.real_accuracy, stats.fake_accuracy,
+                          trained - started, time.perf_counter() - trained, private.epsilon(), private.site.delta)
 
-    def private_disc_steps(self, fake: torch.Tensor, fake_labels: torch.Tensor | None) -> tuple[float, float, float]:
+    def private_disc_steps(self, fake: torch.Tensor, fake_labels: torch.Tensor | None) -> DiscriminatorStats:
         """The L DP-SGD steps of D against the generated batch `fake` (b, *shape) (public) and Poisson
-        samples of the shard (private): (loss, real accuracy, generated accuracy) of the last step.
+        samples of the shard (private): the loss and accuracies of the last step, left on D's device.
         MD-GAN's worker step and the FL-GAN/standalone local GAN (mdgan/algorithms/standalone.py) both train
         their D with it."""
         spec, disc, private = self.spec, self.discriminator, self.private
         shard = self.sampler.shard
         parameters = [p for p in disc.parameters() if p.requires_grad]
-        disc_loss, real_acc, fake_acc = float("nan"), float("nan"), float("nan")
+        nan = torch.tensor(float("nan"), device=self.device)
+        stats = DiscriminatorStats(nan, nan, nan)
         for _ in range(self.config.disc_steps):
             picked = private.sample(len(shard))  # (n,), n ~ Binomial(m, b/m)
             real, real_labels = shard.images[picked.to(shard.images.device)], shard.labels[picked.to(shard.labels.device)]
@@ -331,15 +341,15 @@ class DiscriminatorSide:
             fake_loss.backward()  # adds to the private real part's .grad
             private.step()
             real_logits = seen.get("logits")
-            real_loss = float("nan")
+            real_loss, real_acc = nan, stats.real_accuracy  # (an empty sample: no real loss, the last accuracy)
             if real_logits is not None:
-                real_loss = F.binary_cross_entropy_with_logits(real_logits[:, 0], torch.ones_like(real_logits[:, 0])).item()
+                real_loss = F.binary_cross_entropy_with_logits(real_logits[:, 0], torch.ones_like(real_logits[:, 0]))
                 if spec.conditional:
-                    real_loss += F.cross_entropy(real_logits[:, 1:], real_labels).item()
-                real_acc = (real_logits[:, 0] > 0).float().mean().item()
-            disc_loss = real_loss + fake_loss.item()
-            fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
-        return disc_loss, real_acc, fake_acc
+                    real_loss = real_loss + F.cross_entropy(real_logits[:, 1:], real_labels)
+                real_acc = (real_logits[:, 0] > 0).float().mean()
+            stats = DiscriminatorStats((real_loss + fake_loss).detach(), real_acc,
+                                       (fake_logits[:, 0] <= 0).float().mean())
+        return stats
 
     # -- durable state (a checkpoint, kept on the worker) ------------------------------------------
     def state_dict(self) -> dict:

@@ -32,7 +32,7 @@ class LocalGAN:
         self.d = DiscriminatorSide(config, shard)
 
     def step(self) -> dict:
-        spec, G, D = self.spec, self.g.generator, self.d.discriminator
+        spec, D = self.spec, self.d.discriminator
         batches = self.g.generate(1)  # the server's noise stream: same z and labels as MD-GAN
         fake, labels = batches.samples[0], None if batches.labels is None else batches.labels[0]  # (b, *shape), (b,)
         if self.d.private is not None:  # DP-SGD on the real data (mdgan/privacy.py), as an MD-GAN worker's D
@@ -58,14 +58,15 @@ class LocalGAN:
         """The same step with D trained by DP-SGD; G's step is post-processing of the private D. The
         stats carry the spent (epsilon, delta)."""
         spec, D = self.spec, self.d.discriminator
-        disc_loss, real_acc, fake_acc = self.d.private_disc_steps(fake.detach(), labels)
+        d_stats = self.d.private_disc_steps(fake.detach(), labels)
         gen_loss = generator_loss(spec, D(fake), labels)
         self.g.optimizer.zero_grad(set_to_none=True)
         gen_loss.backward()  # (D's .grad from this is cleared by its next private step)
         self.g.optimizer.step()
         private = self.d.private
-        return {"gen_loss": gen_loss.item(), "disc_loss": disc_loss, "real_accuracy": real_acc,
-                "fake_accuracy": fake_acc, "epsilon": private.epsilon(), "delta": private.site.delta}
+        return {"gen_loss": gen_loss.item(), "disc_loss": d_stats.loss.item(),
+                "real_accuracy": d_stats.real_accuracy.item(), "fake_accuracy": d_stats.fake_accuracy.item(),
+                "epsilon": private.epsilon(), "delta": private.site.delta}
 
 
 PRIVACY_STATS = ("epsilon", "delta")  # a private step's spent budget: per site, never averaged
