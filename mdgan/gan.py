@@ -191,9 +191,9 @@ STATS = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy")
 
 @dataclass(frozen=True)
 class DiscriminatorStats:
-    """The last discriminator step's loss and accuracies: 0-dim float32 tensors on D's device."""
+    """The last discriminator step's loss and accuracies: 0-dim tensors on D's device."""
 
-    loss: torch.Tensor
+    loss: torch.Tensor  # float64
     real_accuracy: torch.Tensor  # share of real samples D calls real
     fake_accuracy: torch.Tensor  # share of generated samples D calls generated
 
@@ -341,13 +341,15 @@ class DiscriminatorSide:
             fake_loss.backward()  # adds to the private real part's .grad
             private.step()
             real_logits = seen.get("logits")
-            real_loss, real_acc = nan, stats.real_accuracy  # (an empty sample: no real loss, the last accuracy)
+            # the loss is summed in float64 from its float32 terms: (real [+ class]) + (generated [+ class])
+            real_loss, real_acc = nan.double(), stats.real_accuracy  # (an empty sample: no real loss, the last accuracy)
             if real_logits is not None:
-                real_loss = F.binary_cross_entropy_with_logits(real_logits[:, 0], torch.ones_like(real_logits[:, 0]))
+                real_loss = F.binary_cross_entropy_with_logits(real_logits[:, 0],
+                                                               torch.ones_like(real_logits[:, 0])).double()
                 if spec.conditional:
-                    real_loss = real_loss + F.cross_entropy(real_logits[:, 1:], real_labels)
+                    real_loss = real_loss + F.cross_entropy(real_logits[:, 1:], real_labels).double()
                 real_acc = (real_logits[:, 0] > 0).float().mean()
-            stats = DiscriminatorStats((real_loss + fake_loss).detach(), real_acc,
+            stats = DiscriminatorStats((real_loss + fake_loss.detach().double()).detach(), real_acc,
                                        (fake_logits[:, 0] <= 0).float().mean())
         return stats
 
