@@ -315,7 +315,7 @@ def main() -> None:
     parser.add_argument("--again", action="store_true", help="measure again what OUT/rates.json already has")
     parser.add_argument("--scores", default=os.path.join(REPO, "docs", "results", "wide-area-scores-mlp-cpu"),
                         help="the kept `mdgan experiment` of the scores (its results.csv)")
-    parser.add_argument("--fids", default="100,50", help="FID thresholds, comma-separated")
+    parser.add_argument("--fids", default="150,100,50", help="FID thresholds, comma-separated")
     parser.add_argument("--into", help="report: write the tables into this document's generated block")
     parser.add_argument("--config", default="mdgan-pipeline", help="check: the configuration")
     parser.add_argument("--fid", type=float, default=100.0, help="check: the FID to reach")
