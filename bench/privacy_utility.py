@@ -46,12 +46,21 @@ def main() -> None:
     out = result["out"]
     with open(os.path.join(out, "experiment.json")) as fh:
         runs = json.load(fh)["runs"]
+    kept_rows = {}  # a resumed experiment's runs that finished before: kept records only, their rows kept too
+    if args.keep and os.path.exists(os.path.join(args.keep, "privacy_utility.json")):
+        with open(os.path.join(args.keep, "privacy_utility.json")) as fh:
+            kept_rows = {(r["run"], r["seed"]): r for r in json.load(fh)}
     rows = []
     for run in runs:
         folder = os.path.join(out, "runs", run["name"])
         with open(os.path.join(folder, "summary.json")) as fh:
             summary = json.load(fh)
         report_path = os.path.join(folder, "audit", "audit.json")
+        kept = kept_rows.get((run["label"], summary["config"]["seed"]))
+        if kept is not None and not os.path.exists(report_path) \
+                and not os.path.exists(os.path.join(folder, "checkpoint.pt")):
+            rows.append(kept)  # (its generator is not kept: the audit it had then)
+            continue
         if os.path.exists(report_path):
             with open(report_path) as fh:
                 report = json.load(fh)
