@@ -315,7 +315,7 @@ class DiscriminatorSide:
         spec, disc, private = self.spec, self.discriminator, self.private
         shard = self.sampler.shard
         parameters = [p for p in disc.parameters() if p.requires_grad]
-        nan = torch.tensor(float("nan"), device=self.device)
+        nan = torch.full((), float("nan"), device=self.device)  # (made on the device: no host copy)
         stats = DiscriminatorStats(nan, nan, nan)
         for _ in range(self.config.disc_steps):
             picked = private.sample(len(shard))  # (n,), n ~ Binomial(m, b/m)
@@ -349,7 +349,7 @@ class DiscriminatorSide:
                 if spec.conditional:
                     real_loss = real_loss + F.cross_entropy(real_logits[:, 1:], real_labels).double()
                 real_acc = (real_logits[:, 0] > 0).float().mean()
-            stats = DiscriminatorStats((real_loss + fake_loss.detach().double()).detach(), real_acc,
+            stats = DiscriminatorStats(real_loss + fake_loss.detach().double(), real_acc,
                                        (fake_logits[:, 0] <= 0).float().mean())
         return stats
 

@@ -213,19 +213,18 @@ class PrivateSteps:
         Opacus's ghost clipping: a first backward pass records each sample's gradient norm, a second one
         of the losses weighted by min(1, C / norm) gives the sum of the clipped gradients; its
         DPOptimizerFastGradientClipping adds N(0, (sigma C)^2) and divides by b."""
+        clipped = None  # the losses weighted by min(1, C / norm): (n,)
         self.module.enable_hooks()
         try:
             losses = per_sample_losses()  # (n,)
             if losses is not None and losses.numel():
                 losses.sum().backward(retain_graph=True)
-                clip = self.module.get_clipping_coef().detach()  # (n,)
-            else:
-                losses = None
+                clipped = losses * self.module.get_clipping_coef().detach()
         finally:
             self.module.disable_hooks()
         self.optimizer.zero_grad(set_to_none=True)
-        if losses is not None:
-            (losses * clip).sum().backward()
+        if clipped is not None:
+            clipped.sum().backward()
         for p in parameters:
             if p.grad is None:  # an empty Poisson sample: no gradient, the noise alone
                 p.grad = torch.zeros_like(p)
