@@ -16,8 +16,8 @@ configuration's G updates a second over the link, and its time to reach an FID.
   the runs' histories (another --warm-up) without training.
 - `report` divides each configuration's iterations to an FID by its rate (`--into DOC`: into the
   document's block `<!-- generated: python bench/wide_area_table.py report ... -->`). The iterations
-  come from `mdgan simulate` runs of the same setting (experiments/wide-area-scores-mlp-cpu.yaml, kept in
-  --scores): every configuration here but `quorum` computes over any link exactly what `mdgan simulate`
+  come from `mdgan simulate` runs of the same setting (experiments/wide-area-scores-mlp-cpu.yaml, and
+  wide-area-scores-int8-mlp-cpu.yaml for the int8 wire, kept in --scores, comma-separated): every configuration here but `quorum` computes over any link exactly what `mdgan simulate`
   computes, bit for bit (`local == simulate`), so where a run reaches an FID does not depend on the link,
   only how long it takes. `quorum` drops the last answer of each iteration, which depends on timing;
   its iterations are those of `all` (in one process every worker answers at once, and quorum is `all`
@@ -64,6 +64,9 @@ def configurations(depth: int) -> dict[str, dict]:
                          "scores": "MD-GAN all", "estimate": True},
         "mdgan-pipeline": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth)],
                            "scores": f"MD-GAN depth {depth}"},
+        # batches, feedback and swapped discriminators as int8 (mdgan/compression.py): scores of its own
+        "mdgan-pipeline-int8": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth), "--wire-dtype",
+                                          "int8"], "scores": f"MD-GAN depth {depth}, int8"},
         "flgan": {"flags": ["--algorithm", "flgan"], "scores": "FL-GAN"},
         # every worker's gradients each step (the default threshold), so that it computes what simulate does
         "psgan": {"flags": ["--algorithm", "psgan"], "scores": "parameter-server GAN"},
@@ -158,13 +161,21 @@ def write(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def iterations_to(scores: str) -> dict[str, dict[int, list[tuple[int, float]]]]:
-    """label -> seed -> [(iteration, FID)] of the scores' kept runs (their results.csv)."""
+def iterations_to(scores: list[str]) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """label -> seed -> [(iteration, FID)] of the kept runs of every scores' experiment (their results.csv).
+    A label and seed scored by two of them is refused: which curve counts would be a guess."""
     curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
-    with open(os.path.join(scores, "results.csv")) as fh:
-        for row in csv.DictReader(fh):
-            curves.setdefault(row["label"], {}).setdefault(int(row["seed"]), []).append(
-                (int(row["iteration"]), float(row["fid"])))
+    for folder in scores:
+        found: dict[str, dict[int, list[tuple[int, float]]]] = {}
+        with open(os.path.join(folder, "results.csv")) as fh:
+            for row in csv.DictReader(fh):
+                found.setdefault(row["label"], {}).setdefault(int(row["seed"]), []).append(
+                    (int(row["iteration"]), float(row["fid"])))
+        for label, runs in found.items():
+            twice = sorted(set(runs) & set(curves.get(label, {})))
+            if twice:
+                raise SystemExit(f"{folder} scores {label!r} seed {twice[0]} again: give each run's scores once")
+            curves.setdefault(label, {}).update(runs)
     return curves
 
 
@@ -314,7 +325,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated configurations (default: all of them)")
     parser.add_argument("--again", action="store_true", help="measure again what OUT/rates.json already has")
     parser.add_argument("--scores", default=os.path.join(REPO, "docs", "results", "wide-area-scores-mlp-cpu"),
-                        help="the kept `mdgan experiment` of the scores (its results.csv)")
+                        help="the kept `mdgan experiment`s of the scores (their results.csv), comma-separated")
     parser.add_argument("--fids", default="150,100,50", help="FID thresholds, comma-separated")
     parser.add_argument("--into", help="report: write the tables into this document's generated block")
     parser.add_argument("--config", default="mdgan-pipeline", help="check: the configuration")
@@ -326,6 +337,7 @@ def main() -> None:
     args.rates = args.rates.split(",")
     args.rtts = [float(x) for x in args.rtts.split(",")]
     args.fids = [float(f) for f in args.fids.split(",")]
+    args.scores = args.scores.split(",")
     if args.what == "report":
         print(report(args)) if not args.into else write_into(args.into, report(args))
         return

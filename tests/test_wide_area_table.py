@@ -40,7 +40,7 @@ def rate(updates_per_second: float) -> dict:
 def report(tmp_path, rates: dict, curves: dict, fids=(100.0, 50.0)) -> list[str]:
     write_scores(tmp_path / "scores", curves)
     (tmp_path / "rates.json").write_text(json.dumps({"setting": {"depth": 4}, "rates": rates}))
-    args = argparse.Namespace(out=str(tmp_path), scores=str(tmp_path / "scores"), fids=list(fids))
+    args = argparse.Namespace(out=str(tmp_path), scores=[str(tmp_path / "scores")], fids=list(fids))
     return wide_area_table.report(args).splitlines()
 
 
@@ -97,3 +97,19 @@ def test_the_kept_table_is_what_its_kept_rates_and_scores_give():
         given = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO, capture_output=True, text=True,
                                check=True).stdout
         assert shown.strip("\n") == given.strip("\n"), f"the kept table is stale: {command}"
+
+
+def test_scores_kept_in_two_experiments_are_read_together_and_one_run_scored_twice_is_refused(tmp_path):
+    write_scores(tmp_path / "float32", {"MD-GAN depth 4": {0: [(3000, 90.0)]}})
+    write_scores(tmp_path / "int8", {"MD-GAN depth 4, int8": {0: [(3000, 200.0), (6000, 80.0)]}})
+    (tmp_path / "rates.json").write_text(json.dumps({"setting": {"depth": 4}, "rates": {
+        "10mbit 0ms": {"mdgan-pipeline": rate(10.0), "mdgan-pipeline-int8": rate(20.0)}}}))
+    args = argparse.Namespace(out=str(tmp_path), scores=[str(tmp_path / "float32"), str(tmp_path / "int8")],
+                              fids=[100.0])
+    lines = wide_area_table.report(args).splitlines()
+    assert row(lines, "mdgan-pipeline", "0ms")[5] == "5.0 min (1 of 1)"  # 3,000 at 10/s
+    assert row(lines, "mdgan-pipeline-int8", "0ms")[2:6] == ["20.00", "1.00", "-", "5.0 min (1 of 1)"]  # 6,000 at 20/s
+    write_scores(tmp_path / "again", {"MD-GAN depth 4": {0: [(3000, 95.0)]}})
+    args.scores.append(str(tmp_path / "again"))
+    with pytest.raises(SystemExit, match="'MD-GAN depth 4' seed 0 again"):
+        wide_area_table.report(args)
