@@ -17,6 +17,7 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # see mdgan/compressio
 AGGREGATIONS = ("mean", "median", "trimmed-mean", "norm-clip")  # see mdgan/aggregation.py
 SYNC_MODES = ("all", "quorum", "async")  # see mdgan/algorithms/mdgan/synchrony.py
 ARCHITECTURE_NAMES = ("mlp", "cnn-mnist", "cnn-cifar10")  # built by mdgan/models.py (ARCHITECTURES)
+MAX_DISC_WIDTH = 8192  # an MLP discriminator's hidden layer: 8,192^2 float32 weights are 268 MB
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,7 @@ class ModelSpec:
     latent_dim: int = 100
     num_classes: int = 10
     sample_shape: tuple[int, ...] = (784,)
+    disc_width: int = 512  # the MLP discriminator's units per hidden layer (the paper's: 512)
 
     def validate(self) -> None:
         if self.architecture not in ARCHITECTURE_NAMES:
@@ -45,6 +47,11 @@ class ModelSpec:
             raise ConfigError("latent_dim and num_classes must be positive")
         if not self.sample_shape or any(s < 1 for s in self.sample_shape):
             raise ConfigError(f"bad sample shape {self.sample_shape}")
+        if not 1 <= self.disc_width <= MAX_DISC_WIDTH:
+            raise ConfigError(f"--disc-width must be between 1 and {MAX_DISC_WIDTH:,}, got {self.disc_width}")
+        if self.disc_width != ModelSpec.disc_width and self.architecture != "mlp":
+            raise ConfigError(f"--disc-width sets the MLP discriminator's width; --architecture {self.architecture} "
+                              "has its own layers (docs/ARCHITECTURES.md)")
 
     @property
     def conditional(self) -> bool:

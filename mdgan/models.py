@@ -49,11 +49,13 @@ class MLPGenerator(nn.Module):
 
 
 class MLPDiscriminator(nn.Module):
-    """D = Linear(d->512) -> Linear(512->512) -> Linear(512->1+C) (ACGAN) or (512->1) (GAN)."""
+    """D = Linear(d->w) -> Linear(w->w) -> Linear(w->1+C) (ACGAN) or (w->1) (GAN); w = spec.disc_width, the
+    paper's 512 by default."""
 
-    def __init__(self, spec: ModelSpec, hidden: int = 512):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
+        hidden = spec.disc_width
         outputs = 1 + spec.num_classes if spec.conditional else 1
         self.stack = nn.Sequential(
             nn.Linear(spec.sample_size, hidden),

@@ -62,6 +62,9 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
     Setting("seed", _default(TrainingConfig, "seed"), "run seed (every role's randomness derives from it)", PAPER, int),
     Setting("architecture", ModelSpec.architecture, "network architecture (see `mdgan models`)", PAPER, str),
     Setting("gan", ModelSpec.gan, "ACGAN (class conditional) or plain GAN", PAPER, str, GAN_KINDS),
+    Setting("disc_width", ModelSpec.disc_width,
+            "the MLP discriminator's units per hidden layer (the paper's 512; a narrower D has fewer weights for "
+            "DP-SGD's noise)", BEYOND, int),
     Setting("loss", ModelSpec.loss,
             "generator loss: -log D(G(z)) (default) or log(1 - D(G(z))) as written in the paper", PAPER, str, LOSSES),
     Setting("gen_lr", OptimizerSpec.lr, "generator Adam learning rate", PAPER, float),
@@ -155,7 +158,7 @@ def training_config(values: Mapping[str, Any], dataset: str | None = None, devic
         disc_steps=v["disc_steps"], swap_epochs=v["swap_epochs"], swap_every=v["swap_every"],
         swap_optimizer_state=v["swap_optimizer_state"], seed=v["seed"], device=device,
         model=ModelSpec(architecture=v["architecture"], gan=v["gan"], loss=v["loss"], sample_shape=tuple(sample_shape),
-                        num_classes=len(classes) if classes else ModelSpec.num_classes),
+                        num_classes=len(classes) if classes else ModelSpec.num_classes, disc_width=v["disc_width"]),
         generator_optimizer=OptimizerSpec(v["gen_lr"], v["beta1"], v["beta2"]),
         discriminator_optimizer=OptimizerSpec(v["disc_lr"], v["beta1"], v["beta2"]),
         wire_dtype=v["wire_dtype"], aggregation=v["aggregation"], trim_fraction=v["trim_fraction"],

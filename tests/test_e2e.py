@@ -77,6 +77,19 @@ def test_local_cluster_and_simulation_end_with_the_same_generator(tmp_path, mnis
     assert "C->W" in table and "W->W" in table and "NO" not in table
 
 
+def test_a_narrower_discriminator_is_the_workers_own_and_swaps_at_its_size(tmp_path, mnist_root):
+    # --disc-width reaches the workers in the TrainingSpec: they build, train and swap D of that width
+    flags = ["--workers", "2", "--iterations", "6", "--batch-size", "10", "--swap-every", "3", "--seed", "2",
+             "--disc-width", "32", "--data-root", mnist_root, "--no-progress"]
+    mdgan("local", *flags, "--out", str(tmp_path / "local"))
+    mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
+    local, simulated = read_json(tmp_path / "local" / "summary.json"), read_json(tmp_path / "simulate" / "summary.json")
+    assert local["generator_sha256"] == simulated["generator_sha256"]
+    narrow = D * 32 + 32 + 32 * 32 + 32 + 32 * 11 + 11  # two hidden layers of 32, 1 + 10 outputs
+    assert local["payload_bytes"]["worker_to_worker"] == simulated["payload_bytes"]["worker_to_worker"] \
+        == 2 * 2 * narrow * 4  # 2 swaps, 2 workers, float32
+
+
 def test_background_swaps_over_grpc_equal_the_in_process_run_refusals_included(tmp_path, mnist_root, device):
     """--swap-lag 3: the discriminators of a round leave at its boundary and are installed 3 iterations later,
     on both transports at the same points; a member pushing a sign-flipped D is refused at the install, by

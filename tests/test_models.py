@@ -16,6 +16,22 @@ def test_paper_mlp_parameter_counts():
     assert report["generator"]["class_embedding"] == 10 * 100  # counted apart
 
 
+@pytest.mark.parametrize("width", [1, 64, 128])
+def test_disc_width_sets_the_mlp_discriminators_hidden_layers(width):
+    d = build_discriminator(ModelSpec(disc_width=width), seed=0)
+    assert [layer.out_features for layer in d.stack if isinstance(layer, torch.nn.Linear)] == [width, width, 11]
+    assert count_parameters(d) == 784 * width + width * width + 13 * width + 11  # docs/ARCHITECTURES.md
+    assert d(torch.zeros(3, 784)).shape == (3, 11)
+    assert count_parameters(build_generator(ModelSpec(disc_width=width), seed=0)) == 716_560 + 1_000  # G unchanged
+
+
+@pytest.mark.parametrize("spec", [ModelSpec(disc_width=0), ModelSpec(disc_width=8193),
+                                  ModelSpec(architecture="cnn-mnist", disc_width=128)])
+def test_a_disc_width_that_cannot_be_built_is_refused_in_one_line(spec):
+    with pytest.raises(ConfigError, match="--disc-width"):
+        spec.validate()
+
+
 def test_plain_gan_has_one_output_and_no_embedding():
     spec = ModelSpec(gan="gan")
     gen, disc = build_generator(spec, 0), build_discriminator(spec, 0)

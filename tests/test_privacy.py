@@ -170,9 +170,11 @@ def _refused_in_one_line(capsys, code: int, message: str) -> None:
                                                               r"--algorithm pwgan"),
     (["--dp-noise-multiplier", "1", "--architecture", "cnn-mnist"], r"MinibatchDiscrimination has no per-sample gradient"),
     (["--dp-noise-multiplier", "1", "--dp-target-epsilon", "2"], r"not both"),
+    (["--disc-width", "0"], r"--disc-width must be between 1 and 8,192, got 0"),
+    (["--disc-width", "64", "--architecture", "cnn-mnist"], r"--disc-width sets the MLP discriminator's width"),
 ])
 @pytest.mark.parametrize("command", ["simulate", "local"])
-def test_a_setting_dp_cannot_have_is_one_line_and_touches_no_run_folder(tmp_path, capsys, finished_run, command,
+def test_a_refused_setting_is_one_line_and_touches_no_run_folder(tmp_path, capsys, finished_run, command,
                                                                         flags, message):
     """Refused before anything is written: a new --out is not made, a finished run's is left byte for byte
     (before, simulate wrote launch.toml and run_identity.json and removed summary.json, then refused)."""

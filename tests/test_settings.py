@@ -31,6 +31,7 @@ def settings_of(config: TrainingConfig) -> dict:
             "kappa": config.kappa, "disc_steps": config.disc_steps, "swap_epochs": config.swap_epochs,
             "swap_every": config.swap_every, "swap_optimizer_state": config.swap_optimizer_state, "seed": config.seed,
             "architecture": config.model.architecture, "gan": config.model.gan, "loss": config.model.loss,
+            "disc_width": config.model.disc_width,
             "gen_lr": g.lr, "disc_lr": d.lr, "beta1": d.beta1, "beta2": d.beta2, "wire_dtype": config.wire_dtype,
             "aggregation": config.aggregation, "trim_fraction": config.trim_fraction, "sync": config.sync,
             "quorum": config.quorum, "max_staleness": config.max_staleness, "clip_norm": config.clip_norm,

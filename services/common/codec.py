@@ -377,7 +377,7 @@ def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.Train
     m, opt = config.model, config.discriminator_optimizer
     return coordinator_pb2.TrainingSpec(
         architecture=m.architecture, gan=m.gan, loss=m.loss, latent_dim=m.latent_dim, num_classes=m.num_classes,
-        sample_shape=list(m.sample_shape), batch_size=config.batch_size, disc_steps=config.disc_steps,
+        sample_shape=list(m.sample_shape), disc_width=m.disc_width, batch_size=config.batch_size, disc_steps=config.disc_steps,
         disc_lr=opt.lr, disc_beta1=opt.beta1, disc_beta2=opt.beta2, seed=config.seed,
         swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers,
         algorithm=algorithm, gen_lr=config.generator_optimizer.lr, gen_beta1=config.generator_optimizer.beta1,
@@ -392,7 +392,8 @@ def config_from_spec(spec) -> "TrainingConfig":
     from mdgan.config import ModelSpec, OptimizerSpec, PrivacySpec, TrainingConfig
 
     model = ModelSpec(architecture=spec.architecture, gan=spec.gan, loss=spec.loss, latent_dim=spec.latent_dim,
-                      num_classes=spec.num_classes, sample_shape=tuple(spec.sample_shape))
+                      num_classes=spec.num_classes, sample_shape=tuple(spec.sample_shape),
+                      disc_width=spec.disc_width or ModelSpec.disc_width)
     privacy = PrivacySpec(spec.dp_noise_multiplier, spec.dp_max_grad_norm or PrivacySpec.max_grad_norm, spec.dp_delta,
                           spec.dp_target_epsilon, spec.dp_mechanism or PrivacySpec.mechanism,
                           spec.dp_discriminators or PrivacySpec.discriminators)
