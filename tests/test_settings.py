@@ -11,7 +11,7 @@ import pytest
 
 from mdgan import settings
 from mdgan.config import TrainingConfig
-from mdgan.settings import SETTINGS, TRAINING_SETTINGS
+from mdgan.settings import SETTINGS, TRAINING_KEYS, TRAINING_SETTINGS
 
 # a value other than the default, valid on its own with every other setting at its default
 ALTERNATIVES = {"workers": 6, "kappa": 2, "quorum": 2, "architecture": "cnn-mnist", "gen_lr": 1e-4, "disc_lr": 3e-4,
@@ -183,3 +183,15 @@ def test_an_algorithms_options_travel_in_a_message_of_their_own(name):
             codec.describe_options(spec, name, options)
             assert spec.WhichOneof("options") == name
             assert codec.options_from_spec(pb.TrainingSpec.FromString(spec.SerializeToString()), name) == options
+
+
+@pytest.mark.parametrize("key", TRAINING_KEYS)
+def test_every_training_setting_that_varies_names_its_runs(tmp_path, key):
+    """Two runs of an experiment that differ in one setting are two runs, each named by its value (a setting
+    missing from the names made them 'the same' and refused the experiment)."""
+    from mdgan_app.experiment import expand
+
+    value = alternative(SETTINGS[key])
+    runs = expand({"out": str(tmp_path), "base": {}, "runs": [{}, {key: value}], "name": "x"})
+    assert len({r["name"] for r in runs}) == 2
+    assert str(value).lower() in runs[1]["name"].lower(), runs[1]["name"]
