@@ -88,6 +88,9 @@ def test_a_narrower_discriminator_is_the_workers_own_and_swaps_at_its_size(tmp_p
     narrow = D * 32 + 32 + 32 * 32 + 32 + 32 * 11 + 11  # two hidden layers of 32, 1 + 10 outputs
     assert local["payload_bytes"]["worker_to_worker"] == simulated["payload_bytes"]["worker_to_worker"] \
         == 2 * 2 * narrow * 4  # 2 swaps, 2 workers, float32
+    report = json.loads(mdgan("traffic", str(tmp_path / "local"), "--json").stdout)
+    assert report["discriminator_bytes"] == narrow * 4  # the formula knows the width too
+    assert all(row["payload_bytes"] == row["formula_bytes"] for row in report["rows"]), report["rows"]
 
 
 def test_background_swaps_over_grpc_equal_the_in_process_run_refusals_included(tmp_path, mnist_root, device):
