@@ -127,15 +127,16 @@ def first_rows(label: str) -> int:
 def steady(out: str, label: str, warm_up: float) -> dict:
     """The rate of a run's history after its start and the first `warm_up` seconds of training (the pipeline
     fills and TCP's windows open in them)."""
-    clock, kept = 0.0, []
+    clock, kept, in_swaps = 0.0, [], 0.0
     for row in read_jsonl(os.path.join(out, "history.jsonl")):
         if row["iteration"] > first_rows(label):
             clock += row["seconds"]
             if clock > warm_up:
                 kept.append(row["seconds"])
+                in_swaps += row.get("swap_seconds") or 0.0  # MD-GAN: a swap round's exchange within its iteration
     seconds = sum(kept)
     return {"updates_per_second": len(kept) / seconds if seconds else 0.0, "iterations": len(kept),
-            "training_seconds": round(seconds, 1), "warm_up": warm_up}
+            "training_seconds": round(seconds, 1), "warm_up": warm_up, "swap_seconds": round(in_swaps, 2)}
 
 
 def rates_again(args) -> None:
@@ -245,6 +246,13 @@ def report(args) -> str:
         for (key, threshold), (seconds, label) in first.items():
             lines.append(f"- first to FID {threshold:g} at {key.split()[1]}: {label} ({duration(seconds)}; of the "
                          "configurations whose every seed reaches it)")
+        for label in chosen:
+            shares = [f"{100 * rates[key][label]['swap_seconds'] / rates[key][label]['training_seconds']:.1f}% at "
+                      f"{key.split()[1]}" for key in cells
+                      if rates[key].get(label, {}).get("swap_seconds") and rates[key][label]["training_seconds"]]
+            if shares:
+                lines.append(f"- {label}: share of its training time in swap rounds, the most --swap-lag could hide: "
+                             + ", ".join(shares))
     lines += ["", "Iterations to each FID (the first scored iteration at or below it), per seed of the scores:"]
     for label, runs in curves.items():
         lines.append(f"- {label}: " + "; ".join(

@@ -103,13 +103,26 @@ def test_scores_kept_in_two_experiments_are_read_together_and_one_run_scored_twi
     write_scores(tmp_path / "float32", {"MD-GAN depth 4": {0: [(3000, 90.0)]}})
     write_scores(tmp_path / "int8", {"MD-GAN depth 4, int8": {0: [(3000, 200.0), (6000, 80.0)]}})
     (tmp_path / "rates.json").write_text(json.dumps({"setting": {"depth": 4}, "rates": {
-        "10mbit 0ms": {"mdgan-pipeline": rate(10.0), "mdgan-pipeline-int8": rate(20.0)}}}))
+        "10mbit 0ms": {"mdgan-pipeline": rate(10.0),
+                       "mdgan-pipeline-int8": {**rate(20.0), "training_seconds": 40.0, "swap_seconds": 1.0}}}}))
     args = argparse.Namespace(out=str(tmp_path), scores=[str(tmp_path / "float32"), str(tmp_path / "int8")],
                               fids=[100.0])
     lines = wide_area_table.report(args).splitlines()
     assert row(lines, "mdgan-pipeline", "0ms")[5] == "5.0 min (1 of 1)"  # 3,000 at 10/s
     assert row(lines, "mdgan-pipeline-int8", "0ms")[2:6] == ["20.00", "1.00", "-", "5.0 min (1 of 1)"]  # 6,000 at 20/s
+    assert "- mdgan-pipeline-int8: share of its training time in swap rounds, the most --swap-lag could hide: " \
+           "2.5% at 0ms" in lines
+    assert not any(line.startswith("- mdgan-pipeline:") for line in lines)  # not measured: no line
     write_scores(tmp_path / "again", {"MD-GAN depth 4": {0: [(3000, 95.0)]}})
     args.scores.append(str(tmp_path / "again"))
     with pytest.raises(SystemExit, match="'MD-GAN depth 4' seed 0 again"):
         wide_area_table.report(args)
+
+
+def test_a_rate_leaves_out_the_start_and_the_warm_up_and_counts_the_seconds_in_swaps(tmp_path):
+    rows = [{"iteration": i, "seconds": 0.5, "swap_seconds": 0.25 if i % 4 == 0 else 0.0} for i in range(1, 13)]
+    (tmp_path / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = wide_area_table.steady(str(tmp_path), "mdgan-pipeline", warm_up=1.0)
+    # iteration 1 holds the start; 2 and 3 fill the warm-up; 4..12 count: 9 rows of 0.5 s, swaps at 4, 8, 12
+    assert got == {"updates_per_second": 2.0, "iterations": 9, "training_seconds": 4.5, "warm_up": 1.0,
+                   "swap_seconds": 0.75}
