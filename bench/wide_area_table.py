@@ -67,6 +67,10 @@ def configurations(depth: int) -> dict[str, dict]:
         # batches, feedback and swapped discriminators as int8 (mdgan/compression.py): scores of its own
         "mdgan-pipeline-int8": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth), "--wire-dtype",
                                           "int8"], "scores": f"MD-GAN depth {depth}, int8"},
+        # and swap rounds in the background, installed half a swap period later
+        "mdgan-pipeline-int8-lag": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth), "--wire-dtype",
+                                              "int8", "--swap-lag", str(SETTING["swap_every"] // 2)],
+                                    "scores": f"MD-GAN depth {depth}, int8, lag {SETTING['swap_every'] // 2}"},
         "flgan": {"flags": ["--algorithm", "flgan"], "scores": "FL-GAN"},
         # every worker's gradients each step (the default threshold), so that it computes what simulate does
         "psgan": {"flags": ["--algorithm", "psgan"], "scores": "parameter-server GAN"},
@@ -207,7 +211,8 @@ def report(args) -> str:
     rates = saved["rates"]
     longest = max((i for runs in curves.values() for c in runs.values() for i, _ in c), default=0)
     lines = [f"Time to an FID: the mean over the seeds that reach it (+- their sd; how many of how many), "
-             f"'-' where none does within {longest:,} iterations; '~': quorum's iterations are all's."]
+             f"'-' where none does within {longest:,} iterations; '~': quorum's iterations are all's; 'not scored': "
+             f"its rate only, no `mdgan simulate` runs of it in the scores."]
     for rate in dict.fromkeys(k.split()[0] for k in rates):
         cells = [k for k in rates if k.split()[0] == rate]
         zero = rates.get(cell_key(rate, 0), {})
@@ -228,6 +233,9 @@ def report(args) -> str:
                 times = []
                 for threshold in args.fids:
                     got = time_to(runs, threshold, speed)
+                    if not runs:  # its rate only: no scores' runs of this configuration
+                        times.append("not scored")
+                        continue
                     if not got:
                         times.append("-")
                         continue

@@ -104,12 +104,14 @@ def test_scores_kept_in_two_experiments_are_read_together_and_one_run_scored_twi
     write_scores(tmp_path / "int8", {"MD-GAN depth 4, int8": {0: [(3000, 200.0), (6000, 80.0)]}})
     (tmp_path / "rates.json").write_text(json.dumps({"setting": {"depth": 4}, "rates": {
         "10mbit 0ms": {"mdgan-pipeline": rate(10.0),
-                       "mdgan-pipeline-int8": {**rate(20.0), "training_seconds": 40.0, "swap_seconds": 1.0}}}}))
+                       "mdgan-pipeline-int8": {**rate(20.0), "training_seconds": 40.0, "swap_seconds": 1.0},
+                       "mdgan-pipeline-int8-lag": rate(21.0)}}}))
     args = argparse.Namespace(out=str(tmp_path), scores=[str(tmp_path / "float32"), str(tmp_path / "int8")],
                               fids=[100.0])
     lines = wide_area_table.report(args).splitlines()
     assert row(lines, "mdgan-pipeline", "0ms")[5] == "5.0 min (1 of 1)"  # 3,000 at 10/s
     assert row(lines, "mdgan-pipeline-int8", "0ms")[2:6] == ["20.00", "1.00", "-", "5.0 min (1 of 1)"]  # 6,000 at 20/s
+    assert row(lines, "mdgan-pipeline-int8-lag", "0ms")[2:6] == ["21.00", "1.00", "-", "not scored"]  # no runs
     assert "- mdgan-pipeline-int8: share of its training time in swap rounds, the most --swap-lag could hide: " \
            "2.5% at 0ms" in lines
     assert not any(line.startswith("- mdgan-pipeline:") for line in lines)  # not measured: no line
