@@ -17,9 +17,10 @@ configuration's G updates a second over the link, and its time to reach an FID.
 - `report` divides each configuration's iterations to an FID by its rate (`--into DOC`: into the
   document's block `<!-- generated: python bench/wide_area_table.py report ... -->`). The iterations
   come from `mdgan simulate` runs of the same setting (experiments/wide-area-scores-mlp-cpu.yaml, and
-  wide-area-scores-int8-mlp-cpu.yaml for the int8 wire, kept in --scores, comma-separated): every configuration here but `quorum` computes over any link exactly what `mdgan simulate`
-  computes, bit for bit (`local == simulate`), so where a run reaches an FID does not depend on the link,
-  only how long it takes. `quorum` drops the last answer of each iteration, which depends on timing;
+  wide-area-scores-int8-mlp-cpu.yaml for the int8 wire, kept in --scores, comma-separated): every
+  configuration here but `quorum` computes over any link exactly what `mdgan simulate` computes, bit for
+  bit (`local == simulate`), so where a run reaches an FID does not depend on the link, only how long it
+  takes. `quorum` drops the last answer of each iteration, which depends on timing;
   its iterations are those of `all` (in one process every worker answers at once, and quorum is `all`
   there), so its times are an estimate, marked so.
 - `check` trains one configuration over one link until its own evaluation (every --eval-every

@@ -377,7 +377,8 @@ def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.Train
     m, opt = config.model, config.discriminator_optimizer
     return coordinator_pb2.TrainingSpec(
         architecture=m.architecture, gan=m.gan, loss=m.loss, latent_dim=m.latent_dim, num_classes=m.num_classes,
-        sample_shape=list(m.sample_shape), disc_width=m.disc_width, batch_size=config.batch_size, disc_steps=config.disc_steps,
+        sample_shape=list(m.sample_shape), disc_width=m.disc_width, batch_size=config.batch_size,
+        disc_steps=config.disc_steps,
         disc_lr=opt.lr, disc_beta1=opt.beta1, disc_beta2=opt.beta2, seed=config.seed,
         swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers,
         algorithm=algorithm, gen_lr=config.generator_optimizer.lr, gen_beta1=config.generator_optimizer.beta1,
