@@ -187,12 +187,13 @@ def test_a_bad_or_foreign_option_is_one_line_before_anything_starts(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_mdgan_local_with_a_pipeline_ends_with_simulates_generator(tmp_path):
+@pytest.mark.parametrize("wire", ["float32", "int8"])  # the wide-area table's pipelines (bench/wide_area_table.py)
+def test_mdgan_local_with_a_pipeline_ends_with_simulates_generator(tmp_path, wire):
     """Over gRPC with mutual TLS, each worker its own process, batches D iterations ahead of the feedback,
     swaps in the background, a checkpoint: the generator of `mdgan simulate`, bit for bit."""
     flags = ["--dataset", "synthetic", "--workers", "3", "--iterations", "26", "--batch-size", "8",
              "--swap-every", "6", "--swap-lag", "2", "--pipeline-depth", "3", "--checkpoint-every", "10",
-             "--eval-every", "-1", "--seed", "4"]
+             "--eval-every", "-1", "--seed", "4", "--wire-dtype", wire]
     mdgan("local", *flags, "--out", str(tmp_path / "local"))
     mdgan("simulate", *flags, "--out", str(tmp_path / "simulate"))
     summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("local", "simulate")]
