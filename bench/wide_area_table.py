@@ -1,7 +1,7 @@
 """The wide-area table with latency: for four sites behind links of each rate and round trip, each
 configuration's G updates a second over the link, and its time to reach an FID.
 
-    sudo python bench/wide_area_table.py measure --out /tmp/wat --budget 30                       # ~40 min
+    sudo python bench/wide_area_table.py measure --out /tmp/wat --budget 30                       # ~55 min
     sudo python bench/wide_area_table.py measure --out /tmp/wat --budget 60 --only mdgan-pipeline --again
     python bench/wide_area_table.py report --out /tmp/wat                                # the tables
     sudo python bench/wide_area_table.py check --out /tmp/wat --rates 100mbit --rtts 80 --config mdgan-all --fid 653.07
