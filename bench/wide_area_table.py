@@ -59,19 +59,18 @@ SETTING = {"batch_size": 10, "swap_every": 400, "eval_samples": 500}
 
 def configurations(depth: int) -> dict[str, dict]:
     """label -> the server's flags, and the label of the scores' runs whose iterations it takes."""
+    pipeline = ["--algorithm", "mdgan", "--pipeline-depth", str(depth)]
+    # batches, feedback and swapped discriminators as int8 (mdgan/compression.py): scores of its own
+    int8 = [*pipeline, "--wire-dtype", "int8"]
+    lag = SETTING["swap_every"] // 2  # swap rounds in the background, installed half a swap period later
     return {
         "mdgan-all": {"flags": ["--algorithm", "mdgan"], "scores": "MD-GAN all"},
         "mdgan-quorum": {"flags": ["--algorithm", "mdgan", "--sync", "quorum", "--quorum", str(WORKERS - 1)],
                          "scores": "MD-GAN all", "estimate": True},
-        "mdgan-pipeline": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth)],
-                           "scores": f"MD-GAN depth {depth}"},
-        # batches, feedback and swapped discriminators as int8 (mdgan/compression.py): scores of its own
-        "mdgan-pipeline-int8": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth), "--wire-dtype",
-                                          "int8"], "scores": f"MD-GAN depth {depth}, int8"},
-        # and swap rounds in the background, installed half a swap period later
-        "mdgan-pipeline-int8-lag": {"flags": ["--algorithm", "mdgan", "--pipeline-depth", str(depth), "--wire-dtype",
-                                              "int8", "--swap-lag", str(SETTING["swap_every"] // 2)],
-                                    "scores": f"MD-GAN depth {depth}, int8, lag {SETTING['swap_every'] // 2}"},
+        "mdgan-pipeline": {"flags": pipeline, "scores": f"MD-GAN depth {depth}"},
+        "mdgan-pipeline-int8": {"flags": int8, "scores": f"MD-GAN depth {depth}, int8"},
+        "mdgan-pipeline-int8-lag": {"flags": [*int8, "--swap-lag", str(lag)],
+                                    "scores": f"MD-GAN depth {depth}, int8, lag {lag}"},
         "flgan": {"flags": ["--algorithm", "flgan"], "scores": "FL-GAN"},
         # every worker's gradients each step (the default threshold), so that it computes what simulate does
         "psgan": {"flags": ["--algorithm", "psgan"], "scores": "parameter-server GAN"},
@@ -233,10 +232,10 @@ def report(args) -> str:
                 paper = zero.get("mdgan-all", {}).get("updates_per_second")
                 times = []
                 for threshold in args.fids:
-                    got = time_to(runs, threshold, speed)
                     if not runs:  # its rate only: no scores' runs of this configuration
                         times.append("not scored")
                         continue
+                    got = time_to(runs, threshold, speed)
                     if not got:
                         times.append("-")
                         continue

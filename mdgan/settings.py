@@ -62,9 +62,8 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
     Setting("seed", _default(TrainingConfig, "seed"), "run seed (every role's randomness derives from it)", PAPER, int),
     Setting("architecture", ModelSpec.architecture, "network architecture (see `mdgan models`)", PAPER, str),
     Setting("gan", ModelSpec.gan, "ACGAN (class conditional) or plain GAN", PAPER, str, GAN_KINDS),
-    Setting("disc_width", ModelSpec.disc_width,
-            "the MLP discriminator's units per hidden layer (the paper's 512; a narrower D has fewer weights for "
-            "DP-SGD's noise)", BEYOND, int),
+    Setting("disc_width", ModelSpec.disc_width, "the MLP discriminator's units per hidden layer (the paper's 512)",
+            BEYOND, int),
     Setting("loss", ModelSpec.loss,
             "generator loss: -log D(G(z)) (default) or log(1 - D(G(z))) as written in the paper", PAPER, str, LOSSES),
     Setting("gen_lr", OptimizerSpec.lr, "generator Adam learning rate", PAPER, float),
