@@ -95,6 +95,7 @@ class PrivacySpec:
     target_epsilon: float = 0.0  # > 0: sigma is computed so that the planned run spends this much
     mechanism: str = "sgd"
     discriminators: int = 1  # "feedback": K discriminators per site, one part of its data each
+    clip_generated: bool = False  # "sgd": each generated sample's gradient in D's step clipped to C too
 
     @property
     def enabled(self) -> bool:
@@ -127,6 +128,11 @@ class PrivacySpec:
             raise ConfigError(f"--dp-mechanism {self.mechanism} needs --dp-noise-multiplier or --dp-target-epsilon")
         if isinstance(self.discriminators, bool) or not isinstance(self.discriminators, int) or self.discriminators < 1:
             raise ConfigError(f"--dp-discriminators must be a whole number >= 1, got {self.discriminators!r}")
+        if not isinstance(self.clip_generated, bool):
+            raise ConfigError(f"--dp-clip-generated is a switch (true or false), got {self.clip_generated!r}")
+        if self.clip_generated and self.active_mechanism != "sgd":
+            raise ConfigError("--dp-clip-generated clips DP-SGD's discriminator steps: it needs --dp-mechanism sgd "
+                              "and --dp-noise-multiplier or --dp-target-epsilon")
         if self.discriminators > 1 and self.mechanism != "feedback":
             raise ConfigError(f"--dp-discriminators {self.discriminators} needs --dp-mechanism feedback (DP-SGD "
                               "trains one discriminator a site)")

@@ -334,11 +334,26 @@ class DiscriminatorSide:
                 return losses  # (n,)
 
             private.real_step(parameters, per_sample_losses)
-            fake_logits = disc(fake)
-            fake_loss = F.binary_cross_entropy_with_logits(fake_logits[:, 0], torch.zeros_like(fake_logits[:, 0]))
-            if spec.conditional:
-                fake_loss = fake_loss + F.cross_entropy(fake_logits[:, 1:], fake_labels)
-            fake_loss.backward()  # adds to the private real part's .grad
+            if self.config.privacy.clip_generated:
+                generated: dict[str, torch.Tensor] = {}
+
+                def generated_losses():
+                    logits = disc(fake)  # (b, 1 [+ C])
+                    losses = F.binary_cross_entropy_with_logits(logits[:, 0], torch.zeros_like(logits[:, 0]),
+                                                                reduction="none")
+                    if spec.conditional:
+                        losses = losses + F.cross_entropy(logits[:, 1:], fake_labels, reduction="none")
+                    generated["logits"], generated["losses"] = logits.detach(), losses.detach()
+                    return losses  # (b,)
+
+                private.generated_step(parameters, generated_losses)
+                fake_logits, fake_loss = generated["logits"], generated["losses"].mean()
+            else:
+                fake_logits = disc(fake)
+                fake_loss = F.binary_cross_entropy_with_logits(fake_logits[:, 0], torch.zeros_like(fake_logits[:, 0]))
+                if spec.conditional:
+                    fake_loss = fake_loss + F.cross_entropy(fake_logits[:, 1:], fake_labels)
+                fake_loss.backward()  # adds to the private real part's .grad
             private.step()
             real_logits = seen.get("logits")
             # the loss is summed in float64 from its float32 terms: (real [+ class]) + (generated [+ class])

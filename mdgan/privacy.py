@@ -76,7 +76,7 @@ def mechanism_summary(spec: PrivacySpec) -> dict:
     if spec.mechanism == "feedback":
         return {"mechanism": "feedback", "accountant": ACCOUNTANT, "discriminators": spec.discriminators,
                 "sampling": "one part answers; parallel composition over the parts"}
-    return {"mechanism": "sgd", "accountant": ACCOUNTANT, "sampling": "poisson"}
+    return {"mechanism": "sgd", "accountant": ACCOUNTANT, "sampling": "poisson", "clip_generated": spec.clip_generated}
 
 
 def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int, disc_steps: int) -> SitePrivacy:
@@ -235,6 +235,27 @@ class PrivateSteps:
         for p in parameters:  # the generated part's gradient is added to .grad from here on
             p.summed_grad = None
         self.accountant.step(noise_multiplier=self.site.noise_multiplier, sample_rate=self.site.sample_rate)
+
+    def generated_step(self, parameters: list[torch.nn.Parameter], per_sample_losses) -> None:
+        """The generated part's per-sample gradients clipped to C, summed and divided by b, added to .grad (which
+        holds the real part's): no noise, since generated samples are public (--dp-clip-generated).
+
+        Ghost clipping as in `real_step`; the real part's gradient is held aside meanwhile."""
+        held = [p.grad for p in parameters]
+        for p in parameters:
+            p.grad = None
+        self.module.enable_hooks()
+        try:
+            losses = per_sample_losses()  # (b,)
+            losses.sum().backward(retain_graph=True)
+            clipped = losses * self.module.get_clipping_coef().detach()
+        finally:
+            self.module.disable_hooks()
+        for p in parameters:
+            p.grad = None
+        (clipped.sum() / self.batch_size).backward()
+        for p, real in zip(parameters, held):
+            p.grad = real if p.grad is None else real + p.grad
 
     def _noise_on_cpu(self) -> None:
         """DPOptimizer's steps with the noise drawn on the CPU and moved (a CUDA D: same draws as on a CPU)."""

@@ -110,6 +110,10 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
             PRIVACY, int),
     Setting("dp_delta", PrivacySpec.delta,
             "delta of each site's (epsilon, delta) (0: min(1e-5, 1/(10 m_n)); must be below 1/m_n)", PRIVACY, float),
+    Setting("dp_clip_generated", PrivacySpec.clip_generated,
+            "--dp-mechanism sgd: clip each generated sample's gradient in a discriminator step to C as well, as each "
+            "real sample's is, so that the two parts weigh alike (no noise on it, no epsilon spent: the generated "
+            "samples are public)", PRIVACY, bool),
 )
 SETTINGS: dict[str, Setting] = {s.key: s for s in TRAINING_SETTINGS}
 TRAINING_KEYS = tuple(SETTINGS)
@@ -121,12 +125,14 @@ def defaults() -> dict[str, Any]:
 
 
 def privacy_spec(noise_multiplier: float | None, max_grad_norm: float, delta: float, target_epsilon: float | None,
-                 mechanism: str = PrivacySpec.mechanism, discriminators: int = PrivacySpec.discriminators) -> PrivacySpec:
+                 mechanism: str = PrivacySpec.mechanism, discriminators: int = PrivacySpec.discriminators,
+                 clip_generated: bool = PrivacySpec.clip_generated) -> PrivacySpec:
     """The run's DP settings; a sigma or target given must be > 0 (leave the flag out for a run without DP)."""
     for flag, value in (("--dp-noise-multiplier", noise_multiplier), ("--dp-target-epsilon", target_epsilon)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value} (leave it out for a run without differential privacy)")
-    return PrivacySpec(noise_multiplier or 0.0, max_grad_norm, delta, target_epsilon or 0.0, mechanism, discriminators)
+    return PrivacySpec(noise_multiplier or 0.0, max_grad_norm, delta, target_epsilon or 0.0, mechanism, discriminators,
+                       clip_generated)
 
 
 def training_config(values: Mapping[str, Any], dataset: str | None = None, device: str = "cpu",
@@ -163,5 +169,5 @@ def training_config(values: Mapping[str, Any], dataset: str | None = None, devic
         wire_dtype=v["wire_dtype"], aggregation=v["aggregation"], trim_fraction=v["trim_fraction"],
         clip_norm=v["clip_norm"], sync=v["sync"], quorum=v["quorum"], max_staleness=v["max_staleness"],
         privacy=privacy_spec(v["dp_noise_multiplier"], v["dp_max_grad_norm"], v["dp_delta"], v["dp_target_epsilon"],
-                             v["dp_mechanism"], v["dp_discriminators"]),
+                             v["dp_mechanism"], v["dp_discriminators"], v["dp_clip_generated"]),
     ).validate()
