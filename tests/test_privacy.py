@@ -88,6 +88,47 @@ def test_a_private_step_sums_each_samples_clipped_gradient_and_divides_by_b():
         torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-7)
 
 
+def test_clipping_the_generated_part_adds_each_generated_samples_clipped_gradient_over_b_without_noise():
+    """--dp-clip-generated: after the real part (noise included), the generated part adds
+    sum_j min(1, C / ||g_j||) g_j / b, each generated sample's gradient made one at a time here; the real
+    part's .grad, noise and all, is kept as it was."""
+    disc, private = _private_steps(noise_multiplier=1.5, max_grad_norm=2.0)
+    real = torch.randn(3, 6)
+    fake = torch.randn(4, 6) * torch.tensor([[0.01], [1.0], [3.0], [10.0]])  # norms below and above C
+    parameters = list(disc.parameters())
+    private.real_step(parameters, lambda: disc(real).pow(2).sum(dim=1))
+    real_part = [p.grad.clone() for p in parameters]
+    expected = [torch.zeros_like(p) for p in parameters]
+    clipped = 0
+    for j in range(len(fake)):
+        grads = torch.autograd.grad(disc(fake[j:j + 1]).pow(2).sum(), parameters)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, 2.0 / (float(norm) + 1e-6))
+        clipped += factor < 1.0
+        for e, g in zip(expected, grads):
+            e += factor * g / 4
+    assert 0 < clipped < len(fake)
+    private.generated_step(parameters, lambda: disc(fake).pow(2).sum(dim=1))
+    for p, r, e in zip(parameters, real_part, expected):
+        torch.testing.assert_close(p.grad - r, e, rtol=1e-4, atol=1e-6)
+    assert len(private.accountant.history) == 1  # the generated part spends nothing
+
+
+def test_a_discriminator_step_with_the_generated_part_clipped_differs_and_is_repeatable():
+    """The switch reaches the worker's DP-SGD step (its weights differ from the unclipped step's), two
+    sites given the same seeds end alike, and the epsilon spent is the same as without it."""
+    batch = _batch()
+    plain = _side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1))
+    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1, clip_generated=True)) for _ in range(2)]
+    results = [[side.step(batch) for _ in range(3)] for side in (plain, *sides)]
+    for a, b in zip(*(s.discriminator.state_dict().values() for s in sides)):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(plain.discriminator.state_dict().values(),
+                                                     sides[0].discriminator.state_dict().values()))
+    assert [r.epsilon for r in results[0]] == [r.epsilon for r in results[1]]
+    assert all(torch.isfinite(torch.as_tensor(r.disc_loss)) for r in results[1])
+
+
 def test_an_empty_poisson_sample_is_the_noise_alone_drawn_from_the_sites_generator():
     disc, private = _private_steps(noise_multiplier=2.0, max_grad_norm=0.5)
     parameters = list(disc.parameters())
@@ -172,6 +213,9 @@ def _refused_in_one_line(capsys, code: int, message: str) -> None:
     (["--dp-noise-multiplier", "1", "--dp-target-epsilon", "2"], r"not both"),
     (["--disc-width", "0"], r"--disc-width must be between 1 and 8,192, got 0"),
     (["--disc-width", "64", "--architecture", "cnn-mnist"], r"--disc-width sets the MLP discriminator's width"),
+    (["--dp-clip-generated"], r"--dp-clip-generated clips DP-SGD's discriminator steps"),
+    (["--dp-clip-generated", "--dp-mechanism", "feedback", "--dp-noise-multiplier", "1"],
+     r"--dp-clip-generated clips DP-SGD's discriminator steps: it needs --dp-mechanism sgd"),
 ])
 @pytest.mark.parametrize("command", ["simulate", "local"])
 def test_a_refused_setting_is_one_line_and_touches_no_run_folder(tmp_path, capsys, finished_run, command,
@@ -254,12 +298,12 @@ def test_a_private_site_judges_an_incoming_discriminator_on_generated_samples_on
 # -- over the services --------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["mdgan", "flgan"])
+@pytest.mark.parametrize("algorithm, clip_generated", [("mdgan", True), ("flgan", False)])  # one D step for both
 def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path, algorithm,
-                                                                                         device):
+                                                                                         clip_generated, device):
     flags = ["--workers", "2", "--iterations", "12", "--swap-every", "4", "--seed", "5", "--batch-size", "8",
              "--dataset", "synthetic", "--dp-noise-multiplier", "1.3", "--dp-max-grad-norm", "0.7", "--no-progress",
-             "--algorithm", algorithm, "--device", device]
+             "--algorithm", algorithm, "--device", device, *(["--dp-clip-generated"] if clip_generated else [])]
     runs = {}
     for mode in ("simulate", "local"):
         out = tmp_path / mode
@@ -270,6 +314,7 @@ def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites
         privacy = summary["privacy"]
         assert set(privacy["sites"]) == {"worker-0", "worker-1"}
         assert privacy["epsilon_max"] > 0 and privacy["noise_multiplier"] == 1.3 and privacy["sampling"] == "poisson"
+        assert privacy["clip_generated"] is clip_generated
     assert runs["local"]["privacy"]["sites"] == runs["simulate"]["privacy"]["sites"]
     history = read_jsonl(tmp_path / "local" / "history.jsonl")
     assert history[-1]["privacy"] == runs["local"]["privacy"]["sites"]

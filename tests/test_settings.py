@@ -18,7 +18,8 @@ ALTERNATIVES = {"workers": 6, "kappa": 2, "quorum": 2, "architecture": "cnn-mnis
                 "dp_noise_multiplier": 1.5, "dp_target_epsilon": 3.0, "dp_delta": 1e-6, "swap_every": 7}
 # the settings an alternative is valid only with (given by the same path)
 COMPANIONS = {"dp_mechanism": {"dp_noise_multiplier": 1.5},
-              "dp_discriminators": {"dp_mechanism": "feedback", "dp_noise_multiplier": 1.5}}
+              "dp_discriminators": {"dp_mechanism": "feedback", "dp_noise_multiplier": 1.5},
+              "dp_clip_generated": {"dp_noise_multiplier": 1.5}}
 
 
 def settings_of(config: TrainingConfig) -> dict:
@@ -37,7 +38,7 @@ def settings_of(config: TrainingConfig) -> dict:
             "quorum": config.quorum, "max_staleness": config.max_staleness, "clip_norm": config.clip_norm,
             "dp_noise_multiplier": p.noise_multiplier or None, "dp_target_epsilon": p.target_epsilon or None,
             "dp_max_grad_norm": p.max_grad_norm, "dp_delta": p.delta, "dp_mechanism": p.mechanism,
-            "dp_discriminators": p.discriminators}
+            "dp_discriminators": p.discriminators, "dp_clip_generated": p.clip_generated}
 
 
 def alternative(setting):

@@ -385,7 +385,8 @@ def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.Train
         gen_beta2=config.generator_optimizer.beta2, wire_dtype=config.wire_dtype,
         dp_noise_multiplier=config.privacy.noise_multiplier, dp_max_grad_norm=config.privacy.max_grad_norm,
         dp_delta=config.privacy.delta, dp_target_epsilon=config.privacy.target_epsilon, iterations=config.iterations,
-        dp_mechanism=config.privacy.mechanism, dp_discriminators=config.privacy.discriminators)
+        dp_mechanism=config.privacy.mechanism, dp_discriminators=config.privacy.discriminators,
+        dp_clip_generated=config.privacy.clip_generated)
 
 
 def config_from_spec(spec) -> "TrainingConfig":
@@ -397,7 +398,7 @@ def config_from_spec(spec) -> "TrainingConfig":
                       disc_width=spec.disc_width or ModelSpec.disc_width)
     privacy = PrivacySpec(spec.dp_noise_multiplier, spec.dp_max_grad_norm or PrivacySpec.max_grad_norm, spec.dp_delta,
                           spec.dp_target_epsilon, spec.dp_mechanism or PrivacySpec.mechanism,
-                          spec.dp_discriminators or PrivacySpec.discriminators)
+                          spec.dp_discriminators or PrivacySpec.discriminators, spec.dp_clip_generated)
     return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa, privacy=privacy,
                           iterations=spec.iterations or TrainingConfig.iterations,
                           disc_steps=spec.disc_steps, seed=spec.seed, swap_optimizer_state=spec.swap_optimizer_state,

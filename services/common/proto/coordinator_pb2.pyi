@@ -117,7 +117,7 @@ class EmulatedSplit(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., split: _Optional[str] = ..., split_seed: _Optional[int] = ..., dirichlet_alpha: _Optional[float] = ..., max_samples: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "disc_width", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon", "iterations", "dp_mechanism", "dp_discriminators", "mdgan", "pwgan", "psgan")
+    __slots__ = ("architecture", "gan", "loss", "latent_dim", "num_classes", "sample_shape", "batch_size", "disc_steps", "disc_lr", "disc_beta1", "disc_beta2", "seed", "swap_optimizer_state", "kappa", "workers", "algorithm", "gen_lr", "gen_beta1", "gen_beta2", "class_names", "wire_dtype", "disc_width", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon", "iterations", "dp_mechanism", "dp_discriminators", "dp_clip_generated", "mdgan", "pwgan", "psgan")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class TrainingSpec(_message.Message):
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DP_MECHANISM_FIELD_NUMBER: _ClassVar[int]
     DP_DISCRIMINATORS_FIELD_NUMBER: _ClassVar[int]
+    DP_CLIP_GENERATED_FIELD_NUMBER: _ClassVar[int]
     MDGAN_FIELD_NUMBER: _ClassVar[int]
     PWGAN_FIELD_NUMBER: _ClassVar[int]
     PSGAN_FIELD_NUMBER: _ClassVar[int]
@@ -179,10 +180,11 @@ class TrainingSpec(_message.Message):
     iterations: int
     dp_mechanism: str
     dp_discriminators: int
+    dp_clip_generated: bool
     mdgan: MDGANSpec
     pwgan: PWGANSpec
     psgan: PSGANSpec
-    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., disc_width: _Optional[int] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ..., dp_target_epsilon: _Optional[float] = ..., iterations: _Optional[int] = ..., dp_mechanism: _Optional[str] = ..., dp_discriminators: _Optional[int] = ..., mdgan: _Optional[_Union[MDGANSpec, _Mapping]] = ..., pwgan: _Optional[_Union[PWGANSpec, _Mapping]] = ..., psgan: _Optional[_Union[PSGANSpec, _Mapping]] = ...) -> None: ...
+    def __init__(self, architecture: _Optional[str] = ..., gan: _Optional[str] = ..., loss: _Optional[str] = ..., latent_dim: _Optional[int] = ..., num_classes: _Optional[int] = ..., sample_shape: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., disc_steps: _Optional[int] = ..., disc_lr: _Optional[float] = ..., disc_beta1: _Optional[float] = ..., disc_beta2: _Optional[float] = ..., seed: _Optional[int] = ..., swap_optimizer_state: _Optional[bool] = ..., kappa: _Optional[int] = ..., workers: _Optional[int] = ..., algorithm: _Optional[str] = ..., gen_lr: _Optional[float] = ..., gen_beta1: _Optional[float] = ..., gen_beta2: _Optional[float] = ..., class_names: _Optional[_Iterable[str]] = ..., wire_dtype: _Optional[str] = ..., disc_width: _Optional[int] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ..., dp_target_epsilon: _Optional[float] = ..., iterations: _Optional[int] = ..., dp_mechanism: _Optional[str] = ..., dp_discriminators: _Optional[int] = ..., dp_clip_generated: _Optional[bool] = ..., mdgan: _Optional[_Union[MDGANSpec, _Mapping]] = ..., pwgan: _Optional[_Union[PWGANSpec, _Mapping]] = ..., psgan: _Optional[_Union[PSGANSpec, _Mapping]] = ...) -> None: ...
 
 class MDGANSpec(_message.Message):
     __slots__ = ("swap_check", "swap_check_norm_ratio", "swap_check_loss_ratio", "swap_check_min_cosine", "swap_lag", "pipeline_depth")
