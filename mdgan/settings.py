@@ -113,7 +113,7 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
     Setting("dp_clip_generated", PrivacySpec.clip_generated,
             "--dp-mechanism sgd: clip each generated sample's gradient in a discriminator step to C as well, as each "
             "real sample's is, so that the two parts weigh alike (no noise on it, no epsilon spent: the generated "
-            "samples are public)", PRIVACY, bool),
+            "samples are public); with DP-SGD, use it (docs/PRIVACY.md)", PRIVACY, bool),
 )
 SETTINGS: dict[str, Setting] = {s.key: s for s in TRAINING_SETTINGS}
 TRAINING_KEYS = tuple(SETTINGS)
