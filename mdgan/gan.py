@@ -53,6 +53,18 @@ def discriminator_loss(spec: ModelSpec, real_logits: torch.Tensor, real_labels: 
     return loss
 
 
+def discriminator_term(spec: ModelSpec, logits: torch.Tensor, labels: torch.Tensor | None, real: bool,
+                       reduction: str = "mean") -> torch.Tensor:
+    """One part of J_disc: -log D(x) on real samples, -log(1 - D(x)) on generated ones (+ their class
+    cross-entropy): the mean, or each sample's (n,) with reduction "none" (DP-SGD's clipping)."""
+    source = logits[:, 0]
+    loss = F.binary_cross_entropy_with_logits(source, torch.ones_like(source) if real else torch.zeros_like(source),
+                                              reduction=reduction)
+    if spec.conditional:
+        loss = loss + F.cross_entropy(logits[:, 1:], labels, reduction=reduction)
+    return loss
+
+
 def generator_loss(spec: ModelSpec, fake_logits: torch.Tensor, fake_labels: torch.Tensor | None) -> torch.Tensor:
     """J_gen on one batch (a mean over its b samples).
 
@@ -327,32 +339,21 @@ class DiscriminatorSide:
                     return None
                 logits = disc(real)  # (n, 1 [+ C])
                 seen["logits"] = logits.detach()
-                losses = F.binary_cross_entropy_with_logits(logits[:, 0], torch.ones_like(logits[:, 0]),
-                                                            reduction="none")
-                if spec.conditional:
-                    losses = losses + F.cross_entropy(logits[:, 1:], real_labels, reduction="none")
-                return losses  # (n,)
+                return discriminator_term(spec, logits, real_labels, real=True, reduction="none")  # (n,)
+
+            def generated_losses():
+                logits = disc(fake)  # (b, 1 [+ C])
+                losses = discriminator_term(spec, logits, fake_labels, real=False, reduction="none")  # (b,)
+                seen["fake_logits"], seen["fake_loss"] = logits.detach(), losses.detach().mean()
+                return losses
 
             private.real_step(parameters, per_sample_losses)
             if self.config.privacy.clip_generated:
-                generated: dict[str, torch.Tensor] = {}
-
-                def generated_losses():
-                    logits = disc(fake)  # (b, 1 [+ C])
-                    losses = F.binary_cross_entropy_with_logits(logits[:, 0], torch.zeros_like(logits[:, 0]),
-                                                                reduction="none")
-                    if spec.conditional:
-                        losses = losses + F.cross_entropy(logits[:, 1:], fake_labels, reduction="none")
-                    generated["logits"], generated["losses"] = logits.detach(), losses.detach()
-                    return losses  # (b,)
-
                 private.generated_step(parameters, generated_losses)
-                fake_logits, fake_loss = generated["logits"], generated["losses"].mean()
+                fake_logits, fake_loss = seen["fake_logits"], seen["fake_loss"]
             else:
                 fake_logits = disc(fake)
-                fake_loss = F.binary_cross_entropy_with_logits(fake_logits[:, 0], torch.zeros_like(fake_logits[:, 0]))
-                if spec.conditional:
-                    fake_loss = fake_loss + F.cross_entropy(fake_logits[:, 1:], fake_labels)
+                fake_loss = discriminator_term(spec, fake_logits, fake_labels, real=False)
                 fake_loss.backward()  # adds to the private real part's .grad
             private.step()
             real_logits = seen.get("logits")

@@ -213,15 +213,7 @@ class PrivateSteps:
         Opacus's ghost clipping: a first backward pass records each sample's gradient norm, a second one
         of the losses weighted by min(1, C / norm) gives the sum of the clipped gradients; its
         DPOptimizerFastGradientClipping adds N(0, (sigma C)^2) and divides by b."""
-        clipped = None  # the losses weighted by min(1, C / norm): (n,)
-        self.module.enable_hooks()
-        try:
-            losses = per_sample_losses()  # (n,)
-            if losses is not None and losses.numel():
-                losses.sum().backward(retain_graph=True)
-                clipped = losses * self.module.get_clipping_coef().detach()
-        finally:
-            self.module.disable_hooks()
+        clipped = self._clipped_losses(per_sample_losses)
         self.optimizer.zero_grad(set_to_none=True)
         if clipped is not None:
             clipped.sum().backward()
@@ -244,18 +236,27 @@ class PrivateSteps:
         held = [p.grad for p in parameters]
         for p in parameters:
             p.grad = None
-        self.module.enable_hooks()
-        try:
-            losses = per_sample_losses()  # (b,)
-            losses.sum().backward(retain_graph=True)
-            clipped = losses * self.module.get_clipping_coef().detach()
-        finally:
-            self.module.disable_hooks()
+        clipped = self._clipped_losses(per_sample_losses)
         for p in parameters:
             p.grad = None
-        (clipped.sum() / self.batch_size).backward()
+        if clipped is not None:
+            (clipped.sum() / self.batch_size).backward()
         for p, real in zip(parameters, held):
             p.grad = real if p.grad is None else real + p.grad
+
+    def _clipped_losses(self, per_sample_losses) -> torch.Tensor | None:
+        """Ghost clipping's first pass: the per-sample losses weighted by min(1, C / the norm of each one's
+        gradient), (n,), whose sum's gradient is the sum of the clipped gradients; None for no samples. The
+        pass leaves the unclipped sum in .grad: the caller clears it."""
+        self.module.enable_hooks()
+        try:
+            losses = per_sample_losses()  # (n,)
+            if losses is None or not losses.numel():
+                return None
+            losses.sum().backward(retain_graph=True)
+            return losses * self.module.get_clipping_coef().detach()
+        finally:
+            self.module.disable_hooks()
 
     def _noise_on_cpu(self) -> None:
         """DPOptimizer's steps with the noise drawn on the CPU and moved (a CUDA D: same draws as on a CPU)."""

@@ -63,6 +63,23 @@ def _private_steps(noise_multiplier: float, max_grad_norm: float):
     return disc, PrivateSteps(disc, optimizer, site, batch_size=4, sampling_seed=0, noise_seed=11)
 
 
+def _clipped_sum_over_b(disc, x: torch.Tensor, max_grad_norm: float, b: int) -> list[torch.Tensor]:
+    """sum_i min(1, C / ||g_i||) g_i / b of the loss ||disc(x_i)||^2, each sample's gradient made one at a
+    time; both kinds of sample (clipped and not) must be in x."""
+    parameters = list(disc.parameters())
+    expected = [torch.zeros_like(p) for p in parameters]
+    clipped = 0
+    for i in range(len(x)):
+        grads = torch.autograd.grad(disc(x[i:i + 1]).pow(2).sum(), parameters)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        clipped += factor < 1.0
+        for e, g in zip(expected, grads):
+            e += factor * g / b
+    assert 0 < clipped < len(x)
+    return expected
+
+
 def test_a_private_step_sums_each_samples_clipped_gradient_and_divides_by_b():
     """The real part's .grad is sum_i min(1, C / ||g_i||) g_i / b over the sampled images: each sample's
     gradient made one at a time here, against the norms Opacus's ghost clipping finds without them."""
@@ -73,16 +90,7 @@ def test_a_private_step_sums_each_samples_clipped_gradient_and_divides_by_b():
         return disc(x).pow(2).sum(dim=1)  # (5,)
 
     parameters = list(disc.parameters())
-    expected = [torch.zeros_like(p) for p in parameters]
-    clipped = 0
-    for i in range(len(x)):
-        grads = torch.autograd.grad(disc(x[i:i + 1]).pow(2).sum(), parameters)
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        factor = min(1.0, 2.0 / (float(norm) + 1e-6))
-        clipped += factor < 1.0
-        for e, g in zip(expected, grads):
-            e += factor * g / 4
-    assert 0 < clipped < len(x)  # both kinds of sample are in the batch
+    expected = _clipped_sum_over_b(disc, x, max_grad_norm=2.0, b=4)
     private.real_step(parameters, losses)
     for p, e in zip(parameters, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-7)
@@ -98,16 +106,7 @@ def test_clipping_the_generated_part_adds_each_generated_samples_clipped_gradien
     parameters = list(disc.parameters())
     private.real_step(parameters, lambda: disc(real).pow(2).sum(dim=1))
     real_part = [p.grad.clone() for p in parameters]
-    expected = [torch.zeros_like(p) for p in parameters]
-    clipped = 0
-    for j in range(len(fake)):
-        grads = torch.autograd.grad(disc(fake[j:j + 1]).pow(2).sum(), parameters)
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        factor = min(1.0, 2.0 / (float(norm) + 1e-6))
-        clipped += factor < 1.0
-        for e, g in zip(expected, grads):
-            e += factor * g / 4
-    assert 0 < clipped < len(fake)
+    expected = _clipped_sum_over_b(disc, fake, max_grad_norm=2.0, b=4)
     private.generated_step(parameters, lambda: disc(fake).pow(2).sum(dim=1))
     for p, r, e in zip(parameters, real_part, expected):
         torch.testing.assert_close(p.grad - r, e, rtol=1e-4, atol=1e-6)
