@@ -33,11 +33,10 @@ COMPARED = ("active_workers", "answered", "lost", "gen_loss", "disc_loss", "real
 def replay(run_dir: str, iterations: int, data_root: str, out: str) -> list[dict]:
     """One row per kept record at or before `iterations`: its iteration, whether it is the same, and what
     differs ({field: (replayed, kept)})."""
-    from mdgan.algorithms import renamed_settings
-    from mdgan_app.experiment import run_one
+    from mdgan_app.experiment import recorded_run, run_one
 
     with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as fh:
-        run = renamed_settings(json.load(fh))
+        run = recorded_run(json.load(fh))
     with open(os.path.join(run_dir, "history.jsonl"), encoding="utf-8") as fh:
         kept = [json.loads(line) for line in fh if line.strip()]
     if not 0 < iterations <= run["iterations"]:

@@ -95,7 +95,12 @@ class PrivacySpec:
     target_epsilon: float = 0.0  # > 0: sigma is computed so that the planned run spends this much
     mechanism: str = "sgd"
     discriminators: int = 1  # "feedback": K discriminators per site, one part of its data each
-    clip_generated: bool = False  # "sgd": each generated sample's gradient in D's step clipped to C too
+    # "sgd": each generated sample's gradient in D's step clipped to C too; None: on exactly when DP-SGD is
+    clip_generated: bool | None = None
+
+    def __post_init__(self):
+        if self.clip_generated is None:
+            object.__setattr__(self, "clip_generated", self.active_mechanism == "sgd")
 
     @property
     def enabled(self) -> bool:
@@ -258,7 +263,8 @@ class TrainingConfig:
         d = dict(d)
         model = dict(d.pop("model"))
         model["sample_shape"] = tuple(model["sample_shape"])
-        privacy = PrivacySpec(**d.pop("privacy", {}))  # (a run from before DP: not private)
+        # a run from before DP: not private; from before --dp-clip-generated: the generated part unclipped
+        privacy = PrivacySpec(**{"clip_generated": False, **d.pop("privacy", {})})
         return cls(model=ModelSpec(**model), privacy=privacy,
                    generator_optimizer=OptimizerSpec(**d.pop("generator_optimizer")),
                    discriminator_optimizer=OptimizerSpec(**d.pop("discriminator_optimizer")),

@@ -27,11 +27,16 @@ def _default(cls, name: str):
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
+AS_DEFAULT = object()  # a Setting's `before` when a record lacking its key had its default
+
+
 @dataclass(frozen=True)
 class Setting:
     """One training setting: key (dest), default, help, the help group it is shown in, its type
-    (bool: a switch, --flag sets it), its choices; optional: None is a value (unset); to_workers: the
-    server sends it to its workers in the run's TrainingSpec (services/common/codec.py)."""
+    (bool: a switch, --flag sets it and --no-flag clears it), its choices; optional: None is a value (unset);
+    to_workers: the server sends it to its workers in the run's TrainingSpec (services/common/codec.py);
+    before: what a record written before the setting existed (launch.toml, an experiment's run.json) stands for.
+    A setting whose default is worked out from the others is listed in `derived_values`."""
 
     key: str
     default: Any
@@ -41,6 +46,7 @@ class Setting:
     choices: tuple | None = None
     optional: bool = False
     to_workers: bool = True
+    before: Any = AS_DEFAULT
 
     @property
     def flag(self) -> str:
@@ -113,7 +119,9 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
     Setting("dp_clip_generated", PrivacySpec.clip_generated,
             "--dp-mechanism sgd: clip each generated sample's gradient in a discriminator step to C as well, as each "
             "real sample's is, so that the two parts weigh alike (no noise on it, no epsilon spent: the generated "
-            "samples are public); with DP-SGD, use it (docs/PRIVACY.md)", PRIVACY, bool),
+            "samples are public). On with DP-SGD unless --no-dp-clip-generated (the generated part's mean gradient "
+            "unclipped: D learns to call every real image fake; docs/PRIVACY.md)", PRIVACY, bool, optional=True,
+            before=False),
 )
 SETTINGS: dict[str, Setting] = {s.key: s for s in TRAINING_SETTINGS}
 TRAINING_KEYS = tuple(SETTINGS)
@@ -122,6 +130,32 @@ TRAINING_KEYS = tuple(SETTINGS)
 def defaults() -> dict[str, Any]:
     """Every training setting's default, by key."""
     return {s.key: s.default for s in TRAINING_SETTINGS}
+
+
+def derived_values(config: TrainingConfig) -> dict[str, Any]:
+    """The settings whose default (None) is worked out from the others, as `config` has them: what a record of the
+    run (launch.toml, `mdgan local`'s flags to its server) writes, so that it runs the same again."""
+    return {"dp_clip_generated": config.privacy.clip_generated}
+
+
+def resolved(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings by key with each derived one left at None worked out from the others (what the run trains), where
+    they are valid; two records of a run compare alike so."""
+    out = dict(values)
+    if out.get("dp_clip_generated") is None:
+        try:
+            out["dp_clip_generated"] = privacy_spec(
+                out["dp_noise_multiplier"], out["dp_max_grad_norm"], out["dp_delta"], out["dp_target_epsilon"],
+                out["dp_mechanism"], out["dp_discriminators"]).clip_generated
+        except (ConfigError, KeyError, TypeError):
+            pass  # (refused where the run is made)
+    return out
+
+
+def before_values() -> dict[str, Any]:
+    """What a record lacking a setting's key stands for, where that is not the setting's default: its `before`,
+    the behaviour runs had before it was a setting."""
+    return {s.key: s.before for s in TRAINING_SETTINGS if s.before is not AS_DEFAULT}
 
 
 def privacy_spec(noise_multiplier: float | None, max_grad_norm: float, delta: float, target_epsilon: float | None,

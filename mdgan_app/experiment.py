@@ -177,7 +177,7 @@ def expand(config: dict) -> list[dict]:
     names = [r["name"] for r in runs]
     if len(set(names)) != len(names):
         raise ConfigError(f"two runs of the experiment are the same: {sorted(n for n in names if names.count(n) > 1)}")
-    return runs
+    return [settings.resolved(run) for run in runs]  # (named by what was given; recorded as they train)
 
 
 def training_config(run: dict) -> TrainingConfig:
@@ -358,9 +358,9 @@ def restore_kept(runs: list[dict], out: str, keep: str) -> list[str]:
         if not os.path.exists(os.path.join(kept, "summary.json")) or os.path.exists(os.path.join(target, "summary.json")):
             continue
         with open(os.path.join(kept, "run.json"), encoding="utf-8") as fh:
-            before = algorithms.renamed_settings(json.load(fh))
-        if _trained(before) != _trained(run):
-            changed = sorted(k for k in _trained(run) if before.get(k) != run[k])
+            before = json.load(fh)
+        changed = _differing(before, run)
+        if changed:
             raise ConfigError(f"{kept} holds a run with other settings ({changed} differ): "
                               "give the experiment another --keep, or delete that run")
         _copy_record(kept, target)
@@ -487,9 +487,21 @@ def plot_samples(runs: list[dict], out: str, title: str, per_row: int = 4) -> st
 PRESENTATION_KEYS = ("name", "label", "series", "checkpoint_every", "save_discriminators")
 
 
+def recorded_run(record: dict) -> dict:
+    """A run's complete settings from its run.json: a key it lacks (written before the key existed) had its
+    default, or what runs did before the setting existed (mdgan.settings.before_values); old names as new."""
+    return {**DEFAULTS, **settings.before_values(), **algorithms.renamed_settings(record)}
+
+
 def _trained(run: dict) -> dict:
-    """What a run trained; a key its run.json lacks (written before the key existed) had its default."""
-    return {k: v for k, v in {**DEFAULTS, **run}.items() if k not in PRESENTATION_KEYS}
+    """What a run trained (a run of `expand`, or a run.json): a derived setting as it was worked out."""
+    return {k: v for k, v in settings.resolved(recorded_run(run)).items() if k not in PRESENTATION_KEYS}
+
+
+def _differing(before: dict, run: dict) -> list[str]:
+    """The settings a recorded run (its run.json) trained otherwise than `run` would."""
+    old, new = _trained(before), _trained(run)
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
 def _start_child() -> None:
@@ -640,21 +652,21 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
     if not only_plot:
         for run in runs:
             run_dir = os.path.join(out, "runs", run["name"])
-            settings = os.path.join(run_dir, "run.json")
-            if os.path.exists(settings):
-                with open(settings, encoding="utf-8") as fh:
+            record = os.path.join(run_dir, "run.json")
+            if os.path.exists(record):
+                with open(record, encoding="utf-8") as fh:
                     before = json.load(fh)
-                if _trained(before) != _trained(run):
-                    changed = sorted(k for k in _trained(run) if before.get(k) != run[k])
+                changed = _differing(before, run)
+                if changed:
                     raise ConfigError(f"{run_dir} holds a run with other settings ({changed} differ): "
                                       "give the experiment another `out`, or delete that run")
                 if os.path.exists(os.path.join(run_dir, "summary.json")):
                     if before != run:  # a new label or series: keep run.json current
-                        with open(settings, "w", encoding="utf-8") as fh:
+                        with open(record, "w", encoding="utf-8") as fh:
                             json.dump(run, fh, indent=2)
                     continue  # resumed: this one finished before
             os.makedirs(run_dir, exist_ok=True)
-            with open(settings, "w", encoding="utf-8") as fh:
+            with open(record, "w", encoding="utf-8") as fh:
                 json.dump(run, fh, indent=2)
             todo.append((run, run_dir))
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=config["name"], unit="run",

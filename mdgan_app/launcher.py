@@ -42,7 +42,7 @@ def _forwarded_training_flags(args) -> list[str]:
     for setting in TRAINING_SETTINGS:
         value = getattr(args, setting.key)
         if setting.kind is bool:
-            flags += [setting.flag] if value else []
+            flags += [] if value is None else [setting.flag if value else "--no-" + setting.flag[2:]]
         elif value is not None:
             flags += [setting.flag, str(value)]
     for dest in DURABLE_FLAGS:

@@ -114,6 +114,10 @@ def take_launch_settings(args) -> None:
     from mdgan.renames import renamed_settings
 
     launched = renamed_settings(launched)  # (an older mdgan's keys: their names now)
+    if launched:  # a setting newer than the file: what the run did before it existed
+        from mdgan.settings import before_values
+
+        launched = {**before_values(), **launched}
     given = getattr(args, "given", set())
     for key, value in launched.items():
         if key not in given and key not in _NOT_LAUNCH_SETTINGS and hasattr(args, key):

@@ -117,8 +117,8 @@ def test_a_discriminator_step_with_the_generated_part_clipped_differs_and_is_rep
     """The switch reaches the worker's DP-SGD step (its weights differ from the unclipped step's), two
     sites given the same seeds end alike, and the epsilon spent is the same as without it."""
     batch = _batch()
-    plain = _side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1))
-    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1, clip_generated=True)) for _ in range(2)]
+    plain = _side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1, clip_generated=False))
+    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1)) for _ in range(2)]  # (clipped by default)
     results = [[side.step(batch) for _ in range(3)] for side in (plain, *sides)]
     for a, b in zip(*(s.discriminator.state_dict().values() for s in sides)):
         assert torch.equal(a, b)
@@ -126,6 +126,75 @@ def test_a_discriminator_step_with_the_generated_part_clipped_differs_and_is_rep
                                                      sides[0].discriminator.state_dict().values()))
     assert [r.epsilon for r in results[0]] == [r.epsilon for r in results[1]]
     assert all(torch.isfinite(torch.as_tensor(r.disc_loss)) for r in results[1])
+
+
+def _simulate_args(*flags: str):
+    from mdgan_app.cli import build_parser
+
+    args = build_parser().parse_args(["simulate", *flags])
+    args.given = set()
+    return args
+
+
+@pytest.mark.parametrize("flags, env, clipped", [
+    ([], None, False),  # not private: nothing to clip
+    (["--dp-noise-multiplier", "1"], None, True),  # DP-SGD: on unless said otherwise
+    (["--dp-target-epsilon", "5"], None, True),
+    (["--dp-noise-multiplier", "1", "--no-dp-clip-generated"], None, False),
+    (["--dp-noise-multiplier", "1"], "false", False),
+    (["--dp-noise-multiplier", "1", "--dp-clip-generated"], "false", True),  # a flag over its variable
+    (["--dp-noise-multiplier", "1", "--dp-mechanism", "feedback"], None, False),  # no DP-SGD step to clip
+    (["--no-dp-clip-generated"], None, False),  # (says what a run without DP does)
+])
+def test_the_generated_part_is_clipped_by_default_with_dp_sgd_and_the_run_records_what_it_did(
+        flags, env, clipped, monkeypatch, tmp_path):
+    import tomllib
+
+    from mdgan_app.run_folder import save_launch_settings
+    from services.common.settings import training_config
+
+    if env is not None:
+        monkeypatch.setenv("MDGAN_SIMULATE_DP_CLIP_GENERATED", env)
+    args = _simulate_args("--dataset", "synthetic", "--workers", "2", "--out", str(tmp_path), *flags)
+    assert training_config(args).privacy.clip_generated is clipped
+    save_launch_settings(args)  # what --resume and --config take again: the value, not "the default"
+    assert tomllib.loads((tmp_path / "launch.toml").read_text())["dp-clip-generated"] is clipped
+
+
+def test_a_run_recorded_before_the_generated_part_was_clipped_by_default_goes_on_unclipped(tmp_path):
+    """A DP-SGD run recorded without the key (an older mdgan: launch.toml, the checkpointed config, an
+    experiment's run.json) trained the generated part unclipped, and is resumed, read and compared so."""
+    from mdgan.run import open_run
+    from mdgan_app.experiment import _differing, expand, recorded_run
+    from mdgan_app.run_folder import take_launch_settings
+    from services.common.settings import training_config
+
+    private = TrainingConfig(workers=2, privacy=PrivacySpec(noise_multiplier=1.0)).validate()
+    record = private.to_dict()
+    del record["privacy"]["clip_generated"]
+    assert TrainingConfig.from_dict(record).privacy.clip_generated is False
+    assert TrainingConfig.from_dict(private.to_dict()).privacy.clip_generated is True
+
+    run = tmp_path / "run"
+    open_run(str(run), private)
+    for launched, clipped in (("dp-noise-multiplier = 1.0\n", False),
+                              ("dp-noise-multiplier = 1.0\ndp-clip-generated = true\n", True)):
+        (run / "launch.toml").write_text(launched)
+        args = _simulate_args("--resume", str(run))
+        take_launch_settings(args)
+        assert training_config(args).privacy.clip_generated is clipped, launched
+    args = _simulate_args("--resume", str(run), "--dp-clip-generated")  # given: the command's own
+    args.given = {"dp_clip_generated"}
+    take_launch_settings(args)
+    assert training_config(args).privacy.clip_generated is True
+
+    [now] = expand({"name": "x", "out": "x", "runs": [{"dp_noise_multiplier": 1.0}]})
+    old = {k: v for k, v in now.items() if k != "dp_clip_generated"}
+    assert now["dp_clip_generated"] is True and recorded_run(old)["dp_clip_generated"] is False
+    assert _differing(old, now) == ["dp_clip_generated"]  # a kept unclipped run is not taken for a clipped one
+    assert _differing(old, {**now, "dp_clip_generated": False}) == []
+    [plain] = expand({"name": "x", "out": "x", "runs": [{}]})
+    assert _differing({k: v for k, v in plain.items() if k != "dp_clip_generated"}, plain) == []
 
 
 def test_an_empty_poisson_sample_is_the_noise_alone_drawn_from_the_sites_generator():
@@ -297,12 +366,15 @@ def test_a_private_site_judges_an_incoming_discriminator_on_generated_samples_on
 # -- over the services --------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, clip_generated", [("mdgan", True), ("flgan", False)])  # one D step for both
-def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path, algorithm,
+@pytest.mark.parametrize("algorithm, switch, clip_generated", [("mdgan", [], True),  # (one D step for both)
+                                                               ("flgan", ["--no-dp-clip-generated"], False)])
+def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites_epsilon(tmp_path, algorithm, switch,
                                                                                          clip_generated, device):
+    """The generated part is clipped by default with DP-SGD, and --no-dp-clip-generated reaches the server and its
+    workers through `mdgan local` too."""
     flags = ["--workers", "2", "--iterations", "12", "--swap-every", "4", "--seed", "5", "--batch-size", "8",
              "--dataset", "synthetic", "--dp-noise-multiplier", "1.3", "--dp-max-grad-norm", "0.7", "--no-progress",
-             "--algorithm", algorithm, "--device", device, *(["--dp-clip-generated"] if clip_generated else [])]
+             "--algorithm", algorithm, "--device", device, *switch]
     runs = {}
     for mode in ("simulate", "local"):
         out = tmp_path / mode

@@ -6,6 +6,7 @@ run's TrainingSpec on the wire. Each path must end in the same TrainingConfig.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -15,7 +16,8 @@ from mdgan.settings import SETTINGS, TRAINING_KEYS, TRAINING_SETTINGS
 
 # a value other than the default, valid on its own with every other setting at its default
 ALTERNATIVES = {"workers": 6, "kappa": 2, "quorum": 2, "architecture": "cnn-mnist", "gen_lr": 1e-4, "disc_lr": 3e-4,
-                "dp_noise_multiplier": 1.5, "dp_target_epsilon": 3.0, "dp_delta": 1e-6, "swap_every": 7}
+                "dp_noise_multiplier": 1.5, "dp_target_epsilon": 3.0, "dp_delta": 1e-6, "swap_every": 7,
+                "dp_clip_generated": False}  # (on by default with DP-SGD, its companion)
 # the settings an alternative is valid only with (given by the same path)
 COMPANIONS = {"dp_mechanism": {"dp_noise_multiplier": 1.5},
               "dp_discriminators": {"dp_mechanism": "feedback", "dp_noise_multiplier": 1.5},
@@ -24,7 +26,8 @@ COMPANIONS = {"dp_mechanism": {"dp_noise_multiplier": 1.5},
 
 def settings_of(config: TrainingConfig) -> dict:
     """The settings by key that make `config`, the inverse of mdgan.settings.training_config: what a path
-    made of each setting (both optimizers share their betas, as the flags set them)."""
+    made of each setting (both optimizers share their betas, as the flags set them; a derived setting, None, where
+    it is what the others make it)."""
     g, d, p = config.generator_optimizer, config.discriminator_optimizer, config.privacy
     if (g.beta1, g.beta2) != (d.beta1, d.beta2):
         raise AssertionError("the generator's and the discriminator's Adam betas differ: no flags set that")
@@ -38,7 +41,8 @@ def settings_of(config: TrainingConfig) -> dict:
             "quorum": config.quorum, "max_staleness": config.max_staleness, "clip_norm": config.clip_norm,
             "dp_noise_multiplier": p.noise_multiplier or None, "dp_target_epsilon": p.target_epsilon or None,
             "dp_max_grad_norm": p.max_grad_norm, "dp_delta": p.delta, "dp_mechanism": p.mechanism,
-            "dp_discriminators": p.discriminators, "dp_clip_generated": p.clip_generated}
+            "dp_discriminators": p.discriminators,
+            "dp_clip_generated": None if p == dataclasses.replace(p, clip_generated=None) else p.clip_generated}
 
 
 def alternative(setting):
@@ -69,7 +73,9 @@ def server_parser() -> argparse.ArgumentParser:
 
 
 def flag_tokens(setting, value) -> list[str]:
-    return [setting.flag] if setting.kind is bool else [setting.flag, str(value)]
+    if setting.kind is bool:
+        return [setting.flag if value else "--no-" + setting.flag[2:]]
+    return [setting.flag, str(value)]
 
 
 def config_of(args: argparse.Namespace) -> TrainingConfig:

@@ -177,7 +177,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
             where = f"--config {path}: {key} = {value!r}"
             if action is None:
                 self.error(f"--config {path}: unknown key {key!r}: not an option of {self.prog} (see --help)")
-            if action.nargs == 0:  # store_true / store_false: the key names the option's dest
+            if action.nargs == 0:  # a switch (store_true, --flag/--no-flag): the key names the option's dest
                 if not isinstance(value, bool):
                     self.error(f"{where}: true or false")
                 action.default = value
@@ -224,11 +224,14 @@ class EnvArgumentParser(argparse.ArgumentParser):
             if not os.environ.get(name):  # unset, or set empty (a compose file's ${VAR:-}): the default
                 continue
             raw = os.environ[name]
-            if action.nargs == 0:  # store_true / store_false
+            if action.nargs == 0:  # a switch (store_true, store_false, --flag/--no-flag)
                 lowered = raw.strip().lower()
                 if lowered not in _TRUE | _FALSE:
                     self.error(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
-                action.default = (lowered in _TRUE) == isinstance(action, argparse._StoreTrueAction)
+                if isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag: the value it says
+                    action.default = lowered in _TRUE
+                else:  # store_true: a true value sets it; store_false: a true value clears it
+                    action.default = (lowered in _TRUE) == isinstance(action, argparse._StoreTrueAction)
             else:
                 action.default = raw  # argparse applies `type` to a string default (not `choices`: below)
                 action._env_raw = raw
@@ -376,7 +379,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
             groups[setting.group] = parser.add_argument_group(setting.group)
         group = groups[setting.group]
         if setting.kind is bool:
-            group.add_argument(setting.flag, action="store_true", default=setting.default, help=setting.help)
+            group.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=setting.default,
+                               help=setting.help)
         else:
             group.add_argument(setting.flag, type=setting.kind, default=setting.default, choices=setting.choices,
                                help=setting.help)
@@ -456,11 +460,14 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
 
 def training_config(args: argparse.Namespace) -> TrainingConfig:
     """The run's TrainingConfig from its parsed flags (mdgan.settings.training_config: the samples' shape
-    from --dataset where the command has one, else from --architecture)."""
+    from --dataset where the command has one, else from --architecture). A setting whose default is worked out
+    from the others (mdgan.settings.derived_values) is set in `args` to what it came to."""
     from mdgan import settings
 
-    return settings.training_config(vars(args), dataset=getattr(args, "dataset", None),
-                                    device=getattr(args, "device", "cpu"), classes=class_names(args))
+    config = settings.training_config(vars(args), dataset=getattr(args, "dataset", None),
+                                      device=getattr(args, "device", "cpu"), classes=class_names(args))
+    vars(args).update(settings.derived_values(config))  # what launch.toml and mdgan local's server get
+    return config
 
 
 def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> None:
