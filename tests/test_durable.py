@@ -22,8 +22,10 @@ from services.common import pki
 pytestmark = pytest.mark.slow
 
 N, KAPPA, ITERATIONS, SWAP_EVERY, CHECKPOINT_EVERY = 3, 2, 360, 100, 50
+DISC_WIDTH = 64  # (a narrow discriminator: half the compute of the paper's 512, the same protocol)
 TRAINING = ["--workers", str(N), "--kappa", str(KAPPA), "--iterations", str(ITERATIONS), "--swap-every",
-            str(SWAP_EVERY), "--architecture", "mlp", "--dataset", "synthetic", "--eval-every", "-1"]
+            str(SWAP_EVERY), "--architecture", "mlp", "--disc-width", str(DISC_WIDTH), "--dataset", "synthetic",
+            "--eval-every", "-1"]
 
 
 def _free_port() -> int:
@@ -107,7 +109,7 @@ _UNINTERRUPTED: list[str] = []  # (computed once a test process)
 def _uninterrupted_sha(tmp_path) -> str:
     if not _UNINTERRUPTED:
         config = TrainingConfig(workers=N, kappa=KAPPA, iterations=ITERATIONS, swap_every=SWAP_EVERY,
-                                model=ModelSpec(architecture="mlp")).validate()
+                                model=ModelSpec(architecture="mlp", disc_width=DISC_WIDTH)).validate()
         summary = simulate(config, DataConfig("synthetic"), str(tmp_path / "reference"), progress=False,
                            evaluation=EvaluationOptions(every=-1))
         _UNINTERRUPTED.append(summary["generator_sha256"])
@@ -255,7 +257,8 @@ def test_a_worker_away_at_its_runs_end_forgets_that_run_and_joins_the_next(tmp_p
     pki_dir = str(tmp_path / "pki")
     pki.provision_run(pki_dir, ["worker-0", "worker-1", "worker-2"])
     flags = ["--workers", "2", "--iterations", "200", "--dataset", "synthetic", "--architecture", "mlp",
-             "--eval-every", "-1", "--checkpoint-every", "20", "--heartbeat-interval", "1"]
+             "--disc-width", str(DISC_WIDTH), "--eval-every", "-1", "--checkpoint-every", "20",
+             "--heartbeat-interval", "1"]
     state = [str(tmp_path / "state" / f"worker-{i}") for i in range(3)]
 
     def worker(out, port, i, *extra):
