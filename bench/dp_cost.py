@@ -1,5 +1,5 @@
-"""What DP-SGD costs a run: seconds an iteration of `mdgan simulate` with DP-SGD discriminators against the
-same run without DP, in one invocation (docs/PRIVACY.md, "Differentially private discriminators").
+"""What DP-SGD costs a run: seconds an iteration of `mdgan simulate` with DP-SGD discriminators (the generated
+part clipped, the default, and unclipped) against the same run without DP, in one invocation (docs/PRIVACY.md, "Differentially private discriminators").
 
     python bench/dp_cost.py                        # MNIST, MLP ACGAN, N = 10, b = 10, 300 iterations
     python bench/dp_cost.py --workers 4 --batch-size 50 --iterations 200 --device cuda
@@ -40,12 +40,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--data-root", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
     args = parser.parse_args()
+    dp = ["--dp-target-epsilon", str(args.epsilon)]
     with tempfile.TemporaryDirectory(prefix="mdgan-dp-cost-") as tmp:
         plain = seconds_per_iteration(args, os.path.join(tmp, "plain"), [])
-        private = seconds_per_iteration(args, os.path.join(tmp, "dp"), ["--dp-target-epsilon", str(args.epsilon)])
+        private = seconds_per_iteration(args, os.path.join(tmp, "dp"), dp)
+        unclipped = seconds_per_iteration(args, os.path.join(tmp, "dp-unclipped"), [*dp, "--no-dp-clip-generated"])
     print(f"N = {args.workers}, b = {args.batch_size}, {args.iterations} iterations on {args.device}: "
-          f"without DP {plain:.4f} s an iteration, DP-SGD (epsilon {args.epsilon:g}) {private:.4f} s: "
-          f"{private / plain:.2f}x")
+          f"without DP {plain:.4f} s an iteration; DP-SGD (epsilon {args.epsilon:g}) {private:.4f} s: "
+          f"{private / plain:.2f}x; with the generated part unclipped (--no-dp-clip-generated) {unclipped:.4f} s: "
+          f"{unclipped / plain:.2f}x")
 
 
 if __name__ == "__main__":
