@@ -142,7 +142,7 @@ def resolved(values: Mapping[str, Any]) -> dict[str, Any]:
     """Settings by key with each derived one left at None worked out from the others (what the run trains), where
     they are valid; two records of a run compare alike so."""
     out = dict(values)
-    if out.get("dp_clip_generated") is None:
+    if "dp_clip_generated" in out and out["dp_clip_generated"] is None:
         try:
             out["dp_clip_generated"] = privacy_spec(
                 out["dp_noise_multiplier"], out["dp_max_grad_norm"], out["dp_delta"], out["dp_target_epsilon"],

@@ -161,6 +161,20 @@ def test_the_generated_part_is_clipped_by_default_with_dp_sgd_and_the_run_record
     assert tomllib.loads((tmp_path / "launch.toml").read_text())["dp-clip-generated"] is clipped
 
 
+def test_print_config_leaves_a_derived_setting_unset_and_says_what_it_comes_to(capsys):
+    """Unset in the printed file (a --config made from it and given DP later still clips), with its value."""
+    from mdgan_app.cli import main
+
+    for flags, line in (([], "# dp-clip-generated =  (unset: false "),
+                        (["--dp-noise-multiplier", "1"], "# dp-clip-generated =  (unset: true "),
+                        (["--dp-noise-multiplier", "1", "--no-dp-clip-generated"], "dp-clip-generated = false")):
+        with pytest.raises(SystemExit) as done:
+            main(["simulate", "--print-config", *flags])
+        assert done.value.code in (0, None)
+        printed = [l for l in capsys.readouterr().out.splitlines() if "dp-clip-generated" in l]
+        assert len(printed) == 1 and printed[0].startswith(line), printed
+
+
 def test_a_run_recorded_before_the_generated_part_was_clipped_by_default_goes_on_unclipped(tmp_path):
     """A DP-SGD run recorded without the key (an older mdgan: launch.toml, the checkpointed config, an
     experiment's run.json) trained the generated part unclipped, and is resumed, read and compared so."""

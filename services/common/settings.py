@@ -52,13 +52,16 @@ EXIT_CODES = """exit status:
   128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM); a stopped run resumes with --resume"""
 
 
-def settings_toml(settings: dict, header: str) -> str:
+def settings_toml(settings: dict, header: str, worked_out: dict | None = None) -> str:
     """Settings (dest -> value) as a TOML file that --config takes: a key per flag (batch-size = 10),
-    unset ones (None: TOML has no null) as comments."""
+    unset ones (None: TOML has no null) as comments, with what they come to where `worked_out` says (a
+    derived setting: mdgan.settings.resolved)."""
     lines = [f"# {header}"]
     for dest, value in settings.items():
         key = dest.replace("_", "-")
-        if value is None:
+        if value is None and dest in (worked_out or {}):
+            lines.append(f"# {key} =  (unset: {str(worked_out[dest]).lower()} with the settings above and below)")
+        elif value is None:
             lines.append(f"# {key} =  (unset)")
         elif isinstance(value, bool):
             lines.append(f"{key} = {str(value).lower()}")
@@ -198,8 +201,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def _print_config(self, namespace: argparse.Namespace) -> None:
         """Every setting as TOML (what --config takes); unset ones as comments."""
-        text = settings_toml({dest: getattr(namespace, dest, None) for dest in self._options()},
-                             f"{self.prog}: every setting, as it would run (flag > variable > --config > default)")
+        from mdgan.settings import resolved
+
+        values = {dest: getattr(namespace, dest, None) for dest in self._options()}
+        worked_out = {k: v for k, v in resolved(values).items() if values[k] is None and v is not None}
+        text = settings_toml(values, f"{self.prog}: every setting, as it would run (flag > variable > --config > "
+                                     f"default)", worked_out)
         try:
             print(text, end="", flush=True)
         except BrokenPipeError:  # (| head): the reader has what it wanted
