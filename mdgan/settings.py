@@ -36,7 +36,7 @@ class Setting:
     (bool: a switch, --flag sets it and --no-flag clears it), its choices; optional: None is a value (unset);
     to_workers: the server sends it to its workers in the run's TrainingSpec (services/common/codec.py);
     before: what a record written before the setting existed (launch.toml, an experiment's run.json) stands for.
-    A setting whose default is worked out from the others is listed in `derived_values`."""
+    A setting whose default (None) is worked out from the others is worked out in `resolved`."""
 
     key: str
     default: Any
@@ -132,15 +132,10 @@ def defaults() -> dict[str, Any]:
     return {s.key: s.default for s in TRAINING_SETTINGS}
 
 
-def derived_values(config: TrainingConfig) -> dict[str, Any]:
-    """The settings whose default (None) is worked out from the others, as `config` has them: what a record of the
-    run (launch.toml, `mdgan local`'s flags to its server) writes, so that it runs the same again."""
-    return {"dp_clip_generated": config.privacy.clip_generated}
-
-
 def resolved(values: Mapping[str, Any]) -> dict[str, Any]:
     """Settings by key with each derived one left at None worked out from the others (what the run trains), where
-    they are valid; two records of a run compare alike so."""
+    they are valid: what a record of the run (launch.toml, an experiment's run.json, `mdgan local`'s flags to its
+    server) holds, so that it runs the same again, and two records of a run compare alike."""
     out = dict(values)
     if "dp_clip_generated" in out and out["dp_clip_generated"] is None:
         try:
