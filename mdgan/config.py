@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 GAN_KINDS = ("acgan", "gan")
 LOSSES = ("non-saturating", "saturating")
@@ -97,6 +98,7 @@ class PrivacySpec:
     discriminators: int = 1  # "feedback": K discriminators per site, one part of its data each
     # "sgd": each generated sample's gradient in D's step clipped to C too; None: on exactly when DP-SGD is
     clip_generated: bool | None = None
+    CLIP_GENERATED_BEFORE: ClassVar[bool] = False  # what a run recorded before the setting existed did
 
     def __post_init__(self):
         if self.clip_generated is None:
@@ -264,7 +266,7 @@ class TrainingConfig:
         model = dict(d.pop("model"))
         model["sample_shape"] = tuple(model["sample_shape"])
         # a run from before DP: not private; from before --dp-clip-generated: the generated part unclipped
-        privacy = PrivacySpec(**{"clip_generated": False, **d.pop("privacy", {})})
+        privacy = PrivacySpec(**{"clip_generated": PrivacySpec.CLIP_GENERATED_BEFORE, **d.pop("privacy", {})})
         return cls(model=ModelSpec(**model), privacy=privacy,
                    generator_optimizer=OptimizerSpec(**d.pop("generator_optimizer")),
                    discriminator_optimizer=OptimizerSpec(**d.pop("discriminator_optimizer")),

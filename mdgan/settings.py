@@ -121,7 +121,7 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
             "real sample's is, so that the two parts weigh alike (no noise on it, no epsilon spent: the generated "
             "samples are public). On with DP-SGD unless --no-dp-clip-generated (the generated part's mean gradient "
             "unclipped: D learns to call every real image fake; docs/PRIVACY.md)", PRIVACY, bool, optional=True,
-            before=False),
+            before=PrivacySpec.CLIP_GENERATED_BEFORE),
 )
 SETTINGS: dict[str, Setting] = {s.key: s for s in TRAINING_SETTINGS}
 TRAINING_KEYS = tuple(SETTINGS)
