@@ -52,6 +52,36 @@ def test_a_private_step_clips_noises_and_accounts_and_is_repeatable():
     assert plain.private is None and np.isnan(plain.step(batch).epsilon)
 
 
+def test_the_collapse_bench_measures_the_norms_dp_sgd_clips():
+    """bench/dp_collapse.py's per-sample gradient norms are the ones Opacus's ghost clipping scales by: with
+    C far below every norm, the clipping factor is C / norm."""
+    import importlib.util
+
+    from mdgan.gan import discriminator_term
+
+    spec_ = importlib.util.spec_from_file_location("dp_collapse", os.path.join(REPO, "bench", "dp_collapse.py"))
+    bench = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(bench)
+    clip = 1e-6
+    side = _side(PrivacySpec(noise_multiplier=1.0, max_grad_norm=clip))
+    disc, spec = side.discriminator, side.spec
+    batch = _batch()
+    real, real_labels = side.sampler.shard.images[:6], side.sampler.shard.labels[:6]
+    fake, fake_labels = batch.discriminated[:6], batch.discriminated_labels[:6]
+    for images, labels, is_real in ((real, real_labels, True), (fake, fake_labels, False)):
+        whole, _, bias = bench.per_sample_norms(disc, spec, images, labels, real=is_real)
+        losses = discriminator_term(spec, disc(images), labels, real=is_real, reduction="none").detach()
+        clipped = side.private._clipped_losses(
+            lambda: discriminator_term(spec, disc(images), labels, real=is_real, reduction="none")).detach()
+        for p in disc.parameters():
+            p.grad = None
+        assert torch.allclose(whole, (clip * losses / clipped).double(), rtol=1e-4)
+        assert bool((bias < 0).all()) if is_real else bool((bias > 0).all())
+    row = bench.look(side, batch.discriminated, batch.discriminated_labels, 0, clip)
+    assert row["real_clipped"] == row["fake_clipped"] == 1.0
+    assert row["real_push"] > 0 > row["fake_push"]  # the real part moves the bias up, the generated part down
+
+
 def _private_steps(noise_multiplier: float, max_grad_norm: float):
     from mdgan.privacy import PrivateSteps, SitePrivacy
 

@@ -98,5 +98,7 @@ def test_a_link_cut_during_a_background_swap_installs_nothing_half_received_and_
     assert rows[SWAP_EVERY + LAG]["swap_seconds"] < SWAP_TIMEOUT + STEP_TIMEOUT + 3, rows[SWAP_EVERY + LAG]
     assert later[0]["round"] > 1
     log = open(tmp_path / "server.log").read()
-    assert "worker-2 lost: silent" in log and log.count("worker-2 joined") >= 2, log[-3000:]
+    # the server notices the cut by the heartbeat or by the step deadline, whichever comes first (load decides)
+    noticed = "worker-2 lost: silent" in log or "dropping worker-2: missed its deadline" in log
+    assert noticed and log.count("worker-2 joined") >= 2, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
