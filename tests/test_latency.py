@@ -66,5 +66,6 @@ def settled_round_trip(lan: Consortium, client: str, server: str, expected_ms: f
 def test_jitter_spreads_the_delay_without_reordering():
     with Consortium(["server", "site"], delayed={"site": ("20ms", "20ms")}, jitter="5ms") as lan:
         measured = round_trip(lan, "site", "server", count=60)
-    assert 30.0 <= measured["min_ms"] and measured["max_ms"] <= 51.0, measured  # 40 +- 10 (two delayed legs)
+    # 40 +- 10 (two delayed legs); above, a loaded machine's scheduling of the relays adds up to a few ms
+    assert 30.0 <= measured["min_ms"] and measured["max_ms"] <= 53.0, measured
     assert measured["max_ms"] - measured["min_ms"] > 2.0, measured  # spread, not a fixed delay
