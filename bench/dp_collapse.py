@@ -33,36 +33,38 @@ from mdgan.gan import discriminator_term  # noqa: E402
 LOOKED = 64
 
 
-def per_sample_norms(disc: torch.nn.Module, spec, images: torch.Tensor, labels: torch.Tensor, real: bool):
+def _norm(tensors) -> torch.Tensor:
+    """The L2 norm of a list of tensors taken as one vector, in float64."""
+    return torch.sqrt(sum((t.detach().double() ** 2).sum() for t in tensors))
+
+
+def per_sample_norms(disc: torch.nn.Module, spec, images: torch.Tensor, labels: torch.Tensor | None, real: bool):
     """Each sample's gradient norm over D's parameters, of its whole loss and of its real/fake term: (n,), (n,),
     and the bias gradient of the real/fake logit, (n,) (= sigmoid(l) - 1 real, sigmoid(l) generated)."""
     parameters = [p for p in disc.parameters() if p.requires_grad]
     whole, source, bias = [], [], []
-    for x, y in zip(images, labels):
-        logits = disc(x.unsqueeze(0))  # (1, 1 + C)
-        loss = discriminator_term(spec, logits, y.unsqueeze(0), real=real)
-        grads = torch.autograd.grad(loss, parameters, retain_graph=True)
-        whole.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
-        target = torch.ones(1) if real else torch.zeros(1)
-        term = F.binary_cross_entropy_with_logits(logits[:, 0], target)
-        grads = torch.autograd.grad(term, parameters)
-        source.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+    for i in range(len(images)):
+        logits = disc(images[i:i + 1])  # (1, 1 [+ C])
+        loss = discriminator_term(spec, logits, None if labels is None else labels[i:i + 1], real=real)
+        whole.append(_norm(torch.autograd.grad(loss, parameters, retain_graph=True)))
+        term = F.binary_cross_entropy_with_logits(logits[:, 0], torch.full((1,), 1.0 if real else 0.0))
+        source.append(_norm(torch.autograd.grad(term, parameters)))
         bias.append(torch.sigmoid(logits[0, 0].detach()).double() - (1.0 if real else 0.0))
     return torch.stack(whole), torch.stack(source), torch.stack(bias)
 
 
-def look(side, fake: torch.Tensor, fake_labels: torch.Tensor, iteration: int, clip: float) -> dict:
+def look(side, fake: torch.Tensor, fake_labels: torch.Tensor | None, iteration: int, clip: float) -> dict:
     disc, spec = side.discriminator, side.spec
     shard = side.sampler.shard
     real, real_labels = shard.images[:LOOKED], shard.labels[:LOOKED]
-    fake, fake_labels = fake[:LOOKED], fake_labels[:LOOKED]
+    fake, fake_labels = fake[:LOOKED], None if fake_labels is None else fake_labels[:LOOKED]
     with torch.no_grad():
         real_logit = disc(real)[:, 0].double()
         fake_logit = disc(fake)[:, 0].double()
     row = {"iteration": iteration, "real_logit": real_logit.mean().item(), "fake_logit": fake_logit.mean().item(),
            "real_accuracy": (real_logit > 0).double().mean().item(),
            "fake_accuracy": (fake_logit <= 0).double().mean().item(),
-           "weight_norm": torch.sqrt(sum((p.detach().double() ** 2).sum() for p in disc.parameters())).item()}
+           "weight_norm": _norm(list(disc.parameters())).item()}
     for kind, images, labels in (("real", real, real_labels), ("fake", fake, fake_labels)):
         whole, source, bias = per_sample_norms(disc, spec, images, labels, real=kind == "real")
         factor = torch.clamp(clip / whole, max=1.0)
@@ -89,8 +91,7 @@ def main() -> None:
     def watched(self, fake, fake_labels):
         if self.shard_index == args.site:
             if calls["n"] % args.every == 0:
-                with torch.random.fork_rng(devices=[]):
-                    rows.append(look(self, fake, fake_labels, calls["n"], self.private.site.max_grad_norm))
+                rows.append(look(self, fake, fake_labels, calls["n"], self.private.site.max_grad_norm))
                 print(" ".join(f"{k}={v:.4g}" for k, v in rows[-1].items()), flush=True)
             calls["n"] += 1
         return original(self, fake, fake_labels)

@@ -82,6 +82,21 @@ def test_the_collapse_bench_measures_the_norms_dp_sgd_clips():
     assert row["real_push"] > 0 > row["fake_push"]  # the real part moves the bias up, the generated part down
 
 
+def test_the_collapse_bench_trains_the_run_simulate_trains(tmp_path):
+    """bench/dp_collapse.py's looks leave the run alone: its generator is the one `mdgan simulate` makes."""
+    import subprocess
+    import sys
+
+    flags = ["--dataset", "synthetic", "--iterations", "6", "--workers", "2", "--batch-size", "8"]
+    looked = subprocess.run([sys.executable, "bench/dp_collapse.py", "--every", "2", "--json", str(tmp_path / "l.json"),
+                             "--", *flags], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert len(read_json(str(tmp_path / "l.json"))["looks"]) == 3
+    mdgan("simulate", "--architecture", "mlp", "--gan", "acgan", "--dp-target-epsilon", "10", "--eval-every", "-1",
+          "--threads", "1", "--no-progress", "--out", str(tmp_path / "plain"), *flags)
+    sha = read_json(str(tmp_path / "plain" / "summary.json"))["generator_sha256"]
+    assert f"generator sha256 {sha[:16]}" in looked, looked[-500:]
+
+
 def _private_steps(noise_multiplier: float, max_grad_norm: float):
     from mdgan.privacy import PrivateSteps, SitePrivacy
 
