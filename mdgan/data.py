@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mdgan.config import ConfigError, DataConfig
+from mdgan.devices import to_device
 from mdgan.images import load_imagefolder
 
 SYNTHETIC_SIZE = 2000
@@ -415,15 +416,19 @@ class ShardSampler:
         self.shard = shard
         self.batch_size = batch_size
         self._rng = torch.Generator().manual_seed(seed)
-        self._order = torch.randperm(len(shard), generator=self._rng)
+        self._order = torch.randperm(len(shard), generator=self._rng)  # drawn on the CPU on every device
         self._position = 0
+        self._order_where_images_are: torch.Tensor | None = None  # _order on the shard's device, once an epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         # -> images (b, *sample_shape), labels (b,); the tail of an epoch shorter than b is skipped
         if self._position + self.batch_size > len(self.shard):
             self._order = torch.randperm(len(self.shard), generator=self._rng)
+            self._order_where_images_are = None
             self._position = 0
-        picked = self._order[self._position:self._position + self.batch_size]
+        if self._order_where_images_are is None:
+            self._order_where_images_are = to_device(self._order, self.shard.images.device)
+        picked = self._order_where_images_are[self._position:self._position + self.batch_size]
         self._position += self.batch_size
         return self.shard.images[picked], self.shard.labels[picked]
 
@@ -437,4 +442,5 @@ class ShardSampler:
                              f"this shard has {len(self.shard)}")
         self._rng.set_state(state["rng"])
         self._order = state["order"].clone()
+        self._order_where_images_are = None
         self._position = int(state["position"])

@@ -19,8 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mdgan import aggregation
+from mdgan.adam import Adam
 from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
+from mdgan.cuda_graphs import StepGraphs, StepInputs
 from mdgan.data import Shard, ShardSampler
+from mdgan.devices import to_device
 from mdgan.models import build_discriminator, build_generator
 
 
@@ -31,8 +34,8 @@ def derive_seed(seed: int, role: str, index: int = 0) -> int:
 
 
 def make_adam(module: nn.Module, spec: OptimizerSpec) -> torch.optim.Adam:
-    # foreach=False: the per-tensor loop has one summation order everywhere (bitwise repeatable).
-    return torch.optim.Adam(module.parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2), foreach=False)
+    # the per-tensor loop (mdgan/adam.py): one rounding everywhere, bitwise repeatable on every device
+    return Adam(module.parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2))
 
 
 def assignment(rank: int, kappa: int) -> tuple[int, int]:
@@ -129,7 +132,7 @@ class GeneratorSide:
         b, spec = self.config.batch_size, self.spec
         z = torch.randn(kappa * b, spec.latent_dim, generator=self._noise)  # (kappa*b, l), drawn on the CPU
         labels = torch.randint(0, spec.num_classes, (kappa * b,), generator=self._noise) if spec.conditional else None
-        z, labels = z.to(self.device), None if labels is None else labels.to(self.device)
+        z, labels = to_device(z, self.device), None if labels is None else to_device(labels, self.device)
         samples = self.generator(z, labels)  # (kappa*b, *sample_shape)
         return GeneratedBatches(samples.view(kappa, b, *spec.sample_shape),
                                 None if labels is None else labels.view(kappa, b), z)
@@ -210,23 +213,54 @@ class DiscriminatorStats:
     fake_accuracy: torch.Tensor  # share of generated samples D calls generated
 
 
-def read_stats(results: list[StepResult]) -> list[StepResult]:
-    """The results with their losses and accuracies as floats: the tensors among them read from their
-    device in one transfer a device (one host synchronisation, where an .item() each was one each). The
-    same floats as .item() gives: float32 values, converted exactly."""
+@dataclass
+class StatsReading:
+    """A read of an iteration's step stats under way: the tensors among them copied to the host without waiting
+    (one copy a device, into pinned memory), so that the host can queue more work (G's update) before it waits."""
+
+    results: list[StepResult]
+    copies: list[tuple[list[tuple[int, str]], torch.Tensor, object]]  # (which stats, host copy, CUDA event | None)
+
+    def result(self) -> list[StepResult]:
+        """The results with their losses and accuracies as floats (what .item() gives: float32 values, exactly)."""
+        read = [dict() for _ in self.results]
+        for entries, host, done in self.copies:
+            if done is not None:
+                done.synchronize()  # (the steps whose stats these are, not what was queued after them)
+            for (i, name), value in zip(entries, host.tolist()):
+                read[i][name] = value
+        return [dataclasses.replace(result, **changes) if changes else result
+                for result, changes in zip(self.results, read)]
+
+
+def start_reading(results: list[StepResult]) -> StatsReading:
+    """Start reading the tensors among the results' stats to the host: one transfer a device."""
     pending: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
     for i, result in enumerate(results):
         for name in STATS:
             value = getattr(result, name)
             if isinstance(value, torch.Tensor):
                 pending.setdefault(value.device, []).append((i, name, value))
-    if not pending:
-        return results
-    read = [dict() for _ in results]
-    for entries in pending.values():
-        for (i, name, _), value in zip(entries, torch.stack([v for _, _, v in entries]).tolist()):
-            read[i][name] = value
-    return [dataclasses.replace(result, **changes) if changes else result for result, changes in zip(results, read)]
+    copies = []
+    for device, entries in pending.items():
+        stacked = torch.stack([v for _, _, v in entries])
+        done = None
+        if device.type == "cuda":
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+        else:
+            host = stacked
+        copies.append(([(i, name) for i, name, _ in entries], host, done))
+    return StatsReading(results, copies)
+
+
+def read_stats(results: list[StepResult]) -> list[StepResult]:
+    """The results with their losses and accuracies as floats: the tensors among them read from their
+    device in one transfer a device (one host synchronisation, where an .item() each was one each). The
+    same floats as .item() gives: float32 values, converted exactly."""
+    return start_reading(results).result()
 
 
 class DiscriminatorSide:
@@ -239,6 +273,7 @@ class DiscriminatorSide:
         if self.device.type != "cpu":  # the shard lives where D computes
             shard = dataclasses.replace(shard, images=shard.images.to(self.device), labels=shard.labels.to(self.device))
         self.optimizer = make_adam(self.discriminator, config.discriminator_optimizer)
+        self.graphs = StepGraphs(self.device)  # a CUDA step's graphs (mdgan/cuda_graphs.py), captured at its first
         self.sampler = ShardSampler(shard, config.batch_size, derive_seed(config.seed, "worker-sampling", shard.index))
         # the generated samples of the last batch trained on, X_d: (b, *shape), (b,) or None; the
         # swap check's generated half (mdgan/algorithms/mdgan/swapcheck.py)
@@ -272,19 +307,29 @@ class DiscriminatorSide:
     def step(self, batch: WorkerBatch) -> StepResult:
         if self.private is not None:
             return self._private_step(batch)
-        spec, disc = self.spec, self.discriminator
+        disc = self.discriminator
         started = time.perf_counter()
         real, real_labels = self.sampler.next_batch()  # X_r: (b, *shape), (b,)
         if self.device.type != "cpu":
-            batch = dataclasses.replace(batch, **{k: None if v is None else v.to(self.device) for k, v in (
+            batch = dataclasses.replace(batch, **{k: None if v is None else to_device(v, self.device) for k, v in (
                 ("generated", batch.generated), ("generated_labels", batch.generated_labels),
                 ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
+        if self.config.disc_steps and self.graphs.enabled:
+            inputs = StepInputs(real, real_labels, batch.discriminated, batch.discriminated_labels, batch.generated,
+                                batch.generated_labels)
+            graphed = self.graphs.for_inputs(disc, self.optimizer, self._disc_losses, self._gen_loss, inputs)
+            if graphed is not None:  # (mdgan/cuda_graphs.py: the same arithmetic as below, in a few launches)
+                disc_loss, real_acc, fake_acc = graphed.disc_steps(inputs, self.config.disc_steps)
+                self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
+                trained = time.perf_counter()
+                feedback, gen_loss = graphed.feedback()
+                return StepResult(feedback, disc_loss, gen_loss, real_acc, fake_acc, trained - started,
+                                  time.perf_counter() - trained)
         disc_loss = real_acc = fake_acc = float("nan")
         real_logits = fake_logits = None
         for _ in range(self.config.disc_steps):
-            real_logits = disc(real)
-            fake_logits = disc(batch.discriminated)
-            disc_loss = discriminator_loss(spec, real_logits, real_labels, fake_logits, batch.discriminated_labels)
+            disc_loss, real_logits, fake_logits = self._disc_losses(real, real_labels, batch.discriminated,
+                                                                    batch.discriminated_labels)
             self.optimizer.zero_grad(set_to_none=True)
             disc_loss.backward()
             self.optimizer.step()
@@ -296,10 +341,21 @@ class DiscriminatorSide:
 
         trained = time.perf_counter()
         generated = batch.generated.detach().clone().requires_grad_(True)
-        gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
+        gen_loss = self._gen_loss(generated, batch.generated_labels)
         (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
         return StepResult(feedback, disc_loss, gen_loss.detach(), real_acc, fake_acc,
                           trained - started, time.perf_counter() - trained)
+
+    def _disc_losses(self, real: torch.Tensor, real_labels: torch.Tensor | None, fake: torch.Tensor,
+                     fake_labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """J_disc on (X_r, X_d), with D's logits on each: (b, 1 [+ C])."""
+        real_logits, fake_logits = self.discriminator(real), self.discriminator(fake)
+        loss = discriminator_loss(self.spec, real_logits, real_labels, fake_logits, fake_labels)
+        return loss, real_logits, fake_logits
+
+    def _gen_loss(self, generated: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """J_gen(X_g) under this D."""
+        return generator_loss(self.spec, self.discriminator(generated), labels)
 
     def _private_step(self, batch: WorkerBatch) -> StepResult:
         """DP-SGD (mdgan/privacy.py): the real part on a Poisson sample, clipped per sample and noised;
@@ -307,7 +363,7 @@ class DiscriminatorSide:
         spec, disc, private = self.spec, self.discriminator, self.private
         started = time.perf_counter()
         if self.device.type != "cpu":
-            batch = dataclasses.replace(batch, **{k: None if v is None else v.to(self.device) for k, v in (
+            batch = dataclasses.replace(batch, **{k: None if v is None else to_device(v, self.device) for k, v in (
                 ("generated", batch.generated), ("generated_labels", batch.generated_labels),
                 ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
         stats = self.private_disc_steps(batch.discriminated, batch.discriminated_labels)
@@ -422,7 +478,7 @@ class DiscriminatorSide:
         if self.config.swap_optimizer_state:
             for name, param in self.discriminator.named_parameters():
                 self.optimizer.state[param] = {
-                    "step": state[f"adam.{name}.step"].clone(),
+                    "step": state[f"adam.{name}.step"].to("cpu", copy=True),  # (Adam keeps its count on the CPU)
                     "exp_avg": state[f"adam.{name}.exp_avg"].clone(),
                     "exp_avg_sq": state[f"adam.{name}.exp_avg_sq"].clone(),
                 }

@@ -334,10 +334,21 @@ def cmd_experiment(args) -> int:
 
     configure_compute(args.threads)
     if args.dry_run:
-        from mdgan_app.experiment import dry_run, dry_run_table
+        from mdgan_app.experiment import dry_run, dry_run_header, dry_run_row, dry_run_totals
 
-        report = dry_run(args.config, device=args.device, probe=args.probe, jobs=args.jobs)
-        print(json.dumps(report, indent=2) if args.json else dry_run_table(report))
+        if args.json:
+            print(json.dumps(dry_run(args.config, device=args.device, probe=args.probe, jobs=args.jobs), indent=2))
+            return 0
+        # each run's line as soon as it is timed (a slow probe, a GPU lent for minutes: what was timed is shown)
+        width = []
+
+        def start(report: dict, names: list[str]) -> None:
+            width.append(max(map(len, names), default=4))
+            print(dry_run_header(report), flush=True)
+
+        report = dry_run(args.config, device=args.device, probe=args.probe, jobs=args.jobs, on_start=start,
+                         on_row=lambda row: print(dry_run_row(row, width[0]), flush=True))
+        print(dry_run_totals(report))
         return 0
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does
     try:

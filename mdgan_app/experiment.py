@@ -557,11 +557,14 @@ def device_name(device: str) -> str:
 PROBE_WARMUP = 3  # a probe's first iterations, not counted (allocations, CUDA kernels' first launches)
 
 
-def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1) -> dict:
+def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1, on_start=None,
+            on_row=None) -> dict:
     """How long each run of the experiment that has not finished would take here: the first `probe`
     iterations of each, trained as the run trains them (in a temporary folder: nothing is written under
     the experiment's `out`), timed after PROBE_WARMUP of them (the median iteration), times the run's
-    iterations. Evaluations come on top (each scores eval_samples images every eval_every iterations)."""
+    iterations. Evaluations come on top (each scores eval_samples images every eval_every iterations).
+    on_start(report without its runs and totals, the runs' names), then on_row(row) as each run is timed: what a
+    person watching sees before the slowest probe ends."""
     import statistics
     import tempfile
 
@@ -573,10 +576,16 @@ def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1
     runs = _on_device(expand(config), device)
     for run in runs:
         training_config(run)  # every run's settings checked before the first probe
+    report = {"experiment": config["name"], "machine": device_name(runs[0]["device"] if runs else "cpu"),
+              "probe_iterations": probe, "jobs": jobs}
+    if on_start is not None:
+        on_start(report, [run["name"] for run in runs])
     rows = []
     for run in runs:
         if os.path.exists(os.path.join(config["out"], "runs", run["name"], "summary.json")):
             rows.append({"name": run["name"], "finished": True})
+            if on_row is not None:
+                on_row(rows[-1])
             continue
         first = min(probe, run["iterations"])
         with tempfile.TemporaryDirectory(prefix="mdgan-dry-run-") as scratch:
@@ -588,9 +597,10 @@ def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1
         rows.append({"name": run["name"], "finished": False, "device": run["device"],
                      "seconds_per_iteration": per_iteration, "iterations": run["iterations"],
                      "expected_seconds": per_iteration * run["iterations"]})
+        if on_row is not None:
+            on_row(rows[-1])
     todo = [r["expected_seconds"] for r in rows if not r["finished"]]
-    return {"experiment": config["name"], "machine": device_name(runs[0]["device"] if runs else "cpu"),
-            "probe_iterations": probe, "jobs": jobs, "runs": rows, "one_at_a_time_seconds": sum(todo),
+    return {**report, "runs": rows, "one_at_a_time_seconds": sum(todo),
             # K runs at once finish in about the longest of K queues of the runs, if the device serves K as fast
             # as one; a GPU kept busy by one run serves K slower, which only the runs themselves measure
             "with_jobs_seconds": _longest_queue(todo, jobs)}
@@ -612,23 +622,32 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def dry_run_table(report: dict) -> str:
-    """The dry run as a person reads it."""
-    lines = [f"{report['experiment']}: expected time on {report['machine']} (each run timed over its first "
-             f"{report['probe_iterations']} iterations; evaluations not included)"]
-    width = max((len(r["name"]) for r in report["runs"]), default=4)
-    for row in report["runs"]:
-        if row["finished"]:
-            lines.append(f"  {row['name']:<{width}}  finished")
-        else:
-            lines.append(f"  {row['name']:<{width}}  {row['seconds_per_iteration'] * 1000:8.1f} ms an iteration x "
-                         f"{row['iterations']:,} = {format_duration(row['expected_seconds'])}")
-    lines.append(f"  all: {format_duration(report['one_at_a_time_seconds'])} one run at a time")
+def dry_run_header(report: dict) -> str:
+    return (f"{report['experiment']}: expected time on {report['machine']} (each run timed over its first "
+            f"{report['probe_iterations']} iterations; evaluations not included)")
+
+
+def dry_run_row(row: dict, width: int = 24) -> str:
+    if row["finished"]:
+        return f"  {row['name']:<{width}}  finished"
+    return (f"  {row['name']:<{width}}  {row['seconds_per_iteration'] * 1000:8.1f} ms an iteration x "
+            f"{row['iterations']:,} = {format_duration(row['expected_seconds'])}")
+
+
+def dry_run_totals(report: dict) -> str:
+    lines = [f"  all: {format_duration(report['one_at_a_time_seconds'])} one run at a time"]
     if report["jobs"] > 1:
         lines.append(f"  with --jobs {report['jobs']}: about {format_duration(report['with_jobs_seconds'])}, if the "
                      f"device serves {report['jobs']} runs at once as fast as one (it serves them slower when one "
                      "run keeps it busy)")
     return "\n".join(lines)
+
+
+def dry_run_table(report: dict) -> str:
+    """The dry run as a person reads it."""
+    width = max((len(r["name"]) for r in report["runs"]), default=4)
+    return "\n".join([dry_run_header(report), *(dry_run_row(r, width) for r in report["runs"]),
+                      dry_run_totals(report)])
 
 
 def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jobs: int = 1,

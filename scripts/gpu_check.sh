@@ -69,7 +69,7 @@ echo "gpu_check on $card, $DEVICE; MNIST from $DATA; outputs in $OUT"
 
 # 1. every CUDA test (tests marked `cuda`: CPU == CUDA for every algorithm and feature, local == simulate
 #    on CUDA, the services with the server and the workers on different devices)
-check "CUDA tests (pytest -m cuda)" 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
+check "CUDA tests (pytest -m cuda)" 300 "$PY" -m pytest -q -m cuda -n 4 -p no:cacheprovider tests
 
 # 2. short runs: MD-GAN with the CNN, 30 iterations, a swap every 10 (3 checked swaps; private feedback
 # swaps nothing), scores every 10

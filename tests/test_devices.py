@@ -1,6 +1,7 @@
 """The same code on CPU and CUDA: every algorithm and feature on CUDA ends within float32's spread of the
 same run on the CPU (CUDA cases run where a GPU is present, CI has none: scripts/gpu_check.sh)."""
 
+import contextlib
 import dataclasses
 import os
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 
 from conftest import CUDA, NO_CUDA, cuda_only
+from mdgan import cuda_graphs, cuda_lanes
 from mdgan.algorithms.psgan import PSGANOptions
 from mdgan.algorithms.mdgan.options import MDGANOptions
 from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
+from mdgan.gan import derive_seed
+from mdgan.models import build_generator
 from mdgan.simulation import Emulation, simulate
 
 
@@ -63,8 +67,16 @@ def test_cuda_runs_follow_the_cpu_runs(tmp_path, case, algorithm, changes, extra
                                      progress=False, algorithm=algorithm, **extra)
     cpu, gpu = (torch.load(tmp_path / d / "checkpoint.pt", map_location="cpu", weights_only=True)["generator"]
                 for d in ("cpu", "cuda"))
-    for name, tensor in cpu.items():
-        torch.testing.assert_close(gpu[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
+    if config.wire_dtype == "int8":
+        # A value that lands near a rounding boundary of the int8 wire goes one level up on one device and down on
+        # the other: the runs stay together measured against how far G moved, not element by element.
+        start = build_generator(config.model, derive_seed(config.seed, "generator-init")).state_dict()
+        apart = sum(float((gpu[n] - t).square().sum()) for n, t in cpu.items()) ** 0.5
+        moved = sum(float((t - start[n]).square().sum()) for n, t in cpu.items()) ** 0.5
+        assert apart < 0.1 * moved, f"CUDA's G is {apart:.3g} from the CPU's, which moved {moved:.3g} from the start"
+    else:
+        for name, tensor in cpu.items():
+            torch.testing.assert_close(gpu[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
     for key in ("payload_bytes", "iterations", "swaps", "swaps_refused", "workers_alive"):
         assert summaries["cpu"].get(key) == summaries["cuda"].get(key), key
 
@@ -72,11 +84,96 @@ def test_cuda_runs_follow_the_cpu_runs(tmp_path, case, algorithm, changes, extra
 @cuda_only
 def test_the_same_cuda_run_twice_is_the_same_generator(tmp_path):
     """Deterministic kernels (mdgan/devices.py): the same run on the same card, bit for bit."""
-    config = dataclasses.replace(BASE, device="cuda", architecture="cnn-mnist").validate()
+    config = dataclasses.replace(BASE, device="cuda", model=dataclasses.replace(BASE.model, architecture="cnn-mnist"))
+    config = config.validate()
     data = DataConfig("synthetic", num_shards=3)
     hashes = [simulate(config, data, str(tmp_path / str(i)), progress=False)["generator_sha256"] for i in range(2)]
     assert hashes[0] == hashes[1]
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") and torch.are_deterministic_algorithms_enabled()
+
+
+CNN = dataclasses.replace(BASE.model, architecture="cnn-mnist")
+GRAPHED = FEATURES + [("cnn-two-d-steps", "mdgan", {"model": CNN, "disc_steps": 2}, {}),
+                      ("plain-gan", "mdgan", {"model": dataclasses.replace(BASE.model, gan="gan")}, {})]
+# the cases whose workers take MD-GAN's plain step (DP-SGD's steps and the other algorithms run eagerly)
+USES_GRAPHS = {"mdgan", "dp-feedback", "checked-swaps", "int8-wire", "median", "trimmed-mean", "norm-clip",
+               "background-swaps", "crashes", "cnn-two-d-steps", "plain-gan"}
+
+
+@pytest.mark.parametrize("case, algorithm, changes, extra", GRAPHED, ids=[f[0] for f in GRAPHED])
+@cuda_only
+def test_cuda_graphs_leave_what_a_run_computes_as_it_was(tmp_path, monkeypatch, case, algorithm, changes, extra):
+    """mdgan/cuda_graphs.py and mdgan/cuda_lanes.py: a run with its workers' steps replayed from CUDA graphs, each
+    worker on a stream of its own, ends with the generator of the same run stepped eagerly one worker after the
+    other on one stream, bit for bit."""
+    config = dataclasses.replace(BASE, device="cuda", **changes).validate()
+    replays = []
+    replay = cuda_graphs.GraphedStep.disc_steps
+    monkeypatch.setattr(cuda_graphs.GraphedStep, "disc_steps", lambda self, *a: replays.append(1) or replay(self, *a))
+    hashes = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv(cuda_graphs.ENVIRONMENT, graphs)
+        monkeypatch.setenv(cuda_lanes.ENVIRONMENT, graphs)
+        hashes[graphs] = simulate(config, DataConfig("synthetic", num_shards=3), str(tmp_path / graphs),
+                                  progress=False, algorithm=algorithm, **extra)["generator_sha256"]
+        if graphs == "0":
+            assert not replays
+    assert hashes["0"] == hashes["1"]
+    assert bool(replays) == (case in USES_GRAPHS), f"{len(replays)} graphed steps"
+
+
+class EmulatedGraph:
+    """A CUDA graph's contract, on the CPU: capture hands back the work's outputs; each replay runs the work again
+    and writes its results into those same tensors, D's gradients included (a real replay's kernels write there)."""
+
+    def __init__(self):
+        self.work = self.outputs = None
+
+    def pool(self):
+        return None
+
+    def capture(self, work):
+        self.work, self.outputs = work, work()
+        return self.outputs
+
+    def replay(self):
+        parameters = self.work.__self__.parameters
+        captured = [p.grad for p in parameters]
+        for p in parameters:
+            p.grad = None
+        fresh = self.work()
+        for old, new in zip(torch.utils._pytree.tree_leaves(self.outputs), torch.utils._pytree.tree_leaves(fresh)):
+            old.copy_(new)
+        for p, grad in zip(parameters, captured):
+            if grad is not None and p.grad is not None:
+                grad.copy_(p.grad)
+            p.grad = grad
+
+
+@pytest.mark.parametrize("changes", [{}, {"disc_steps": 3, "kappa": 1},
+                                     {"model": dataclasses.replace(BASE.model, gan="gan")}],
+                         ids=["acgan", "three-d-steps", "plain-gan"])
+def test_a_graphed_step_is_the_eager_step_with_graphs_emulated_on_the_cpu(tmp_path, monkeypatch, changes):
+    """mdgan/cuda_graphs.py's bookkeeping (inputs into the captured buffers, L replays each followed by Adam, the
+    gradients D's optimizer reads, the outputs copied out) with graphs that keep a CUDA graph's contract on the CPU:
+    the run ends where the eager run ends (on CUDA: test_cuda_graphs_leave_what_a_run_computes_as_it_was)."""
+    config = dataclasses.replace(BASE, **changes).validate()
+    data = DataConfig("synthetic", num_shards=3)
+    eager = simulate(config, data, str(tmp_path / "eager"), progress=False)["generator_sha256"]
+    monkeypatch.setattr(cuda_graphs, "wanted", lambda device: True)
+    monkeypatch.setattr(cuda_graphs.GraphedStep, "_record",
+                        staticmethod(lambda graph, work, pool=None: graph.capture(work)))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
+    stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", stream)
+    replays = []
+    replay = cuda_graphs.GraphedStep.disc_steps
+    monkeypatch.setattr(cuda_graphs.GraphedStep, "disc_steps", lambda self, *a: replays.append(1) or replay(self, *a))
+    graphed = simulate(config, data, str(tmp_path / "graphed"), progress=False)["generator_sha256"]
+    assert len(replays) == config.iterations * config.workers
+    assert graphed == eager
 
 
 ON_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason=NO_CUDA)]

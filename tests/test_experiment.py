@@ -363,8 +363,14 @@ def test_a_dry_run_times_each_unfinished_run_here_and_writes_nothing(tmp_path, c
     path = _write(tmp_path, {"name": "probe", "out": str(out), "base": {
         "dataset": "synthetic", "workers": 2, "iterations": 400, "eval_every": -1},
         "runs": [{"algorithm": "mdgan"}, {"algorithm": "flgan"}, {"algorithm": "standalone"}]})
-    report = dry_run(path, probe=5, jobs=2)
+    seen = []
+    report = dry_run(path, probe=5, jobs=2, on_start=lambda r, names: seen.append(("start", r, names)),
+                     on_row=lambda row: seen.append(("row", row)))
     assert not out.exists()  # nothing under the experiment's out
+    # what a person watching sees, as each probe ends: the header first, then each run's row
+    assert seen[0] == ("start", {k: report[k] for k in ("experiment", "machine", "probe_iterations", "jobs")},
+                       ["mdgan-N2", "flgan-N2", "standalone-N1"])
+    assert seen[1:] == [("row", row) for row in report["runs"]]
     timed = [r for r in report["runs"] if not r["finished"]]
     assert [r["name"] for r in timed] == ["mdgan-N2", "flgan-N2", "standalone-N1"] and report["jobs"] == 2
     for row in timed:

@@ -267,8 +267,12 @@ class ParameterServer:
     @staticmethod
     def apply(module: nn.Module, optimizer: torch.optim.Optimizer, grads: list[Named],
               buffer_states: list[Named]) -> None:
-        """Average the workers' gradients (rank order), one Adam step; the averaged buffers."""
-        mean = average(grads)
+        """Average the workers' gradients (rank order), one Adam step; the averaged buffers.
+
+        Averaged where the parameters are, whichever transport brought the gradients (a division on CUDA rounds
+        unlike one on the CPU): over gRPC they arrive on the CPU, in one process on the workers' device."""
+        where = {name: p.device for name, p in module.named_parameters()}
+        mean = average([{name: g.to(where[name]) for name, g in named.items()} for named in grads])
         for name, p in module.named_parameters():
             p.grad = mean[name].to(p.device, p.dtype)
         optimizer.step()

@@ -21,6 +21,7 @@ from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
 from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, TrainingConfig
+from mdgan.cuda_lanes import Lanes
 from mdgan.gan import DiscriminatorSide, StepResult, WorkerBatch
 from mdgan.roster import Roster
 
@@ -56,8 +57,10 @@ class InProcessWorker(WorkerHandle):
                  state: CheckpointStore | None = None,
                  attack: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  swap_check: SwapCheck = SwapCheck(),
-                 discriminator_attack: Callable[[dict], dict] | None = None):
+                 discriminator_attack: Callable[[dict], dict] | None = None, lanes: Lanes | None = None):
         self.side = side
+        self.lanes = lanes or Lanes(torch.device(side.config.device))
+        self.lane = self.lanes.lane()  # on CUDA, its steps on a stream of their own (mdgan/cuda_lanes.py)
         self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
         self.discriminator_attack = discriminator_attack  # ... or the discriminator it pushes at a swap
         self.swap_check = swap_check  # what it installs (mdgan/algorithms/mdgan/swapcheck.py)
@@ -80,10 +83,16 @@ class InProcessWorker(WorkerHandle):
             raise WorkerLost(f"{self.worker_id} crashed")
         # The same rounding at the same points as over gRPC: the batches, then the feedback.
         wire = self.side.config.wire_dtype
-        result = self.side.step(dataclasses.replace(batch, generated=compression.round_trip(batch.generated, wire),
-                                                    discriminated=compression.round_trip(batch.discriminated, wire)))
-        feedback = result.feedback if self.attack is None else self.attack(result.feedback)
-        return dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
+        with self.lane.step(iteration, [batch.generated, batch.generated_labels, batch.discriminated,
+                                        batch.discriminated_labels]):
+            result = self.side.step(dataclasses.replace(
+                batch, generated=compression.round_trip(batch.generated, wire),
+                discriminated=compression.round_trip(batch.discriminated, wire)))
+            feedback = result.feedback if self.attack is None else self.attack(result.feedback)
+            result = dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
+        self.lane.handover([result.feedback, result.disc_loss, result.gen_loss, result.real_accuracy,
+                            result.fake_accuracy])
+        return result
 
     async def send_step(self, iteration: int, batch: WorkerBatch) -> asyncio.Future:
         """In one process the step is taken now, in the order sent, as a worker takes its batches."""
@@ -179,6 +188,7 @@ def build_in_process_workers(config: TrainingConfig, shards, state_root: str | N
 
     bad = set(attackers(len(shards), byzantine)) if attack else set()
     board = InProcessSwapBoard()
+    lanes = Lanes(torch.device(config.device))
     workers = []
     for shard in shards:
         feedback_attack, discriminator_attack = make_attacks(attack if shard.index in bad else None, config.seed,
@@ -186,7 +196,7 @@ def build_in_process_workers(config: TrainingConfig, shards, state_root: str | N
         workers.append(InProcessWorker(
             worker_side(config, shard), board,
             state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
-            attack=feedback_attack, swap_check=swap_check, discriminator_attack=discriminator_attack))
+            attack=feedback_attack, swap_check=swap_check, discriminator_attack=discriminator_attack, lanes=lanes))
     return workers
 
 
@@ -261,7 +271,8 @@ async def _run(run: InProcessRun) -> RunResult:
             elif action == "join" and roster.slot_of(current) is None:
                 fresh = type(current)(worker_side(config, current.shard), current.board,
                                       current.swap_timeout, state=current.state, attack=current.attack,
-                                      swap_check=current.swap_check, discriminator_attack=current.discriminator_attack)
+                                      swap_check=current.swap_check, discriminator_attack=current.discriminator_attack,
+                                      lanes=current.lanes)
                 by_slot[slot] = fresh
                 arrive(fresh)
                 log.info("churn: worker-%d joins at iteration %d (%s)", slot, t,

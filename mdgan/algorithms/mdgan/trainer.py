@@ -26,7 +26,7 @@ from mdgan.algorithms.mdgan.pipeline import Pipeline
 from mdgan.algorithms.mdgan.swaps import SwapRounds
 from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
-from mdgan.gan import GeneratorSide, StepResult, WorkerBatch, read_stats
+from mdgan.gan import GeneratorSide, StepResult, WorkerBatch, read_stats, start_reading
 from mdgan.roster import Roster
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,8 @@ class Trainer:
         answered = time.perf_counter()
         for batch in sent:
             self.count_batch(batch)
-        feedback, stats, lost = [], read_stats(replies.answers), 0
+        feedback, lost = [], 0
+        reading = start_reading(replies.answers)  # (read once G's update is queued: the GPU works on it meanwhile)
         for worker, reply in replies.good:
             self.count_feedback(reply, worker.worker_id)
             feedback.append((batch_of[worker].generated_index, reply.feedback))
@@ -193,6 +194,7 @@ class Trainer:
         self.rejections += rejected
         if feedback:  # rank order: the order of `active`
             self.generator.update(batches, feedback)
+        stats = reading.result()
         updated = time.perf_counter()
 
         swap_round, lost_in_swap = await self._swaps_after(t)

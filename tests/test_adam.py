@@ -1,0 +1,68 @@
+"""mdgan/adam.py: the project's Adam moves weights exactly as torch.optim.Adam's per-tensor loop, on the CPU and on
+CUDA, and keeps its state in torch's format (checkpoints, swapped optimizer states)."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import DEVICES
+from mdgan.adam import Adam
+from mdgan.config import ModelSpec, OptimizerSpec
+from mdgan.gan import make_adam
+from mdgan.models import build_discriminator
+
+
+def _nets(device: str, architecture: str):
+    spec = ModelSpec(architecture=architecture)
+    return [build_discriminator(spec, 1).to(device) for _ in range(2)]
+
+
+def _steps(nets, optimizers, device: str, steps: int, seed: int = 0, skip: int | None = None) -> None:
+    noise = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=noise) * 10 ** torch.randint(-4, 2, (), generator=noise)
+                 for p in nets[0].parameters()]
+        for net, optimizer in zip(nets, optimizers):
+            for i, (p, g) in enumerate(zip(net.parameters(), grads)):
+                p.grad = None if i == skip else g.to(device)
+            optimizer.step()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("architecture", ["mlp", "cnn-mnist"])
+def test_adam_takes_torch_adams_per_tensor_steps_bit_for_bit(device, architecture):
+    """60 steps (the bias corrections change every step), gradients across six orders of magnitude, one parameter
+    without a gradient: the same weights and the same state as torch.optim.Adam(foreach=False), bit for bit."""
+    nets = _nets(device, architecture)
+    spec = OptimizerSpec(lr=2e-4, beta1=0.5, beta2=0.999)
+    ours = make_adam(nets[0], spec)
+    torchs = torch.optim.Adam(nets[1].parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2), foreach=False)
+    assert isinstance(ours, Adam)
+    _steps(nets, [ours, torchs], device, 60, skip=1)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+    mine, theirs = ours.state_dict(), torchs.state_dict()
+    assert mine["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
+    assert mine["state"].keys() == theirs["state"].keys() and 1 not in mine["state"]
+    for key, state in mine["state"].items():
+        for name, value in state.items():
+            other = theirs["state"][key][name]
+            assert value.device == other.device and value.dtype == other.dtype and torch.equal(value, other), name
+
+
+def test_a_state_saved_by_torchs_adam_goes_on_in_ours_as_in_torchs():
+    """A checkpoint of either loads in the other and the run goes on the same: the state's format is torch's."""
+    nets = _nets("cpu", "mlp")
+    spec = OptimizerSpec()
+    torchs = torch.optim.Adam(nets[1].parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2), foreach=False)
+    ours = make_adam(nets[0], spec)
+    _steps(nets, [ours, torchs], "cpu", 5)
+    ours.load_state_dict(copy.deepcopy(torchs.state_dict()))  # (as a checkpoint holds it: its own tensors)
+    _steps(nets, [ours, torchs], "cpu", 5, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
+
+
+def test_a_closure_is_refused():
+    with pytest.raises(ValueError, match="closure"):
+        make_adam(torch.nn.Linear(2, 1), OptimizerSpec()).step(lambda: 0.0)
