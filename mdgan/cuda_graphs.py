@@ -77,9 +77,11 @@ class GraphedStep:
         self.discriminator, self.optimizer = discriminator, optimizer
         self.parameters = [p for p in discriminator.parameters() if p.requires_grad]
         self.signature = inputs.signature()
+        self.device = inputs.real.device  # (cuda:N: captured and replayed there, whichever device is current)
         self.static = inputs.clone()
         self._disc_losses, self._gen_loss = disc_losses, gen_loss
-        self._capture()
+        with torch.cuda.device(self.device):
+            self._capture()
 
     def _disc_pass(self) -> torch.Tensor:
         """J_disc's forward and backward into D's .grad; (3,) loss, real and fake accuracies."""
@@ -96,7 +98,7 @@ class GraphedStep:
         return feedback, loss.detach()
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # (gradients computed and dropped: no weight changes)
             for _ in range(WARMUP):
@@ -126,7 +128,8 @@ class GraphedStep:
         """`steps` D steps on the inputs (each: the graph, then Adam): the last one's loss and accuracies."""
         inputs.copy_into(self.static)
         for _ in range(steps):
-            self.disc_graph.replay()
+            with torch.cuda.device(self.device):
+                self.disc_graph.replay()
             for p, grad in zip(self.parameters, self._grads):
                 p.grad = grad  # (an eager step between replays set them to None)
             self.optimizer.step()
@@ -135,7 +138,8 @@ class GraphedStep:
 
     def feedback(self) -> tuple[torch.Tensor, torch.Tensor]:
         """F_n (b, *shape) and J_gen on the inputs of the last disc_steps, through D as it is now."""
-        self.feedback_graph.replay()
+        with torch.cuda.device(self.device):
+            self.feedback_graph.replay()
         return self._feedback.clone(), self._gen_loss_out.clone()
 
 

@@ -164,10 +164,11 @@ def test_a_graphed_step_is_the_eager_step_with_graphs_emulated_on_the_cpu(tmp_pa
     monkeypatch.setattr(cuda_graphs.GraphedStep, "_record",
                         staticmethod(lambda graph, work, pool=None: graph.capture(work)))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
-    stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    stream = type("Stream", (), {"__init__": lambda self, device=None: None, "wait_stream": lambda self, other: None})
     monkeypatch.setattr(torch.cuda, "Stream", stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     replays = []
     replay = cuda_graphs.GraphedStep.disc_steps
     monkeypatch.setattr(cuda_graphs.GraphedStep, "disc_steps", lambda self, *a: replays.append(1) or replay(self, *a))
