@@ -40,8 +40,9 @@ def _case_yaml(source: str, label: str, iterations: int, out: str, data_root: st
     nothing in training depends on the total number of iterations)."""
     import yaml
 
-    with open(os.path.join(REPO, "experiments", source), encoding="utf-8") as fh:
-        config = yaml.safe_load(fh)
+    from mdgan_app.experiment import load_config
+
+    config = load_config(os.path.join(REPO, "experiments", source))  # (its base_from applied)
     run = next(r for r in config["runs"] if r.get("label") == label)
     base = dict(config["base"], data_root=data_root, iterations=iterations, eval_every=iterations)
     path = os.path.join(out, "experiment.yaml")

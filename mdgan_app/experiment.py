@@ -16,6 +16,10 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
                                # label, over seeds: mean +- std, and bands.csv), or
                                # final-vs-workers (Figure 4: final scores against N)
 
+`base_from: OTHER.yaml` (beside this file) starts the base from that config's (its own base_from applied):
+this file's base then sets only what differs, e.g. a second seed of an experiment is
+`base_from: privacy-levers-mlp.yaml` with `base: {seed: 1}` and the same runs.
+
 Run keys: algorithm; every training setting, named as its flag (workers, batch_size, ..., the full list
 in mdgan/settings.py), with the same defaults as on the command line; swap_every also "never" (no
 swap); each algorithm's own options (potential_rounds, ps_threshold, swap_lag, ...); and an
@@ -127,12 +131,25 @@ def band_rows(rows: list[dict], runs: list[dict]) -> list[dict]:
     return out
 
 
-def load_config(path: str) -> dict:
-    with open(path, encoding="utf-8") as fh:
-        config = yaml.safe_load(fh) or {}
-    unknown = set(config) - {"name", "out", "base", "grid", "runs", "plot"}
+def load_config(path: str, _including: tuple[str, ...] = ()) -> dict:
+    """The config at path, its base completed from its base_from's."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ConfigError(f"{_including[-1] + ': base_from ' if _including else ''}{path}: {exc.strerror}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: an experiment config is a mapping (name, out, base, grid, runs, plot)")
+    unknown = set(config) - {"name", "out", "base", "base_from", "grid", "runs", "plot"}
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
+    if config.get("base_from") is not None:
+        parent = os.path.join(os.path.dirname(path), str(config["base_from"]))
+        chain = (*_including, path)
+        if os.path.realpath(parent) in {os.path.realpath(p) for p in chain}:
+            raise ConfigError(f"{path}: base_from {config['base_from']} comes back to itself "
+                              f"({' -> '.join(os.path.basename(p) for p in (*chain, parent))})")
+        config["base"] = {**_keys(load_config(parent, chain).get("base")), **_keys(config.get("base"))}
     config.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     config.setdefault("out", os.path.join("runs", config["name"]))
     config.setdefault("plot", "curves")

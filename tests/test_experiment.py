@@ -400,3 +400,19 @@ def test_an_experiments_device_is_every_runs_and_a_missing_one_is_one_line(tmp_p
         with pytest.raises(ConfigError, match="no CUDA device"):
             run_experiment(_write(tmp_path, {"out": str(tmp_path / "o"), "runs": [{"kappa": 1}]}), device="cuda")
         assert not (tmp_path / "o").exists()
+
+
+def test_a_config_takes_its_base_from_another_and_sets_what_differs(tmp_path):
+    """base_from: the other config's base (its own base_from applied, beside it), this one's keys over it."""
+    (tmp_path / "grand.yaml").write_text("base: {dataset: synthetic, workers: 3, iterations: 10, seed: 0}\nruns: [{}]\n")
+    (tmp_path / "parent.yaml").write_text("base_from: grand.yaml\nbase: {iterations: 20}\nruns: [{}]\n")
+    (tmp_path / "child.yaml").write_text("base_from: parent.yaml\nbase: {seed: 2}\nruns: [{kappa: 1}]\n")
+    (run,) = expand(load_config(str(tmp_path / "child.yaml")))
+    assert (run["dataset"], run["workers"], run["iterations"], run["seed"], run["kappa"]) == ("synthetic", 3, 20, 2, 1)
+    (tmp_path / "loop.yaml").write_text("base_from: child2.yaml\n")
+    (tmp_path / "child2.yaml").write_text("base_from: loop.yaml\n")
+    with pytest.raises(ConfigError, match=r"comes back to itself \(loop.yaml -> child2.yaml -> loop.yaml\)"):
+        load_config(str(tmp_path / "loop.yaml"))
+    (tmp_path / "orphan.yaml").write_text("base_from: gone.yaml\n")
+    with pytest.raises(ConfigError, match="orphan.yaml: base_from .*gone.yaml: No such file"):
+        load_config(str(tmp_path / "orphan.yaml"))
