@@ -685,7 +685,7 @@ print(scheduling.pin(everything[:2]), sorted(os.sched_getaffinity(0)) == everyth
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU this process is kept off")
-def test_a_cpu_the_service_may_not_use_is_a_clear_error():
+def test_a_cpu_the_service_may_not_use_is_a_clear_error(capsys):
     cpus = sorted(os.sched_getaffinity(0))
     code = f"""
 import os
@@ -712,11 +712,16 @@ except scheduling.ConfigError as exc:
         assert crowded.returncode == 2, (service, crowded.stderr)
         assert f"--threads 2 with --pin-cpu {cpus[0]}: more torch threads than CPUs" in crowded.stderr, service
         assert "Traceback" not in crowded.stderr
+    # a malformed number: the services' own parsers say so (usage errors, exit 2), here without a process each
+    from services.server.__main__ import build_parser as server_parser
+    from services.worker.__main__ import build_parser as worker_parser
+
+    for parser in (worker_parser(), server_parser()):
         for flag, value, message in (("--pin-cpu", "-1", "a CPU list such as 3, 0-1 or 0,2-3, got '-1'"),
                                      ("--threads", "-2", "must be >= 0, got -2")):
-            bad = subprocess.run([sys.executable, "-m", service, flag, value], cwd=REPO, capture_output=True,
-                                 text=True, timeout=120)
-            assert bad.returncode == 2 and message in bad.stderr, (service, bad.stderr)
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args([flag, value])
+            assert exited.value.code == 2 and message in capsys.readouterr().err, (parser.prog, flag)
 
 
 def test_a_run_folder_that_cannot_be_made_is_a_clear_error_in_every_entry_point(tmp_path, capsys):
