@@ -5,6 +5,8 @@ was busy (NVML's utilization, sampled by `nvidia-smi` every 100 ms while it trai
 
     python bench/gpu.py                      # N = 10 and 50, MNIST under ../shared/data
     python bench/gpu.py --workers 10 --cpu-iterations 20 --gpu-iterations 300
+    python bench/gpu.py --eager              # also CUDA simulate and local with every step eager, on one stream
+                                             # (MDGAN_CUDA_GRAPHS=0 MDGAN_CUDA_LANES=0): what graphs and lanes buy
 
 On a machine without CUDA it times the CPU alone and says so. Run it on a quiet machine."""
 
@@ -58,16 +60,18 @@ class BusySampler:
         return statistics.mean(kept) / 100 if kept else None
 
 
-def time_run(command: str, device: str, workers: int, iterations: int, data_root: str, threads: int) -> dict:
+def time_run(command: str, device: str, workers: int, iterations: int, data_root: str, threads: int,
+             eager: bool = False) -> dict:
     """One run of `mdgan COMMAND`: seconds an iteration (median after WARMUP) and the GPU's busy share."""
     with tempfile.TemporaryDirectory(prefix="mdgan-bench-gpu-") as out:
         argv = [sys.executable, "-m", "mdgan_app.cli", command, "--device", device, "--workers", str(workers),
                 "--iterations", str(iterations), "--architecture", "cnn-mnist", "--batch-size", "10", "--kappa", "1",
                 "--eval-every", "-1", "--data-root", data_root, "--out", out, "--no-progress", "--threads", str(threads)]
         index = int(device.partition(":")[2] or 0)
+        environment = {**os.environ, **({"MDGAN_CUDA_GRAPHS": "0", "MDGAN_CUDA_LANES": "0"} if eager else {})}
         started = time.perf_counter()
         with BusySampler(index if device != "cpu" else None) as sampler:
-            done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+            done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=environment)
         wall = time.perf_counter() - started
         if done.returncode != 0:
             raise SystemExit(f"bench/gpu.py: {' '.join(argv[2:5])} failed:\n{done.stderr[-2000:]}")
@@ -83,6 +87,7 @@ def main() -> int:
     parser.add_argument("--cpu-iterations", type=int, default=20, help="iterations of the CPU run (slow)")
     parser.add_argument("--gpu-iterations", type=int, default=300)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--eager", action="store_true", help="also time the CUDA runs with every step eager")
     parser.add_argument("--data-root", default=os.environ.get("MDGAN_DATA_ROOT", os.path.join(REPO, "..", "shared",
                                                                                              "data")))
     args = parser.parse_args()
@@ -102,6 +107,10 @@ def main() -> int:
                                                             args.data_root, 1)))
             rows.append(("local, " + args.device, time_run("local", args.device, workers, args.gpu_iterations,
                                                          args.data_root, 1)))
+            if args.eager:
+                for command in ("simulate", "local"):
+                    rows.append((f"{command}, {args.device}, eager", time_run(
+                        command, args.device, workers, args.gpu_iterations, args.data_root, 1, eager=True)))
         for name, row in rows:
             busy = "n/a" if row["busy"] is None else f"{row['busy']:.0%}"
             print(f"{workers:>4}  {name:<28} {row['seconds']:>12.4f} {cpu['seconds'] / row['seconds']:>14.2f}x "
