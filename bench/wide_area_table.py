@@ -44,6 +44,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,14 +98,18 @@ def measure(args) -> None:
     path = os.path.join(args.out, "rates.json")
     saved = load(path) if os.path.exists(path) else {"setting": {**SETTING, "workers": WORKERS,
                                                                    "depth": args.depth}, "rates": {}}
-    if saved["setting"]["depth"] != args.depth:
-        raise SystemExit(f"{path} holds rates at --depth {saved['setting']['depth']}: "
-                         f"another --out for depth {args.depth}")
+    if args.sysctl:
+        saved["setting"].setdefault("sysctl", args.sysctl)
+    if saved["setting"]["depth"] != args.depth or saved["setting"].get("sysctl", []) != args.sysctl:
+        raise SystemExit(f"{path} holds rates at --depth {saved['setting']['depth']} with sysctl "
+                         f"{saved['setting'].get('sysctl', [])}: another --out for depth {args.depth} with "
+                         f"{args.sysctl}")
     tls = wide_area.certificates(args.out, SITES)
     for rate in args.rates:
         for rtt in args.rtts:
             key = cell_key(rate, rtt)
             with wide_area.wan(SITES, [rate] * WORKERS, rtt) as lan:
+                tune(lan, args.sysctl)
                 for label, config in chosen.items():
                     if label in saved["rates"].get(key, {}) and not args.again:
                         continue
@@ -120,6 +125,13 @@ def measure(args) -> None:
                           f"{got['updates_per_second']:.2f}/s (load {r['load'][0]:.1f}/{r['load'][-1]:.1f})",
                           flush=True)
                     write(path, saved)
+
+
+def tune(lan, settings: list[str]) -> None:
+    """--sysctl KEY=VALUE in every namespace of the LAN (TCP's settings are each network namespace's own)."""
+    for machine in lan.machines.values():
+        for setting in settings:
+            subprocess.run(["ip", "netns", "exec", machine["ns"], "sysctl", "-q", "-w", setting], check=True)
 
 
 def first_rows(label: str) -> int:
@@ -312,6 +324,7 @@ def check(args) -> None:
         return any(e["fid"] <= args.fid for row in rows for e in row.get("evaluations", []))
 
     with wide_area.wan(SITES, [args.rates[0]] * WORKERS, args.rtts[0]) as lan:
+        tune(lan, args.sysctl)
         # until its own evaluation reaches the FID, or for the predicted time and a half
         r = wide_area.run(args.config, config["flags"], run_args(args, 1.5 * reached / measured, args.eval_every,
                                                                  [args.fid]), lan, SITES, tls, out, until=reached_it)
@@ -340,6 +353,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4, help="--pipeline-depth of mdgan-pipeline")
     parser.add_argument("--only", default="", help="comma-separated configurations (default: all of them)")
     parser.add_argument("--again", action="store_true", help="measure again what OUT/rates.json already has")
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="measure, check: set in every namespace, e.g. net.ipv4.tcp_congestion_control=reno "
+                             "(recorded in rates.json; an OUT measured with other settings is refused)")
     parser.add_argument("--scores", default=os.path.join(REPO, "docs", "results", "wide-area-scores-mlp-cpu"),
                         help="the kept `mdgan experiment`s of the scores (their results.csv), comma-separated")
     parser.add_argument("--fids", default="150,100,50", help="FID thresholds, comma-separated")
