@@ -88,11 +88,13 @@ def test_the_first_scored_iteration_at_or_below_the_threshold_counts():
     assert wide_area_table.first_at(curve, 50.0) is None
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(KEPT, "rates.json")), reason="no kept wide-area table yet")
-def test_the_kept_table_is_what_its_kept_rates_and_scores_give():
-    with open(os.path.join(KEPT, "README.md"), encoding="utf-8") as fh:
+@pytest.mark.parametrize("kept", [KEPT, KEPT + "-reno"], ids=["bbr", "reno"])
+def test_the_kept_table_is_what_its_kept_rates_and_scores_give(kept):
+    if not os.path.exists(os.path.join(kept, "rates.json")):
+        pytest.skip(f"no kept wide-area table in {kept} yet")
+    with open(os.path.join(kept, "README.md"), encoding="utf-8") as fh:
         blocks = wide_area_table.BLOCK.findall(fh.read())
-    assert blocks, f"{KEPT}/README.md shows no generated table"
+    assert blocks, f"{kept}/README.md shows no generated table"
     for command, shown in blocks:
         given = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO, capture_output=True, text=True,
                                check=True).stdout
