@@ -31,7 +31,7 @@ class Adam(torch.optim.Adam):
                     continue
                 state = self.state[param]
                 if not state:  # as torch.optim.Adam starts a parameter's state
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # (torch keeps it there)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]

@@ -54,18 +54,6 @@ class StepInputs:
         return (self.real, self.real_labels, self.fake, self.fake_labels, self.generated, self.generated_labels)
 
 
-@dataclass(frozen=True)
-class GraphedResult:
-    """What one graphed step leaves: tensors of its own (not the graph's buffers, which the next replay
-    overwrites), on D's device."""
-
-    feedback: torch.Tensor  # F_n: (b, *shape)
-    disc_loss: torch.Tensor  # 0-dim float32, the last D step's J_disc
-    gen_loss: torch.Tensor  # 0-dim float32, J_gen(X_g)
-    real_accuracy: torch.Tensor  # 0-dim, the last D step's share of real samples called real
-    fake_accuracy: torch.Tensor  # 0-dim, ... of X_d called generated
-
-
 class GraphedStep:
     """The graphs of one discriminator (its module, its Adam, its losses) for one signature of step inputs.
 

@@ -118,6 +118,14 @@ class WorkerBatch:
     discriminated_labels: torch.Tensor | None  # (b,)
     generated_index: int  # which of the kappa batches X_g is
 
+    def to(self, device: torch.device) -> "WorkerBatch":
+        """The batch on `device` (from the CPU without waiting for the GPU: devices.to_device); itself if it is there."""
+        tensors = {"generated": self.generated, "generated_labels": self.generated_labels,
+                   "discriminated": self.discriminated, "discriminated_labels": self.discriminated_labels}
+        if all(t is None or t.device == device for t in tensors.values()):
+            return self
+        return dataclasses.replace(self, **{k: None if t is None else to_device(t, device) for k, t in tensors.items()})
+
 
 class GeneratorSide:
     def __init__(self, config: TrainingConfig):
@@ -246,7 +254,7 @@ def start_reading(results: list[StepResult]) -> StatsReading:
         stacked = torch.stack([v for _, _, v in entries])
         done = None
         if device.type == "cuda":
-            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, device="cpu", pin_memory=True)
             host.copy_(stacked, non_blocking=True)
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(device))
@@ -310,10 +318,7 @@ class DiscriminatorSide:
         disc = self.discriminator
         started = time.perf_counter()
         real, real_labels = self.sampler.next_batch()  # X_r: (b, *shape), (b,)
-        if self.device.type != "cpu":
-            batch = dataclasses.replace(batch, **{k: None if v is None else to_device(v, self.device) for k, v in (
-                ("generated", batch.generated), ("generated_labels", batch.generated_labels),
-                ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
+        batch = batch.to(self.device)
         if self.config.disc_steps and self.graphs.enabled:
             inputs = StepInputs(real, real_labels, batch.discriminated, batch.discriminated_labels, batch.generated,
                                 batch.generated_labels)
@@ -362,10 +367,7 @@ class DiscriminatorSide:
         the generated part (public) added as usual; then the feedback, as without DP."""
         spec, disc, private = self.spec, self.discriminator, self.private
         started = time.perf_counter()
-        if self.device.type != "cpu":
-            batch = dataclasses.replace(batch, **{k: None if v is None else to_device(v, self.device) for k, v in (
-                ("generated", batch.generated), ("generated_labels", batch.generated_labels),
-                ("discriminated", batch.discriminated), ("discriminated_labels", batch.discriminated_labels))})
+        batch = batch.to(self.device)
         stats = self.private_disc_steps(batch.discriminated, batch.discriminated_labels)
         self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
         trained = time.perf_counter()

@@ -340,14 +340,15 @@ def cmd_experiment(args) -> int:
             print(json.dumps(dry_run(args.config, device=args.device, probe=args.probe, jobs=args.jobs), indent=2))
             return 0
         # each run's line as soon as it is timed (a slow probe, a GPU lent for minutes: what was timed is shown)
-        width = []
+        width = 4
 
         def start(report: dict, names: list[str]) -> None:
-            width.append(max(map(len, names), default=4))
+            nonlocal width
+            width = max(map(len, names), default=width)
             print(dry_run_header(report), flush=True)
 
         report = dry_run(args.config, device=args.device, probe=args.probe, jobs=args.jobs, on_start=start,
-                         on_row=lambda row: print(dry_run_row(row, width[0]), flush=True))
+                         on_row=lambda row: print(dry_run_row(row, width), flush=True))
         print(dry_run_totals(report))
         return 0
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does

@@ -274,7 +274,7 @@ class ParameterServer:
         where = {name: p.device for name, p in module.named_parameters()}
         mean = average([{name: g.to(where[name]) for name, g in named.items()} for named in grads])
         for name, p in module.named_parameters():
-            p.grad = mean[name].to(p.device, p.dtype)
+            p.grad = mean[name].to(dtype=p.dtype)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if buffer_states and buffer_states[0]:
