@@ -54,6 +54,21 @@ class StepInputs:
         return (self.real, self.real_labels, self.fake, self.fake_labels, self.generated, self.generated_labels)
 
 
+@dataclass(frozen=True)
+class GraphedStats:
+    """The last replayed D step's loss and accuracies: 0-dim float32 tensors on D's device."""
+
+    loss: torch.Tensor
+    real_accuracy: torch.Tensor  # share of real samples D calls real
+    fake_accuracy: torch.Tensor  # share of X_d samples D calls generated
+
+
+@dataclass(frozen=True)
+class GraphedFeedback:
+    feedback: torch.Tensor  # F_n: (b, *shape) on D's device
+    gen_loss: torch.Tensor  # J_gen(X_g): 0-dim, on D's device
+
+
 class GraphedStep:
     """The graphs of one discriminator (its module, its Adam, its losses) for one signature of step inputs.
 
@@ -112,7 +127,7 @@ class GraphedStep:
         return (inputs.signature() == self.signature and len(now) == len(self.parameters)
                 and all(a is b for a, b in zip(now, self.parameters)))
 
-    def disc_steps(self, inputs: StepInputs, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def disc_steps(self, inputs: StepInputs, steps: int) -> GraphedStats:
         """`steps` D steps on the inputs (each: the graph, then Adam): the last one's loss and accuracies."""
         inputs.copy_into(self.static)
         for _ in range(steps):
@@ -122,13 +137,13 @@ class GraphedStep:
                 p.grad = grad  # (an eager step between replays set them to None)
             self.optimizer.step()
         loss, real_accuracy, fake_accuracy = self._disc_stats.clone()
-        return loss, real_accuracy, fake_accuracy
+        return GraphedStats(loss, real_accuracy, fake_accuracy)
 
-    def feedback(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def feedback(self) -> GraphedFeedback:
         """F_n (b, *shape) and J_gen on the inputs of the last disc_steps, through D as it is now."""
         with torch.cuda.device(self.device):
             self.feedback_graph.replay()
-        return self._feedback.clone(), self._gen_loss_out.clone()
+        return GraphedFeedback(self._feedback.clone(), self._gen_loss_out.clone())
 
 
 class StepGraphs:

@@ -28,10 +28,22 @@ def deterministic(device: str) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
+def same_device(a, b) -> bool:
+    """Whether torch devices a and b are one device: `cuda` is the current CUDA device, as torch reads it."""
+    if a.type != b.type:
+        return False
+    if a.index == b.index or a.type == "cpu":
+        return True
+    import torch
+
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def to_device(tensor, device):
-    """`tensor` on `device`. From the CPU to CUDA through pinned memory, without waiting for the GPU: a plain copy
-    from pageable memory synchronises the host with every kernel queued before it."""
-    if tensor.device == device or (tensor.device.type == device.type == "cpu"):
+    """`tensor` on `device` (itself when it is there). From the CPU to CUDA through pinned memory, without waiting for
+    the GPU: a plain copy from pageable memory synchronises the host with every kernel queued before it."""
+    if same_device(tensor.device, device):
         return tensor
     if tensor.device.type == "cpu" and device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)

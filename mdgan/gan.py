@@ -23,7 +23,7 @@ from mdgan.adam import Adam
 from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.cuda_graphs import StepGraphs, StepInputs
 from mdgan.data import Shard, ShardSampler
-from mdgan.devices import to_device
+from mdgan.devices import same_device, to_device
 from mdgan.models import build_discriminator, build_generator
 
 
@@ -122,7 +122,7 @@ class WorkerBatch:
         """The batch on `device` (from the CPU without waiting for the GPU: devices.to_device); itself if it is there."""
         tensors = {"generated": self.generated, "generated_labels": self.generated_labels,
                    "discriminated": self.discriminated, "discriminated_labels": self.discriminated_labels}
-        if all(t is None or t.device == device for t in tensors.values()):
+        if all(t is None or same_device(t.device, device) for t in tensors.values()):
             return self
         return dataclasses.replace(self, **{k: None if t is None else to_device(t, device) for k, t in tensors.items()})
 
@@ -324,12 +324,12 @@ class DiscriminatorSide:
                                 batch.generated_labels)
             graphed = self.graphs.for_inputs(disc, self.optimizer, self._disc_losses, self._gen_loss, inputs)
             if graphed is not None:  # (mdgan/cuda_graphs.py: the same arithmetic as below, in a few launches)
-                disc_loss, real_acc, fake_acc = graphed.disc_steps(inputs, self.config.disc_steps)
+                stats = graphed.disc_steps(inputs, self.config.disc_steps)
                 self.last_discriminated = (batch.discriminated.detach(), batch.discriminated_labels)
                 trained = time.perf_counter()
-                feedback, gen_loss = graphed.feedback()
-                return StepResult(feedback, disc_loss, gen_loss, real_acc, fake_acc, trained - started,
-                                  time.perf_counter() - trained)
+                answer = graphed.feedback()
+                return StepResult(answer.feedback, stats.loss, answer.gen_loss, stats.real_accuracy,
+                                  stats.fake_accuracy, trained - started, time.perf_counter() - trained)
         disc_loss = real_acc = fake_acc = float("nan")
         real_logits = fake_logits = None
         for _ in range(self.config.disc_steps):

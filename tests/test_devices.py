@@ -203,3 +203,23 @@ def test_a_server_and_workers_on_different_devices_train_as_one_device_does(tmp_
         assert all(torch.equal(mixed[name], tensor) for name, tensor in cpu.items())
     for name, tensor in cpu.items():
         torch.testing.assert_close(mixed[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_a_tensor_already_on_its_device_is_not_copied():
+    from mdgan.devices import same_device, to_device
+
+    cpu = torch.ones(3)
+    assert same_device(torch.device("cpu"), torch.device("cpu"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda"))
+    assert not same_device(torch.device("cuda"), torch.device("meta"))
+    assert to_device(cpu, torch.device("cpu")) is cpu
+    if CUDA:  # `cuda` names the current device, so a tensor on cuda:N (N current) is already where `cuda` asks
+        here = torch.device("cuda", torch.cuda.current_device())
+        assert same_device(here, torch.device("cuda")) and same_device(torch.device("cuda"), here)
+        on_card = torch.ones(3, device=here)
+        assert to_device(on_card, torch.device("cuda")) is on_card
+        moved = to_device(cpu, torch.device("cuda"))
+        assert moved.device == here and torch.equal(moved.cpu(), cpu)
+        if torch.cuda.device_count() > 1:
+            other = torch.device("cuda", (here.index + 1) % torch.cuda.device_count())
+            assert not same_device(other, torch.device("cuda"))
