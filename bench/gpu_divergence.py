@@ -1,4 +1,4 @@
-"""Where two runs that should be the same bit for bit part: `mdgan simulate` twice and `mdgan local` once, each a
+"""Where two runs that should be the same bit for bit part: `mdgan simulate` twice and `mdgan local` twice, each a
 process of its own, with the same flags; prints each run's generator hash, the first iteration and field of
 history.jsonl where a run leaves the first simulate, and every warning the runs printed about nondeterminism.
 
@@ -6,7 +6,8 @@ history.jsonl where a run leaves the first simulate, and every warning the runs 
         --dataset synthetic --device cuda
 
 simulate against simulate apart: something in one process is not repeatable (an op without a deterministic
-kernel); simulate twice the same but local apart: the two transports compute something differently."""
+kernel); local against local apart: something in the services is (an order of arrival, a timing); each repeatable
+but apart from the other: the two transports compute something differently."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mdgan-divergence-") as tmp:
         runs = {name: run(command, args.flags, os.path.join(tmp, name))
-                for name, command in (("simulate", "simulate"), ("simulate again", "simulate"), ("local", "local"))}
+                for name, command in (("simulate", "simulate"), ("simulate again", "simulate"), ("local", "local"),
+                                      ("local again", "local"))}
     reference = runs["simulate"][1]
     print(f"flags: {' '.join(args.flags)}")
     for name, (summary, history, warnings) in runs.items():
