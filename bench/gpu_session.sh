@@ -14,7 +14,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the outputs}
-what=${1:?checks or figure3}
+what=${1:-}
+case "$what" in checks|figure3) ;; *) echo "usage: OUT=DIR bash bench/gpu_session.sh checks|figure3 [SECONDS]" >&2; exit 2;; esac
 budget=${2:-570}
 started=$(date +%s)
 PY=${PYTHON:-python3}
@@ -36,7 +37,7 @@ step() {
 "$PY" -c "import torch; print(torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/card.txt"
 if [ "$what" = figure3 ]; then
   config=$OUT/figure3-mnist-cnn-5k.yaml  # (the data where gpu_prepare.sh's line put it)
-  sed "s#^base_from: #base_from: $PWD/experiments/#; s#^out: .*#out: $OUT/runs#
+  sed "s#^base_from: #base_from: $PWD/experiments/#; s#^out: .*#out: ${TMPDIR:-/tmp}/mdgan-figure3-runs#
        s#^base: {#base: {data_root: ${MDGAN_DATA_ROOT:-$PWD/../shared/data}, #" experiments/figure3-mnist-cnn-5k.yaml \
     > "$config"
   step figure3 "$(left)" "$PY" -m mdgan_app.cli experiment "$config" --device cuda --jobs 5 \
