@@ -18,7 +18,8 @@ A config (YAML) names a base setting, a grid of values to vary and, optionally, 
 
 `base_from: OTHER.yaml` (beside this file) starts the base from that config's (its own base_from applied):
 this file's base then sets only what differs, e.g. a second seed of an experiment is
-`base_from: privacy-levers-mlp.yaml` with `base: {seed: 1}` and the same runs.
+`base_from: privacy-levers-mlp.yaml` with `base: {seed: 1}`. A file with neither runs nor grid runs that
+config's runs (and grid) at its own base; a file without plot takes that config's.
 
 Run keys: algorithm; every training setting, named as its flag (workers, batch_size, ..., the full list
 in mdgan/settings.py), with the same defaults as on the command line; swap_every also "never" (no
@@ -132,7 +133,8 @@ def band_rows(rows: list[dict], runs: list[dict]) -> list[dict]:
 
 
 def load_config(path: str, _including: tuple[str, ...] = ()) -> dict:
-    """The config at path, its base completed from its base_from's."""
+    """The config at path, its base completed from its base_from's (and its runs, grid and plot, where it sets
+    none)."""
     try:
         with open(path, encoding="utf-8") as fh:
             config = yaml.safe_load(fh) or {}
@@ -149,7 +151,11 @@ def load_config(path: str, _including: tuple[str, ...] = ()) -> dict:
         if os.path.realpath(parent) in {os.path.realpath(p) for p in chain}:
             raise ConfigError(f"{path}: base_from {config['base_from']} comes back to itself "
                               f"({' -> '.join(os.path.basename(p) for p in (*chain, parent))})")
-        config["base"] = {**_keys(load_config(parent, chain).get("base")), **_keys(config.get("base"))}
+        inherited = load_config(parent, chain)
+        config["base"] = {**_keys(inherited.get("base")), **_keys(config.get("base"))}
+        if "runs" not in config and "grid" not in config:  # the same runs at other base settings
+            config["runs"], config["grid"] = inherited.get("runs"), inherited.get("grid")
+        config.setdefault("plot", inherited["plot"])
     config.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     config.setdefault("out", os.path.join("runs", config["name"]))
     config.setdefault("plot", "curves")

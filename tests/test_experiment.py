@@ -409,6 +409,16 @@ def test_a_config_takes_its_base_from_another_and_sets_what_differs(tmp_path):
     (tmp_path / "child.yaml").write_text("base_from: parent.yaml\nbase: {seed: 2}\nruns: [{kappa: 1}]\n")
     (run,) = expand(load_config(str(tmp_path / "child.yaml")))
     assert (run["dataset"], run["workers"], run["iterations"], run["seed"], run["kappa"]) == ("synthetic", 3, 20, 2, 1)
+    # neither runs nor grid: the other config's runs (and its plot) at this one's base; its own runs replace them
+    (tmp_path / "shared.yaml").write_text("base: {dataset: synthetic, workers: 4, iterations: 10}\nplot: bands\n"
+                                         "runs: [{seed: 0}, {seed: 1, kappa: 2}]\n")
+    (tmp_path / "longer.yaml").write_text("base_from: shared.yaml\nbase: {iterations: 30}\n")
+    longer = load_config(str(tmp_path / "longer.yaml"))
+    assert longer["plot"] == "bands"
+    assert [(r["seed"], r["kappa"], r["iterations"]) for r in expand(longer)] == [(0, 1, 30), (1, 2, 30)]
+    (tmp_path / "own.yaml").write_text("base_from: shared.yaml\nruns: [{seed: 5}]\nplot: curves\n")
+    own = load_config(str(tmp_path / "own.yaml"))
+    assert own["plot"] == "curves" and [r["seed"] for r in expand(own)] == [5]
     (tmp_path / "loop.yaml").write_text("base_from: child2.yaml\n")
     (tmp_path / "child2.yaml").write_text("base_from: loop.yaml\n")
     with pytest.raises(ConfigError, match=r"comes back to itself \(loop.yaml -> child2.yaml -> loop.yaml\)"):
