@@ -28,22 +28,22 @@ def deterministic(device: str) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def same_device(a, b) -> bool:
-    """Whether torch devices a and b are one device: `cuda` is the current CUDA device, as torch reads it."""
-    if a.type != b.type:
-        return False
-    if a.index == b.index or a.type == "cpu":
-        return True
+def resolve(device: str):
+    """The torch device a process's networks live on, with its index: `cuda` is cuda:N for the current device N, so
+    it compares equal to the device of every tensor made there (a tensor's device always has its index)."""
     import torch
 
-    current = torch.cuda.current_device() if a.type == "cuda" else 0
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+    found = torch.device(device)
+    if found.type == "cuda" and found.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return found
 
 
 def to_device(tensor, device):
-    """`tensor` on `device` (itself when it is there). From the CPU to CUDA through pinned memory, without waiting for
-    the GPU: a plain copy from pageable memory synchronises the host with every kernel queued before it."""
-    if same_device(tensor.device, device):
+    """`tensor` on `device` (itself when it is there; `device` as resolve() gives it). From the CPU to CUDA through
+    pinned memory, without waiting for the GPU: a plain copy from pageable memory synchronises the host with every
+    kernel queued before it."""
+    if tensor.device == device:
         return tensor
     if tensor.device.type == "cpu" and device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)

@@ -23,7 +23,8 @@ from mdgan.adam import Adam
 from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.cuda_graphs import StepGraphs, StepInputs
 from mdgan.data import Shard, ShardSampler
-from mdgan.devices import same_device, to_device
+from mdgan import devices
+from mdgan.devices import to_device
 from mdgan.models import build_discriminator, build_generator
 
 
@@ -122,7 +123,7 @@ class WorkerBatch:
         """The batch on `device` (from the CPU without waiting for the GPU: devices.to_device); itself if it is there."""
         tensors = {"generated": self.generated, "generated_labels": self.generated_labels,
                    "discriminated": self.discriminated, "discriminated_labels": self.discriminated_labels}
-        if all(t is None or same_device(t.device, device) for t in tensors.values()):
+        if all(t is None or t.device == device for t in tensors.values()):
             return self
         return dataclasses.replace(self, **{k: None if t is None else to_device(t, device) for k, t in tensors.items()})
 
@@ -131,7 +132,7 @@ class GeneratorSide:
     def __init__(self, config: TrainingConfig):
         self.config = config
         self.spec = config.model
-        self.device = torch.device(config.device)
+        self.device = devices.resolve(config.device)
         self.generator = build_generator(self.spec, derive_seed(config.seed, "generator-init")).to(self.device)
         self.optimizer = make_adam(self.generator, config.generator_optimizer)
         self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "server-noise"))
@@ -275,7 +276,7 @@ class DiscriminatorSide:
     def __init__(self, config: TrainingConfig, shard: Shard):
         self.config = config
         self.spec = config.model
-        self.device = torch.device(config.device)
+        self.device = devices.resolve(config.device)
         # All D_n start equal, as the paper assumes (section IV-A).
         self.discriminator = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init")).to(self.device)
         if self.device.type != "cpu":  # the shard lives where D computes

@@ -206,20 +206,22 @@ def test_a_server_and_workers_on_different_devices_train_as_one_device_does(tmp_
 
 
 def test_a_tensor_already_on_its_device_is_not_copied():
-    from mdgan.devices import same_device, to_device
+    """devices.resolve names `cuda` by its index, as every tensor's device is named, so to_device (and
+    WorkerBatch.to) find a tensor already there by plain equality and return it as it is."""
+    from mdgan.data import load_shard
+    from mdgan.devices import resolve, to_device
+    from mdgan.gan import DiscriminatorSide
 
     cpu = torch.ones(3)
-    assert same_device(torch.device("cpu"), torch.device("cpu"))
-    assert not same_device(torch.device("cpu"), torch.device("cuda"))
-    assert not same_device(torch.device("cuda"), torch.device("meta"))
-    assert to_device(cpu, torch.device("cpu")) is cpu
-    if CUDA:  # `cuda` names the current device, so a tensor on cuda:N (N current) is already where `cuda` asks
-        here = torch.device("cuda", torch.cuda.current_device())
-        assert same_device(here, torch.device("cuda")) and same_device(torch.device("cuda"), here)
-        on_card = torch.ones(3, device=here)
-        assert to_device(on_card, torch.device("cuda")) is on_card
-        moved = to_device(cpu, torch.device("cuda"))
+    assert resolve("cpu") == torch.device("cpu") and to_device(cpu, resolve("cpu")) is cpu
+    assert resolve("cuda:1") == torch.device("cuda", 1)  # an index given is kept (no CUDA asked)
+    if CUDA:  # `cuda` is the current device
+        here = resolve("cuda")
+        assert here == torch.device("cuda", torch.cuda.current_device())
+        on_card = torch.ones(3, device="cuda")
+        assert on_card.device == here and to_device(on_card, here) is on_card
+        moved = to_device(cpu, here)
         assert moved.device == here and torch.equal(moved.cpu(), cpu)
-        if torch.cuda.device_count() > 1:
-            other = torch.device("cuda", (here.index + 1) % torch.cuda.device_count())
-            assert not same_device(other, torch.device("cuda"))
+        side = DiscriminatorSide(TrainingConfig(device="cuda", workers=2, batch_size=4).validate(),
+                                 load_shard(DataConfig("synthetic", num_shards=2), 0))
+        assert side.device == here

@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mdgan import devices
 from mdgan.aggregation import fedavg
 from mdgan.algorithms.base import (Algorithm, InProcessRun, InputRejected, IterationRecord, RunResult, crashing, mean,
                                    option)
@@ -174,7 +175,7 @@ class ReplicaSide:
     def __init__(self, config: TrainingConfig, shard: Shard):
         self.config = config
         self.spec = config.model
-        self.device = torch.device(config.device)
+        self.device = devices.resolve(config.device)
         self.generator = build_generator(self.spec, derive_seed(config.seed, "generator-init")).to(self.device)
         self.discriminator = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init")).to(self.device)
         if self.device.type != "cpu":

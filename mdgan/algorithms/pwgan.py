@@ -85,6 +85,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mdgan import devices
 from mdgan.algorithms.base import (Algorithm, InProcessRun, InputRejected, IterationRecord, RunResult, crashing, mean,
                                    option)
 from mdgan.algorithms.fixed_set import FixedSetTrainer
@@ -233,7 +234,7 @@ class CriticSide:
         self.config = config
         self.options = options
         self.spec = config.model
-        self.device = torch.device(config.device)
+        self.device = devices.resolve(config.device)
         # All D_k start equal (the same seed as MD-GAN's D_n); the paper lets them drift apart.
         self.critic = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init")).to(self.device)
         if self.device.type != "cpu":

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from mdgan import compression
+from mdgan import compression, devices
 from mdgan.algorithms.base import InProcessRun, RunResult, WorkerLost, crashing
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from mdgan.algorithms.mdgan.options import MDGANOptions
@@ -59,7 +59,7 @@ class InProcessWorker(WorkerHandle):
                  swap_check: SwapCheck = SwapCheck(),
                  discriminator_attack: Callable[[dict], dict] | None = None, lanes: Lanes | None = None):
         self.side = side
-        self.lanes = lanes or Lanes(torch.device(side.config.device))
+        self.lanes = lanes or Lanes(devices.resolve(side.config.device))
         self.lane = self.lanes.lane()  # on CUDA, its steps on a stream of their own (mdgan/cuda_lanes.py)
         self.attack = attack  # an emulated Byzantine worker (mdgan/attacks.py) replaces its feedback
         self.discriminator_attack = discriminator_attack  # ... or the discriminator it pushes at a swap
@@ -188,7 +188,7 @@ def build_in_process_workers(config: TrainingConfig, shards, state_root: str | N
 
     bad = set(attackers(len(shards), byzantine)) if attack else set()
     board = InProcessSwapBoard()
-    lanes = Lanes(torch.device(config.device))
+    lanes = Lanes(devices.resolve(config.device))
     workers = []
     for shard in shards:
         feedback_attack, discriminator_attack = make_attacks(attack if shard.index in bad else None, config.seed,

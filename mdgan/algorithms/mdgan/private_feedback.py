@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from mdgan import privacy
+from mdgan import devices, privacy
 from mdgan.config import PrivacySpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.gan import DiscriminatorSide, StepResult, WorkerBatch, derive_seed
@@ -150,7 +150,7 @@ class PrivateFeedbackSide:
     def __init__(self, config: TrainingConfig, shard: Shard):
         self.config = config
         self.spec = config.model
-        self.device = torch.device(config.device)
+        self.device = devices.resolve(config.device)
         self.shard = shard
         site = privacy.resolve(config.privacy, len(shard), config.batch_size, config.iterations, config.disc_steps)
         k = site.discriminators
