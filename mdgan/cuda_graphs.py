@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mdgan.step_results import DiscriminatorStats
+
 log = logging.getLogger(__name__)
 
 ENVIRONMENT = "MDGAN_CUDA_GRAPHS"
@@ -52,15 +54,6 @@ class StepInputs:
 
     def _tensors(self) -> tuple:
         return (self.real, self.real_labels, self.fake, self.fake_labels, self.generated, self.generated_labels)
-
-
-@dataclass(frozen=True)
-class GraphedStats:
-    """The last replayed D step's loss and accuracies: 0-dim float32 tensors on D's device."""
-
-    loss: torch.Tensor
-    real_accuracy: torch.Tensor  # share of real samples D calls real
-    fake_accuracy: torch.Tensor  # share of X_d samples D calls generated
 
 
 @dataclass(frozen=True)
@@ -127,7 +120,7 @@ class GraphedStep:
         return (inputs.signature() == self.signature and len(now) == len(self.parameters)
                 and all(a is b for a, b in zip(now, self.parameters)))
 
-    def disc_steps(self, inputs: StepInputs, steps: int) -> GraphedStats:
+    def disc_steps(self, inputs: StepInputs, steps: int) -> DiscriminatorStats:
         """`steps` D steps on the inputs (each: the graph, then Adam): the last one's loss and accuracies."""
         inputs.copy_into(self.static)
         for _ in range(steps):
@@ -137,7 +130,7 @@ class GraphedStep:
                 p.grad = grad  # (an eager step between replays set them to None)
             self.optimizer.step()
         loss, real_accuracy, fake_accuracy = self._disc_stats.clone()
-        return GraphedStats(loss, real_accuracy, fake_accuracy)
+        return DiscriminatorStats(loss, real_accuracy, fake_accuracy)
 
     def feedback(self) -> GraphedFeedback:
         """F_n (b, *shape) and J_gen on the inputs of the last disc_steps, through D as it is now."""

@@ -9,7 +9,8 @@ import torch
 from mdgan.algorithms.mdgan.trainer import SwapReport, Trainer, WorkerHandle
 from mdgan.algorithms.base import WorkerLost
 from mdgan.config import ModelSpec, TrainingConfig
-from mdgan.gan import GeneratorSide, StepResult
+from mdgan.gan import GeneratorSide
+from mdgan.step_results import StepResult
 from mdgan.algorithms.mdgan.synchrony import Issued, PartialSync, staleness_weight
 
 

@@ -8,7 +8,8 @@ import abc
 from dataclasses import dataclass
 from typing import Awaitable
 
-from mdgan.gan import StepResult, WorkerBatch
+from mdgan.gan import WorkerBatch
+from mdgan.step_results import StepResult
 
 SWAP, COPY = "swap", "copy"
 

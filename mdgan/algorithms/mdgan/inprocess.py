@@ -22,8 +22,9 @@ from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Tr
 from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.cuda_lanes import Lanes
-from mdgan.gan import DiscriminatorSide, StepResult, WorkerBatch
+from mdgan.gan import DiscriminatorSide, WorkerBatch
 from mdgan.roster import Roster
+from mdgan.step_results import StepResult
 
 log = logging.getLogger(__name__)
 

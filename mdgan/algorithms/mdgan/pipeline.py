@@ -28,7 +28,8 @@ import torch
 
 from mdgan.algorithms.base import InputRejected, WorkerLost, sort_replies, why_lost
 from mdgan.algorithms.mdgan.handle import WorkerHandle
-from mdgan.gan import GeneratedBatches, StepResult, WorkerBatch, read_stats
+from mdgan.gan import GeneratedBatches, WorkerBatch
+from mdgan.step_results import StepResult, read_stats
 
 log = logging.getLogger("mdgan.algorithms.mdgan.trainer")  # (the training loop's lines, one logger)
 

@@ -36,7 +36,8 @@ import torch
 from mdgan import devices, privacy
 from mdgan.config import PrivacySpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
-from mdgan.gan import DiscriminatorSide, StepResult, WorkerBatch, derive_seed
+from mdgan.gan import DiscriminatorSide, WorkerBatch, derive_seed
+from mdgan.step_results import StepResult
 
 
 def worker_side(config: TrainingConfig, shard: Shard) -> "DiscriminatorSide | PrivateFeedbackSide":

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from mdgan import aggregation
 from mdgan.algorithms.base import sort_replies, why_lost, with_deadline
 from mdgan.config import SYNC_MODES  # noqa: F401  (the names, validated with the run's config)
-from mdgan.gan import GeneratedBatches, StepResult, WorkerBatch
+from mdgan.gan import GeneratedBatches, WorkerBatch
+from mdgan.step_results import StepResult
 
 
 @dataclass

@@ -26,8 +26,9 @@ from mdgan.algorithms.mdgan.pipeline import Pipeline
 from mdgan.algorithms.mdgan.swaps import SwapRounds
 from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
-from mdgan.gan import GeneratorSide, StepResult, WorkerBatch, read_stats, start_reading
+from mdgan.gan import GeneratorSide, WorkerBatch
 from mdgan.roster import Roster
+from mdgan.step_results import StepResult, read_stats, start_reading
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.algorithms.base import InputRejected, IterationRecord
 from mdgan.config import TrainingConfig
-from mdgan.gan import StepResult, WorkerBatch
+from mdgan.gan import WorkerBatch
+from mdgan.step_results import StepResult
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb

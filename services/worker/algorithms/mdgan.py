@@ -19,7 +19,8 @@ from mdgan.attacks import make_attacks
 from mdgan.config import ConfigError
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
-from mdgan.gan import WorkerBatch, read_stats
+from mdgan.gan import WorkerBatch
+from mdgan.step_results import read_stats
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire as wire_traffic
