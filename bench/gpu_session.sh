@@ -31,7 +31,8 @@ step() {
   if (( limit < 20 )); then echo "skip   $name (no time left)"; return; fi
   local t0; t0=$(date +%s)
   timeout -k 5 "$limit" "$@" >"$OUT/$name.txt" 2>&1
-  echo "$([ $? -eq 0 ] && echo done || echo FAILED) $name in $(( $(date +%s) - t0 )) s (limit $limit s)"
+  local rc=$?
+  echo "$([ $rc -eq 0 ] && echo done || echo "FAILED (exit $rc)") $name in $(( $(date +%s) - t0 )) s (limit $limit s)"
 }
 
 "$PY" -c "import torch; print(torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/card.txt"
