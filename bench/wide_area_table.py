@@ -17,7 +17,8 @@ configuration's G updates a second over the link, and its time to reach an FID.
 - `report` divides each configuration's iterations to an FID by its rate (`--into DOC`: into the
   document's block `<!-- generated: python bench/wide_area_table.py report ... -->`). The iterations
   come from `mdgan simulate` runs of the same setting (experiments/wide-area-scores-mlp-cpu.yaml, and
-  wide-area-scores-int8-mlp-cpu.yaml for the int8 wire, kept in --scores, comma-separated): every
+  wide-area-scores-int8-mlp-cpu.yaml for the int8 wire, kept in --scores, comma-separated; a label's runs come
+  from the first of them that scores it, so list the longest runs first): every
   configuration here but `quorum` computes over any link exactly what `mdgan simulate` computes, bit for
   bit (`local == simulate`), so where a run reaches an FID does not depend on the link, only how long it
   takes. `quorum` drops the last answer of each iteration, which depends on timing;
@@ -46,6 +47,7 @@ import re
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -178,10 +180,21 @@ def write(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def iterations_to(scores: list[str]) -> dict[str, dict[int, list[tuple[int, float]]]]:
-    """label -> seed -> [(iteration, FID)] of the kept runs of every scores' experiment (their results.csv).
-    A label and seed scored by two of them is refused: which curve counts would be a guess."""
-    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+@dataclass
+class ScoredRuns:
+    """One label's kept runs: seed -> [(iteration, FID)], from one scores' experiment."""
+    folder: str
+    runs: dict[int, list[tuple[int, float]]]
+
+    @property
+    def longest(self) -> int:
+        return max((i for curve in self.runs.values() for i, _ in curve), default=0)
+
+
+def iterations_to(scores: list[str]) -> dict[str, ScoredRuns]:
+    """label -> its kept runs, from the first scores' experiment (their results.csv) that scores the label: a later
+    one's runs of a label already given are left out, so that every seed of a label comes from one experiment."""
+    labels: dict[str, ScoredRuns] = {}
     for folder in scores:
         found: dict[str, dict[int, list[tuple[int, float]]]] = {}
         with open(os.path.join(folder, "results.csv")) as fh:
@@ -189,11 +202,8 @@ def iterations_to(scores: list[str]) -> dict[str, dict[int, list[tuple[int, floa
                 found.setdefault(row["label"], {}).setdefault(int(row["seed"]), []).append(
                     (int(row["iteration"]), float(row["fid"])))
         for label, runs in found.items():
-            twice = sorted(set(runs) & set(curves.get(label, {})))
-            if twice:
-                raise SystemExit(f"{folder} scores {label!r} seed {twice[0]} again: give each run's scores once")
-            curves.setdefault(label, {}).update(runs)
-    return curves
+            labels.setdefault(label, ScoredRuns(folder, runs))
+    return labels
 
 
 def first_at(curve: list[tuple[int, float]], threshold: float) -> int | None:
@@ -218,13 +228,12 @@ def time_to(runs: dict[int, list[tuple[int, float]]], threshold: float, speed: f
 
 def report(args) -> str:
     saved = load(os.path.join(args.out, "rates.json"))
-    curves = iterations_to(args.scores)
+    scored = iterations_to(args.scores)
     chosen = configurations(saved["setting"]["depth"])
     rates = saved["rates"]
-    longest = max((i for runs in curves.values() for c in runs.values() for i, _ in c), default=0)
-    lines = [f"Time to an FID: the mean over the seeds that reach it (+- their sd; how many of how many), "
-             f"'-' where none does within {longest:,} iterations; '~': quorum's iterations are all's; 'not scored': "
-             f"its rate only, no `mdgan simulate` runs of it in the scores."]
+    lines = ["Time to an FID: the mean over the seeds that reach it (+- their sd; how many of how many), "
+             "'-' where none does within its runs (their length: below); '~': quorum's iterations are all's; "
+             "'not scored': its rate only, no `mdgan simulate` runs of it in the scores."]
     for rate in dict.fromkeys(k.split()[0] for k in rates):
         cells = [k for k in rates if k.split()[0] == rate]
         zero = rates.get(cell_key(rate, 0), {})
@@ -234,7 +243,7 @@ def report(args) -> str:
                   "| --- " * (5 + len(args.fids)) + "|"]
         first: dict[tuple[str, float], tuple[float, str]] = {}
         for label, config in chosen.items():
-            runs = curves.get(config["scores"], {})
+            runs = scored[config["scores"]].runs if config["scores"] in scored else {}
             for key in cells:
                 measured = rates[key].get(label)
                 if measured is None:
@@ -274,8 +283,9 @@ def report(args) -> str:
                 lines.append(f"- {label}: share of its training time in swap rounds, the most --swap-lag could hide: "
                              + ", ".join(shares))
     lines += ["", "Iterations to each FID (the first scored iteration at or below it), per seed of the scores:"]
-    for label, runs in curves.items():
-        lines.append(f"- {label}: " + "; ".join(
+    for label, found in scored.items():
+        runs = found.runs
+        lines.append(f"- {label} ({os.path.basename(found.folder.rstrip(os.sep))}, to {found.longest:,}): " + "; ".join(
             f"FID {f:g}: " + ", ".join(str(first_at(runs[s], f) or "-") for s in sorted(runs)) for f in args.fids))
     checks = sorted(glob.glob(os.path.join(args.out, "checks", "*.json")))
     if checks:
@@ -314,7 +324,7 @@ def check(args) -> None:
     config = configurations(args.depth)[args.config]
     saved = load(os.path.join(args.out, "rates.json"))
     measured = saved["rates"][cell_key(args.rates[0], args.rtts[0])][args.config]["updates_per_second"]
-    curve = iterations_to(args.scores)[config["scores"]][args.seed]
+    curve = iterations_to(args.scores)[config["scores"]].runs[args.seed]
     tls = wide_area.certificates(args.out, SITES)
     out = os.path.join(args.out, "checks", f"{args.config}-{args.rates[0]}-{args.rtts[0]:g}ms-seed{args.seed}")
     reached = first_at(curve, args.fid)
@@ -357,7 +367,8 @@ def main() -> None:
                         help="measure, check: set in every namespace, e.g. net.ipv4.tcp_congestion_control=reno "
                              "(recorded in rates.json; an OUT measured with other settings is refused)")
     parser.add_argument("--scores", default=os.path.join(REPO, "docs", "results", "wide-area-scores-mlp-cpu"),
-                        help="the kept `mdgan experiment`s of the scores (their results.csv), comma-separated")
+                        help="the kept `mdgan experiment`s of the scores (their results.csv), comma-separated; a "
+                             "label's runs come from the first that scores it")
     parser.add_argument("--fids", default="150,100,50", help="FID thresholds, comma-separated")
     parser.add_argument("--into", help="report: write the tables into this document's generated block")
     parser.add_argument("--config", default="mdgan-pipeline", help="check: the configuration")

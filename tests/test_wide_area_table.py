@@ -79,7 +79,7 @@ def test_time_to_an_fid_is_the_seeds_iterations_over_the_rate_over_that_link(tmp
     assert f"- first to FID 100 at 0ms: mdgan-all (3.8 min; {first})" in lines
     assert f"- first to FID 100 at 80ms: mdgan-all (15.0 min; {first})" in lines
     assert not any(line.startswith("- first to FID 50") for line in lines)  # no configuration's every seed got there
-    assert "- MD-GAN depth 4: FID 100: 6000, -; FID 50: 9000, -" in lines
+    assert "- MD-GAN depth 4 (scores, to 9,000): FID 100: 6000, -; FID 50: 9000, -" in lines
 
 
 def test_the_first_scored_iteration_at_or_below_the_threshold_counts():
@@ -101,7 +101,7 @@ def test_the_kept_table_is_what_its_kept_rates_and_scores_give(kept):
         assert shown.strip("\n") == given.strip("\n"), f"the kept table is stale: {command}"
 
 
-def test_scores_kept_in_two_experiments_are_read_together_and_one_run_scored_twice_is_refused(tmp_path):
+def test_scores_kept_in_two_experiments_are_read_together_and_a_label_comes_from_the_first_that_scores_it(tmp_path):
     write_scores(tmp_path / "float32", {"MD-GAN depth 4": {0: [(3000, 90.0)]}})
     write_scores(tmp_path / "int8", {"MD-GAN depth 4, int8": {0: [(3000, 200.0), (6000, 80.0)]}})
     (tmp_path / "rates.json").write_text(json.dumps({"setting": {"depth": 4}, "rates": {
@@ -117,10 +117,13 @@ def test_scores_kept_in_two_experiments_are_read_together_and_one_run_scored_twi
     assert "- mdgan-pipeline-int8: share of its training time in swap rounds, the most --swap-lag could hide: " \
            "2.5% at 0ms" in lines
     assert not any(line.startswith("- mdgan-pipeline:") for line in lines)  # not measured: no line
-    write_scores(tmp_path / "again", {"MD-GAN depth 4": {0: [(3000, 95.0)]}})
-    args.scores.append(str(tmp_path / "again"))
-    with pytest.raises(SystemExit, match="'MD-GAN depth 4' seed 0 again"):
-        wide_area_table.report(args)
+    # a label scored again, by longer runs listed first: every seed of it from those, none from the others
+    write_scores(tmp_path / "longer", {"MD-GAN depth 4": {1: [(3000, 300.0), (9000, 95.0)], 2: [(9000, 99.0)]}})
+    args.scores.insert(0, str(tmp_path / "longer"))
+    lines = wide_area_table.report(args).splitlines()
+    assert row(lines, "mdgan-pipeline", "0ms")[5] == "15.0 min (+- 0.0 min, 2 of 2)"  # 9,000 at 10/s, seed 0 left out
+    assert "- MD-GAN depth 4 (longer, to 9,000): FID 100: 9000, 9000" in lines
+    assert "- MD-GAN depth 4, int8 (int8, to 6,000): FID 100: 6000" in lines
 
 
 def test_a_rate_leaves_out_the_start_and_the_warm_up_and_counts_the_seconds_in_swaps(tmp_path):
