@@ -305,6 +305,43 @@ def report(args) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_COLUMNS = {"mdgan-all": "MD-GAN `all`", "mdgan-pipeline": "MD-GAN, `--pipeline-depth {depth}`",
+                   "mdgan-pipeline-int8": "the same, int8 wire", "flgan": "FL-GAN", "psgan": "parameter-server GAN"}
+
+
+def summary_cell(runs: dict[int, list[tuple[int, float]]], fids: list[float], speed: float) -> str:
+    """'23.5/s; 7.3, 9.5, (16.0) min': the rate, then the mean time to each FID over the seeds that reach it,
+    in brackets where only some do, '-' where none does; one unit for the cell."""
+    reached = [time_to(runs, threshold, speed) for threshold in fids]
+    longest = max((statistics.mean(got) for got in reached if got), default=0.0)
+    unit, name = (3600, "h") if longest >= 5400 else (60, "min")
+    times = ["-" if not got else f"{statistics.mean(got) / unit:.1f}" if len(got) == len(runs)
+             else f"({statistics.mean(got) / unit:.1f})" for got in reached]
+    return f"{speed:.1f}/s; " + (", ".join(times) + f" {name}" if runs else "not scored")
+
+
+def summary(args) -> str:
+    """One row per link, one column per configuration of SUMMARY_COLUMNS: docs/WIDE_AREA.md's table."""
+    saved = load(os.path.join(args.out, "rates.json"))
+    scored = iterations_to(args.scores)
+    chosen = configurations(saved["setting"]["depth"])
+    columns = {label: title.format(depth=saved["setting"]["depth"]) for label, title in SUMMARY_COLUMNS.items()}
+    lines = [f"Each cell: G updates a second over the link (FL-GAN: local steps), then the time to FID "
+             f"{', '.join(f'{f:g}' for f in args.fids)}: the mean over the seeds that reach it, in brackets where "
+             "only some do, '-' where none does.", "",
+             "| every site at | round trip | " + " | ".join(columns.values()) + " |", "| --- " * (2 + len(columns)) + "|"]
+    for key, cell in saved["rates"].items():
+        rate, rtt = key.split()
+        link = re.sub(r"^(\d+)([kmg])bit$", lambda m: f"{m[1]} {m[2].upper()}bit/s", rate)
+        row = [link, rtt.replace("ms", " ms")]
+        for label in columns:
+            scores = chosen[label]["scores"]
+            runs = scored[scores].runs if scores in scored else {}
+            row.append(summary_cell(runs, args.fids, cell[label]["updates_per_second"]) if label in cell else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def write_into(path: str, table: str) -> None:
     """Replaces the content of the document's block '<!-- generated: python bench/wide_area_table.py report ...
     -->' ... '<!-- /generated -->' with the table (atomically)."""
@@ -371,6 +408,8 @@ def main() -> None:
                              "label's runs come from the first that scores it")
     parser.add_argument("--fids", default="150,100,50", help="FID thresholds, comma-separated")
     parser.add_argument("--into", help="report: write the tables into this document's generated block")
+    parser.add_argument("--summary", action="store_true",
+                        help="report: one table, a row per link and a column per main configuration (WIDE_AREA.md's)")
     parser.add_argument("--config", default="mdgan-pipeline", help="check: the configuration")
     parser.add_argument("--fid", type=float, default=100.0, help="check: the FID to reach")
     parser.add_argument("--eval-every", type=int, default=500, help="check: as the scores' runs")
@@ -382,7 +421,8 @@ def main() -> None:
     args.fids = [float(f) for f in args.fids.split(",")]
     args.scores = args.scores.split(",")
     if args.what == "report":
-        print(report(args)) if not args.into else write_into(args.into, report(args))
+        table = summary(args) if args.summary else report(args)
+        print(table) if not args.into else write_into(args.into, table)
         return
     if args.what == "rates":
         rates_again(args)
