@@ -329,7 +329,8 @@ def summary(args) -> str:
     lines = [f"Each cell: G updates a second over the link (FL-GAN: local steps), then the time to FID "
              f"{', '.join(f'{f:g}' for f in args.fids)}: the mean over the seeds that reach it, in brackets where "
              "only some do, '-' where none does.", "",
-             "| every site at | round trip | " + " | ".join(columns.values()) + " |", "| --- " * (2 + len(columns)) + "|"]
+             "| every site at | round trip | " + " | ".join(columns.values()) + " |",
+             "| --- " * (2 + len(columns)) + "|"]
     for key, cell in saved["rates"].items():
         rate, rtt = key.split()
         link = re.sub(r"^(\d+)([kmg])bit$", lambda m: f"{m[1]} {m[2].upper()}bit/s", rate)

@@ -91,8 +91,8 @@ def test_the_summary_has_a_row_per_link_and_brackets_a_time_only_some_seeds_reac
         "10mbit 80ms": {"mdgan-all": rate(5.0)}}}))
     args = argparse.Namespace(out=str(tmp_path), scores=[str(tmp_path / "scores")], fids=[100.0, 80.0])
     lines = wide_area_table.summary(args).splitlines()
-    assert lines[2] == ("| every site at | round trip | MD-GAN `all` | MD-GAN, `--pipeline-depth 4` | the same, int8 wire "
-                        "| FL-GAN | parameter-server GAN |")
+    assert lines[2] == ("| every site at | round trip | MD-GAN `all` | MD-GAN, `--pipeline-depth 4` "
+                        "| the same, int8 wire | FL-GAN | parameter-server GAN |")
     # all: FID 100 at 6,000 and 3,000 (both seeds: 225 s at 20/s), FID 80 by seed 1 only (6,000: 300 s)
     # psgan: FID 100 at 9,000, 18,000 s at 0.5/s, so the cell is in hours; FID 80 never; FL-GAN: a rate, no runs
     assert lines[4] == "| 100 Mbit/s | 0 ms | 20.0/s; 3.8, (5.0) min | - | - | 30.0/s; not scored | 0.5/s; 5.0, - h |"
