@@ -16,6 +16,13 @@ from mdgan.gan import derangement
 log = logging.getLogger("mdgan.algorithms.mdgan.trainer")  # (the loop's: one name for what the run says)
 
 
+@dataclass(frozen=True)
+class SwapsAtBoundary:
+    """What a boundary's swaps did: the round started there (None: none) and the workers lost to them."""
+    started: int | None
+    lost: int
+
+
 @dataclass
 class PendingSwap:
     """A background swap round under way: its discriminators left at boundary `started` and are
@@ -110,18 +117,18 @@ class SwapRounds:
                           "plan": plan, "workers": outcome})
         return lost
 
-    async def swap(self, t: int) -> tuple[int, int]:
+    async def swap(self, t: int) -> SwapsAtBoundary:
         """One swap round over the active workers, along a random derangement, as a barrier (the paper's):
-        every worker sends its D and installs its peer's before iteration t + 1. (round, workers lost)"""
+        every worker sends its D and installs its peer's before iteration t + 1."""
         swap_round = self.swaps + 1
         plan, orders = self.plan(swap_round)
         reports = await self.ask(orders, lambda w, order: w.swap(order), swap_round)
         self.swaps = swap_round
-        return swap_round, await self.record(swap_round, t, plan, list(orders), reports)
+        return SwapsAtBoundary(swap_round, await self.record(swap_round, t, plan, list(orders), reports))
 
-    async def begin_swap(self, t: int) -> tuple[int, int]:
+    async def begin_swap(self, t: int) -> SwapsAtBoundary:
         """A background round (--swap-lag L): every participant snapshots its D at boundary t and sends it
-        while training goes on; finish_swap installs them at boundary t + L. (round, workers lost)"""
+        while training goes on; finish_swap installs them at boundary t + L."""
         swap_round = self.swaps + 1
         plan, orders = self.plan(swap_round)
         sent = await self.ask(orders, lambda w, order: w.send_swap(order), swap_round)
@@ -131,7 +138,7 @@ class SwapRounds:
             pending.lost[worker] = why_lost(error, "missed its swap deadline")
             lost += await self.membership.lose(worker, pending.lost[worker])
         self.swaps, self.pending = swap_round, pending
-        return swap_round, lost
+        return SwapsAtBoundary(swap_round, lost)
 
     async def finish_swap(self, t: int) -> int:
         """Install the background round's discriminators at boundary t (its install_at, or earlier when

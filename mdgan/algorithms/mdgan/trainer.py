@@ -23,7 +23,7 @@ from mdgan.algorithms.mdgan.handle import COPY, SWAP, SwapOrder, SwapReport, Wor
 from mdgan.algorithms.mdgan.membership import Membership
 from mdgan.algorithms.mdgan.options import check_lag
 from mdgan.algorithms.mdgan.pipeline import Pipeline
-from mdgan.algorithms.mdgan.swaps import SwapRounds
+from mdgan.algorithms.mdgan.swaps import SwapRounds, SwapsAtBoundary
 from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
 from mdgan.gan import GeneratorSide, WorkerBatch
@@ -198,13 +198,13 @@ class Trainer:
         stats = reading.result()
         updated = time.perf_counter()
 
-        swap_round, lost_in_swap = await self._swaps_after(t)
-        lost += lost_in_swap
+        swaps = await self._swaps_after(t)
+        lost += swaps.lost
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
             **step_means(stats),
-            swap_round=swap_round, seconds=finished - started, generate_seconds=generated - started,
+            swap_round=swaps.started, seconds=finished - started, generate_seconds=generated - started,
             wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated,
             privacy=dict(self.privacy) or None)
 
@@ -216,13 +216,13 @@ class Trainer:
         stats = read_stats(harvest.stats)
         self.rejections += harvest.rejected
         updated = time.perf_counter()
-        swap_round, lost_in_swap = await self._swaps_after(t)
+        swaps = await self._swaps_after(t)
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=exchange.issued, answered=len(stats), rejected=harvest.rejected,
-            lost=harvest.lost + lost_in_swap,
+            lost=harvest.lost + swaps.lost,
             **step_means(stats),
-            swap_round=swap_round, seconds=finished - started, wait_seconds=exchange.waiting,
+            swap_round=swaps.started, seconds=finished - started, wait_seconds=exchange.waiting,
             update_seconds=exchange.updating,
             generate_seconds=max(0.0, updated - started - exchange.waiting - exchange.updating),
             swap_seconds=finished - updated, late=harvest.late, privacy=dict(self.privacy) or None)
@@ -238,27 +238,27 @@ class Trainer:
         stats = read_stats(used.stats)
         self.rejections += used.rejected
         updated = time.perf_counter()
-        swap_round, lost_in_swap = await self._swaps_after(t)
+        swaps = await self._swaps_after(t)
         finished = time.perf_counter()
         return IterationRecord(
             iteration=t, active_workers=len(active), answered=len(stats), rejected=used.rejected,
-            lost=lost + used.lost + lost_in_swap,
+            lost=lost + used.lost + swaps.lost,
             **step_means(stats),
-            swap_round=swap_round, seconds=finished - started, generate_seconds=sent - started,
+            swap_round=swaps.started, seconds=finished - started, generate_seconds=sent - started,
             wait_seconds=used.waiting, update_seconds=used.updating, swap_seconds=finished - updated,
             privacy=dict(self.privacy) or None)
 
-    async def _swaps_after(self, t: int) -> tuple[int | None, int]:
+    async def _swaps_after(self, t: int) -> SwapsAtBoundary:
         """Boundary t's swaps: install the background round due here, then start the round of t if it
-        is a swap boundary (lag 0: swap at once). (the round started here or None, workers lost)"""
+        is a swap boundary (lag 0: swap at once)."""
         lost = 0
         rounds = self.swap_rounds
         if rounds.pending is not None and rounds.pending.install_at <= t:
             lost += await rounds.finish_swap(t)
         if self.swap_period is None or t % self.swap_period != 0 or len(self.roster.members()) < 2:
-            return None, lost
-        swap_round, lost_in_swap = await (rounds.begin_swap(t) if rounds.swap_lag else rounds.swap(t))
-        return swap_round, lost + lost_in_swap
+            return SwapsAtBoundary(None, lost)
+        started = await (rounds.begin_swap(t) if rounds.swap_lag else rounds.swap(t))
+        return SwapsAtBoundary(started.started, lost + started.lost)
 
     @property
     def finished(self) -> bool:
