@@ -90,6 +90,17 @@ class Admission:
     peer_probe: PeerProbe | None = None
 
 
+@dataclass(frozen=True)
+class AdmittedWorker:
+    """A join accepted: its message, the slot and shard size it got, its identity, how it gets its D."""
+
+    join: pb.Join
+    index: int
+    size: int
+    identity: str
+    plan: RejoinPlan
+
+
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """Admits workers into the roster's slots, at any time (they take part from the next iteration
     boundary), and refuses those of another run or another identity.
@@ -185,8 +196,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                               f"(OU={pki.ROLE_WORKER}); or list it in --allowed-workers")
         return identity
 
-    def _admit(self, join: pb.Join, identity: str | None) -> tuple[int, int, str, RejoinPlan]:
-        """(slot, shard size, identity, how it gets its discriminator) for a joining worker; raises JoinRefused."""
+    def _admit(self, join: pb.Join, identity: str | None) -> AdmittedWorker:
+        """A joining worker's slot, shard size, identity and how it gets its discriminator; raises JoinRefused."""
         cfg = self.config
         if join.run_id and self.run_id and join.run_id != self.run_id:
             if join.run_id in self.finished_runs:
@@ -246,7 +257,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         same_run = bool(join.run_id) and join.run_id == self.run_id
         plan = self.roster.rejoin_plan(list(join.checkpoints) if same_run else [],
                                        join.trained_iteration if same_run else 0)
-        return index, size, identity, plan
+        return AdmittedWorker(join, index, size, identity, plan)
 
     async def _check_peer_address(self, join: pb.Join, identity: str | None) -> None:
         """Refuses a worker whose advertised Peer address this server cannot reach (the other workers,
@@ -299,18 +310,20 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "too many joins in progress; try again shortly")
         self._pending_joins += 1
         try:
-            join, index, size, identity, plan = await self._join(context)
+            admitted = await self._join(context)
         finally:
             self._pending_joins -= 1
-        connection = WorkerConnection(index, size, join, context, self.telemetry, self.liveness_timeout, identity,
-                                      on_fault=lambda cause: self.roster.fault(index, identity, cause))
+        join, index, plan = admitted.join, admitted.index, admitted.plan
+        connection = WorkerConnection(index, admitted.size, join, context, self.telemetry, self.liveness_timeout,
+                                      admitted.identity,
+                                      on_fault=lambda cause: self.roster.fault(index, admitted.identity, cause))
         worker = self.handle_class(connection, self.run_state, needs_copy=plan.copy)
         self.workers[index] = worker
-        self.roster.arrive(index, identity, worker)  # takes part from the next iteration boundary
+        self.roster.arrive(index, admitted.identity, worker)  # takes part from the next iteration boundary
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
         log.info("%s joined as %r from %s (%s of %d samples, peer %s)%s", worker.worker_id, worker.identity,
-                 context.peer(), "its own data" if join.own_data else "a shard", size, join.peer_address,
+                 context.peer(), "its own data" if join.own_data else "a shard", admitted.size, join.peer_address,
                  f": restores its state of iteration {plan.restore}" if plan.restore
                  else ": takes a copy of a peer's discriminator" if plan.copy else "")
         spec = codec.spec_from_config(self.config, self.algorithm)
@@ -343,7 +356,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         if connection.malformed is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {connection.malformed}")
 
-    async def _join(self, context: grpc.aio.ServicerContext) -> tuple[pb.Join, int, int, str, RejoinPlan]:
+    async def _join(self, context: grpc.aio.ServicerContext) -> AdmittedWorker:
         """Read and admit the first message; every refusal ends the call with its status."""
         try:
             first = await asyncio.wait_for(context.read(), self.join_read_timeout)
@@ -356,7 +369,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             identity = self.identify(join, context)
             await self._check_peer_address(join, identity)
-            index, size, identity, plan = self._admit(join, identity)
+            admitted = self._admit(join, identity)
         except JoinRefused as refused:
             self.warnings.warn(refused.code.name, "join refused (%s, %s): %s", context.peer(), refused.code.name,
                                refused.detail)
@@ -364,4 +377,4 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 self.telemetry.rejected.labels("identity").inc()
             await context.abort(refused.code, refused.detail, trailing_metadata=(
                 ((FINISHED_RUN_KEY, refused.finished_run),) if refused.finished_run else ()))
-        return join, index, size, identity, plan
+        return admitted
