@@ -680,7 +680,7 @@ def test_a_push_that_finds_its_peer_unreachable_is_tried_again_until_the_peer_is
         return sent, received, state
 
     with caplog.at_level("INFO", logger="mdgan.worker"):
-        (payload, _), (sender, incoming, refused), state = asyncio.run(scenario())
+        pushed, (sender, incoming, refused), state = asyncio.run(scenario())
     assert "push to worker-0 failed" in caplog.text and "trying again" in caplog.text
-    assert payload == 670_219 * 4 and sender == "worker-1" and refused == ""
+    assert pushed.sent and pushed.payload_bytes == 670_219 * 4 and sender == "worker-1" and refused == ""
     assert all(torch.equal(incoming[k], v) for k, v in state.items())

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -33,6 +34,25 @@ log = logging.getLogger("mdgan.worker")
 def privacy_stats(result) -> dict:
     """StepStats' epsilon and delta: what this site has spent (0, 0 when not private)."""
     return {"epsilon": result.epsilon, "delta": result.delta} if math.isfinite(result.delta) else {}
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """Our D's push to our peer: whether it crossed whole, its bytes (tensor payload, wire messages), and what
+    went wrong (a push refused by its receiver's check still counts as sent)."""
+
+    sent: bool
+    payload_bytes: int = 0
+    message_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TakeOutcome:
+    """Our peer's D: whether we installed it, and why our check refused it ("" if it did not)."""
+
+    received: bool
+    refused: str = ""
 
 
 class MDGANWorker(WorkerAlgorithm, PeerInbox):
@@ -252,9 +272,9 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         if order.send_to_worker:
             try:
                 state = compression.pack_state(self.side.export_state(), self.side.config.wire_dtype)
-                payload, messages = await self._push(order, state, copy=True)
-                return pb.SwapReport(round=order.round, sent=True, sent_payload_bytes=payload,
-                                     sent_message_bytes=messages)
+                pushed = await self._push(order, state, copy=True)
+                return pb.SwapReport(round=order.round, sent=True, sent_payload_bytes=pushed.payload_bytes,
+                                     sent_message_bytes=pushed.message_bytes)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
                 detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
                 return pb.SwapReport(round=order.round, error=f"copy to {order.send_to_worker} failed: {detail}")
@@ -282,13 +302,13 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         push = self._pushes[order.round] = asyncio.ensure_future(self._send(order, self._snapshot()))
         errors: list[str] = []
         try:
-            received, refused = await self._take(order, errors)
+            taken = await self._take(order, errors)
         except BaseException:
             push.cancel()
             raise
-        sent, sent_payload, sent_messages, push_errors = await push
+        pushed = await push
         self._pushes.pop(order.round, None)
-        return self._report(order, started, sent, received, sent_payload, sent_messages, push_errors + errors, refused)
+        return self._report(order, started, pushed, taken, errors)
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """Our D as it leaves, in its wire form (taken before anything arrives in its place)."""
@@ -314,78 +334,79 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         self._pushes.pop(install.round, None)
         errors: list[str] = []
         installing = time.monotonic()
-        received, refused = await self._take(order, errors, check=True)
+        taken = await self._take(order, errors, check=True)
         # Ours has had the whole lag to arrive; from the install on, one swap deadline for both (the wait
         # for our peer's and for our own push), not one after the other.
         await asyncio.wait([push], timeout=max(0.0, self.node.swap_timeout - (time.monotonic() - installing)))
         if not push.done():
             push.cancel()
-            return self._report(order, started, False, received, 0, 0, [
+            return self._report(order, started, PushOutcome(False, errors=[
                 f"push to {order.send_to_worker} did not finish within {self.node.swap_timeout:.0f} s of the round's "
-                "install", *errors], refused)
-        sent, sent_payload, sent_messages, push_errors = push.result()
-        return self._report(order, started, sent, received, sent_payload, sent_messages, push_errors + errors,
-                            refused)
+                "install"]), taken, errors)
+        return self._report(order, started, push.result(), taken, errors)
 
     async def _send(self, order: pb.SwapOrder, state: dict[str, torch.Tensor],
-                    deadline: bool = True) -> tuple[bool, int, int, list[str]]:
-        """Push `state` to order.send_to: (sent, payload bytes, message bytes, errors); raises only when
-        cancelled for another reason than its receiver's departure."""
+                    deadline: bool = True) -> PushOutcome:
+        """Push `state` to order.send_to; raises only when cancelled for another reason than its receiver's
+        departure."""
         try:
-            sent_payload, sent_messages = await self._push(order, state, deadline=deadline)
-            return True, sent_payload, sent_messages, []
+            return await self._push(order, state, deadline=deadline)
         except asyncio.CancelledError:
             why = self._receiver_left.pop(order.round, None)
             if why is None:
                 raise
             asyncio.current_task().uncancel()
-            return False, 0, 0, [f"push to {order.send_to_worker} called off: {why}"]
+            return PushOutcome(False, errors=[f"push to {order.send_to_worker} called off: {why}"])
         except PushRefused as exc:  # sent, as in simulate; the receiver kept its own D (its report says why)
-            return True, exc.payload, exc.messages, [f"{order.send_to_worker} refused our discriminator: {exc.details}"]
+            return PushOutcome(True, exc.payload, exc.messages,
+                               [f"{order.send_to_worker} refused our discriminator: {exc.details}"])
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-            return False, 0, 0, [f"push to {order.send_to_worker} failed: {detail}"]
+            return PushOutcome(False, errors=[f"push to {order.send_to_worker} failed: {detail}"])
 
-    async def _take(self, order: pb.SwapOrder, errors: list[str], check: bool = False) -> tuple[bool, str]:
-        """Install the D our peer pushed for order.round: (received, why our check refused it or "").
+    async def _take(self, order: pb.SwapOrder, errors: list[str], check: bool = False) -> TakeOutcome:
+        """Install the D our peer pushed for order.round, adding to `errors` what went wrong.
         `check`: judge it here (a background round; otherwise the Peer service judged it on arrival)."""
         swap_timeout = self.node.swap_timeout
         try:
             sender, incoming, refused = await self.mailbox.collect(order.round, swap_timeout)
         except asyncio.TimeoutError:
             errors.append(f"no discriminator from {order.receive_from_worker} within {swap_timeout:.0f} s")
-            return False, ""
+            return TakeOutcome(False)
         expected = order.receive_from_identity or order.receive_from_worker
         if refused:  # our check refused what it pushed (PeerServicer): we keep our own D this round
             errors.append(f"refused the discriminator from {sender}: {refused}")
-            return False, refused
+            return TakeOutcome(False, refused)
         if incoming is None:
             errors.append(f"{sender} left before sending its discriminator")
-            return False, ""
+            return TakeOutcome(False)
         if sender != expected:
             errors.append(f"expected a discriminator from {order.receive_from_worker}, got {sender}")
-            return False, ""
+            return TakeOutcome(False)
         if check and self.swap_check.enabled:
             verdict = check_incoming(self.side, incoming, self.swap_check)
             if verdict.refused:
                 self.node.telemetry.rejected.labels("discriminator").inc()
                 errors.append(f"refused the discriminator from {sender}: {verdict.refused}")
-                return False, verdict.refused
+                return TakeOutcome(False, verdict.refused)
         self.side.import_state(incoming)
-        return True, ""
+        return TakeOutcome(True)
 
-    def _report(self, order, started: float, sent: bool, received: bool, sent_payload: int, sent_messages: int,
-                errors: list[str], refused: str) -> pb.SwapReport:
+    def _report(self, order, started: float, pushed: PushOutcome, taken: TakeOutcome,
+                errors: list[str]) -> pb.SwapReport:
+        """The round's report: the push's errors first, then the take's."""
+        errors = pushed.errors + errors
+        sent, received = pushed.sent, taken.received
         for e in errors:
             log.warning("swap %d: %s", order.round, e)
         telemetry = self.node.telemetry
         telemetry.swaps.labels("complete" if sent and received else "incomplete").inc()
         telemetry.phase_seconds.labels("swap").observe(time.perf_counter() - started)
-        return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=sent_payload,
-                             sent_message_bytes=sent_messages, error="; ".join(errors), refused=refused)
+        return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=pushed.payload_bytes,
+                             sent_message_bytes=pushed.message_bytes, error="; ".join(errors), refused=taken.refused)
 
     async def _push(self, order: pb.SwapOrder, state: dict[str, torch.Tensor], copy: bool = False,
-                    deadline: bool = True) -> tuple[int, int]:
+                    deadline: bool = True) -> PushOutcome:
         """Push `state` to order.send_to. A connection that fails (UNAVAILABLE: a link down, a peer's
         channel broken) is opened afresh and the push tried again, within the swap deadline; the receiver
         installs only a state that arrived whole, so a push cut short and tried again is never half-used.
@@ -424,7 +445,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             break
         for wire, payload in chunks:
             node.telemetry.count("worker_to_worker", "discriminator", "sender", None, payload, len(wire))
-        sent = sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks)
+        pushed = PushOutcome(True, sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks))
         if refused is not None:
-            raise PushRefused(*sent, refused.details())
-        return sent
+            raise PushRefused(pushed.payload_bytes, pushed.message_bytes, refused.details())
+        return pushed
