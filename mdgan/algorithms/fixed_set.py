@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Traffic, ask_all, last_iteration,
-                                   tell_to_stop, why_lost)
+from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, Replies, RunResult, Traffic, ask_all,
+                                   last_iteration, tell_to_stop, why_lost)
 from mdgan.config import TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -34,18 +34,16 @@ class FixedSetTrainer:
             self.active.remove(worker)
             await tell_to_stop(worker, why)
 
-    async def ask(self, t: int, r: int, participants: list, order, check: Callable[[object], None]
-                  ) -> tuple[list, int, int]:
-        """Send round r's order to every participant at once; ([(worker, reply)] that passed `check`,
-        in rank order; replies rejected; workers lost, which are dropped for good). A rejected worker
-        sits out the rest of the iteration (the caller goes on with the workers that answered)."""
+    async def ask(self, t: int, r: int, participants: list, order, check: Callable[[object], None]) -> Replies:
+        """Send round r's order to every participant at once; the replies that passed `check`, in rank order,
+        and those rejected and lost (the workers lost are dropped for good). A rejected worker sits out the
+        rest of the iteration (the caller goes on with the workers that answered)."""
         replies = await ask_all(participants, lambda w: w.round(order), self.step_timeout, check)
         for worker, why in replies.rejected:
             log.warning("iteration %d round %d: %s rejected (%s)", t, r, worker.worker_id, why)
         for worker, error in replies.lost:
             await self._drop(worker, why_lost(error))
-        good, rejected, lost = replies.good, len(replies.rejected), len(replies.lost)
-        return good, rejected, lost
+        return replies
 
     def too_few_left(self, t: int) -> str | None:
         """Why the run cannot go on to iteration t; None: it can."""

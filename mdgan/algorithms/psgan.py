@@ -354,14 +354,13 @@ class PSGANTrainer(FixedSetTrainer):
             order = GradientOrder(t, r, weights(server.discriminator), generator_state if r == 1 else None,
                                   want_discriminator=r <= config.disc_steps, want_generator=r == rounds)
             asked = time.perf_counter()
-            replied, round_rejected, round_lost = await self.ask(t, r, participants, order,
-                                                                 lambda reply: check_reply(reply, order, server))
+            replies = await self.ask(t, r, participants, order, lambda reply: check_reply(reply, order, server))
             answered_at = time.perf_counter()
             wait += answered_at - asked
-            rejected, lost = rejected + round_rejected, lost + round_lost
+            rejected, lost = rejected + len(replies.rejected), lost + len(replies.lost)
             self.traffic.payload_bytes["server_to_worker"] += len(participants) * (
                 _nbytes(order.discriminator) + _nbytes(order.generator))
-            good, answered = [reply for _, reply in replied], [worker for worker, _ in replied]
+            good, answered = replies.answers, [worker for worker, _ in replies.good]
             for reply in good:
                 self.traffic.payload_bytes["worker_to_server"] += (
                     _nbytes(reply.discriminator) + _nbytes(reply.generator)

@@ -405,15 +405,15 @@ class PWGANTrainer(FixedSetTrainer):
             last = r == options.potential_rounds
             order = PotentialOrder(t, r, phi.clone(), generated if r == 1 else None, labels if r == 1 else None, last)
             asked = time.perf_counter()
-            good, round_rejected, round_lost = await self.ask(t, r, participants, order, lambda reply: check_reply(
+            replies = await self.ask(t, r, participants, order, lambda reply: check_reply(
                 reply, n_g, config.batch_size, last, tuple(config.model.sample_shape)))
             wait += time.perf_counter() - asked
-            rejected, lost = rejected + round_rejected, lost + round_lost
+            rejected, lost = rejected + len(replies.rejected), lost + len(replies.lost)
             self.traffic.payload_bytes["server_to_worker"] += len(participants) * (
                 _nbytes(order.potentials) + _nbytes(order.generated))
             self.traffic.label_bytes += len(participants) * _nbytes(order.generated_labels)
             counts, answered = [], []
-            for worker, reply in good:
+            for worker, reply in replies.good:
                 self.traffic.payload_bytes["worker_to_server"] += _nbytes(reply.counts) + (
                     _nbytes(reply.result.feedback) if last else 0)
                 counts.append(reply.counts)
