@@ -48,6 +48,13 @@ class RejoinPlan:
     copy: bool = False
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """Who takes part from an iteration boundary on: the members in rank order, and those of them new there."""
+    members: list
+    newcomers: list
+
+
 class Roster:
     # While it waits for workers, the roster says every this many seconds how many are in: a server
     # waiting for a join that never comes would otherwise be silent until its join timeout.
@@ -143,12 +150,12 @@ class Roster:
         return False
 
     # -- what the training loop asks ---------------------------------------------------------
-    def at_boundary(self, iteration: int) -> tuple[list, list]:
-        """(members in rank order, those of them new since the last boundary)."""
+    def at_boundary(self, iteration: int) -> Boundary:
+        """The members from this boundary on (those new since the last boundary among them)."""
         self.iteration = iteration
         newcomers = [h for s, h in sorted(self._alive.items()) if self._admitted.get(s) is not h]
         self._admitted = dict(self._alive)
-        return self.members(), newcomers
+        return Boundary(self.members(), newcomers)
 
     def members(self) -> list:
         return [h for _, h in sorted(self._admitted.items())]

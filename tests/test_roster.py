@@ -53,12 +53,12 @@ def test_membership_changes_only_at_iteration_boundaries_in_rank_order():
     handles = [Handle(f"w{i}") for i in range(3)]
     roster.arrive(2, "w2", handles[2])
     roster.arrive(0, "w0", handles[0])
-    members, new = roster.at_boundary(0)
-    assert members == [handles[0], handles[2]] and new == [handles[0], handles[2]]
+    boundary = roster.at_boundary(0)
+    assert boundary.members == [handles[0], handles[2]] and boundary.newcomers == [handles[0], handles[2]]
     roster.arrive(1, "w1", handles[1])
     assert roster.members() == [handles[0], handles[2]]  # not before the next boundary
-    members, new = roster.at_boundary(1)
-    assert members == handles and new == [handles[1]]
+    boundary = roster.at_boundary(1)
+    assert boundary.members == handles and boundary.newcomers == [handles[1]]
     roster.depart(handles[0])
     assert roster.members() == handles[1:]
 

@@ -289,7 +289,7 @@ class Trainer:
                 if self.checkpoints.every and self.checkpoints.last != t:
                     await self.checkpoint(t)
                 break
-            members, _ = self.roster.at_boundary(t)
+            members = self.roster.at_boundary(t).members
             if len(members) < self.roster.keep_quorum:
                 if await self.membership.pause(t):
                     continue
