@@ -211,12 +211,6 @@ def first_at(curve: list[tuple[int, float]], threshold: float) -> int | None:
     return next((i for i, fid in sorted(curve) if fid <= threshold), None)
 
 
-def spread(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.0f}"
-    return f"{statistics.mean(values):.0f} +- {statistics.stdev(values):.0f}"
-
-
 def duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
