@@ -23,6 +23,13 @@ class SwapsAtBoundary:
     lost: int
 
 
+@dataclass(frozen=True)
+class SwapPlan:
+    """A round's random derangement over the active workers."""
+    sends: dict[str, str]  # sender -> receiver
+    orders: dict[WorkerHandle, SwapOrder]  # the participants, in rank order
+
+
 @dataclass
 class PendingSwap:
     """A background swap round under way: its discriminators left at boundary `started` and are
@@ -31,8 +38,7 @@ class PendingSwap:
     swap_round: int
     started: int
     install_at: int
-    plan: dict[str, str]  # sender -> receiver
-    orders: dict[WorkerHandle, SwapOrder]  # the participants, in rank order
+    plan: SwapPlan
     lost: dict[WorkerHandle, str] = field(default_factory=dict)  # lost while sending: why
 
 
@@ -52,12 +58,13 @@ class SwapRounds:
         self.swaps_refused = 0  # discriminators a receiver's check refused (swapcheck.py)
         self.pending: PendingSwap | None = None  # the background round under way
 
-    def plan(self, swap_round: int) -> tuple[dict[str, str], dict[WorkerHandle, SwapOrder]]:
-        """The round's random derangement over the active workers: (sender -> receiver, each one's order)."""
+    def plan(self, swap_round: int) -> SwapPlan:
+        """The round's random derangement over the active workers, and each one's order."""
         participants = [w for w in self.membership.roster.members() if not w.needs_copy]
-        plan = derangement([w.worker_id for w in participants], self.seed, swap_round)
-        receive_from = {dst: src for src, dst in plan.items()}
-        return plan, {w: SwapOrder(swap_round, plan[w.worker_id], receive_from[w.worker_id]) for w in participants}
+        sends = derangement([w.worker_id for w in participants], self.seed, swap_round)
+        receive_from = {dst: src for src, dst in sends.items()}
+        return SwapPlan(sends, {w: SwapOrder(swap_round, sends[w.worker_id], receive_from[w.worker_id])
+                                for w in participants})
 
     async def ask(self, orders: dict[WorkerHandle, SwapOrder], call, swap_round: int):
         """call(worker, its order) for every participant, each within the swap deadline; a worker lost
@@ -91,7 +98,7 @@ class SwapRounds:
         except Exception:
             pass
 
-    async def record(self, swap_round: int, t: int, plan: dict, participants: list[WorkerHandle], reports,
+    async def record(self, swap_round: int, t: int, plan: SwapPlan, reports,
                       gone: dict[WorkerHandle, str] | None = None, installed: int | None = None) -> int:
         """Count and record a finished round (swaps.jsonl); `gone`: participants lost before it ended
         (counted as lost already), with why. The workers lost in `reports`."""
@@ -111,28 +118,28 @@ class SwapRounds:
             outcome[worker.worker_id] = {"sent": False, "received": False, "sent_bytes": 0,
                                          "error": why_lost(error, "missed its swap deadline")}
             lost += await self.membership.lose(worker, why_lost(error, "missed its swap deadline"))
-        outcome = {w.worker_id: outcome[w.worker_id] for w in participants if w.worker_id in outcome}  # rank order
+        outcome = {w.worker_id: outcome[w.worker_id] for w in plan.orders if w.worker_id in outcome}  # rank order
         if self.on_swap is not None:
             self.on_swap({"round": swap_round, "iteration": t, **({"installed": installed} if installed else {}),
-                          "plan": plan, "workers": outcome})
+                          "plan": plan.sends, "workers": outcome})
         return lost
 
     async def swap(self, t: int) -> SwapsAtBoundary:
         """One swap round over the active workers, along a random derangement, as a barrier (the paper's):
         every worker sends its D and installs its peer's before iteration t + 1."""
         swap_round = self.swaps + 1
-        plan, orders = self.plan(swap_round)
-        reports = await self.ask(orders, lambda w, order: w.swap(order), swap_round)
+        plan = self.plan(swap_round)
+        reports = await self.ask(plan.orders, lambda w, order: w.swap(order), swap_round)
         self.swaps = swap_round
-        return SwapsAtBoundary(swap_round, await self.record(swap_round, t, plan, list(orders), reports))
+        return SwapsAtBoundary(swap_round, await self.record(swap_round, t, plan, reports))
 
     async def begin_swap(self, t: int) -> SwapsAtBoundary:
         """A background round (--swap-lag L): every participant snapshots its D at boundary t and sends it
         while training goes on; finish_swap installs them at boundary t + L."""
         swap_round = self.swaps + 1
-        plan, orders = self.plan(swap_round)
-        sent = await self.ask(orders, lambda w, order: w.send_swap(order), swap_round)
-        pending = PendingSwap(swap_round, t, t + self.swap_lag, plan, orders)
+        plan = self.plan(swap_round)
+        sent = await self.ask(plan.orders, lambda w, order: w.send_swap(order), swap_round)
+        pending = PendingSwap(swap_round, t, t + self.swap_lag, plan)
         lost = 0
         for worker, error in sent.lost:
             pending.lost[worker] = why_lost(error, "missed its swap deadline")
@@ -146,9 +153,9 @@ class SwapRounds:
         not arrived. The workers lost."""
         pending, self.pending = self.pending, None
         members = set(self.membership.roster.members())
-        by_id = {w.worker_id: w for w in pending.orders}
+        by_id = {w.worker_id: w for w in pending.plan.orders}
         installing = {}
-        for worker, order in pending.orders.items():
+        for worker, order in pending.plan.orders.items():
             if worker in pending.lost:
                 continue
             if worker not in members:  # left since: whatever it sent may have arrived; nothing more will
@@ -157,5 +164,5 @@ class SwapRounds:
                 continue
             installing[worker] = order
         reports = await self.ask(installing, lambda w, order: w.install_swap(order), pending.swap_round)
-        return await self.record(pending.swap_round, pending.started, pending.plan, list(pending.orders), reports,
-                                  pending.lost, installed=t)
+        return await self.record(pending.swap_round, pending.started, pending.plan, reports, pending.lost,
+                                  installed=t)
