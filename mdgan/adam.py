@@ -3,46 +3,138 @@ order, so a step moves the weights exactly as torch.optim.Adam(foreach=False) do
 bit (tests/test_adam.py). What it leaves out is the general optimizer's per-step bookkeeping (options this project
 never sets, checks on every parameter), which on CUDA costs more host time a step than the kernels themselves.
 
-torch's multi-tensor (foreach) and fused forms take fewer launches but round differently on CUDA: a CUDA run would
-no longer compute what it computed before, so they are not used. State, state_dict and load_state_dict are
-torch.optim.Adam's: checkpoints and swapped optimizer states are the same as ever."""
+On CUDA a step runs those same kernels once over all of a network's parameters laid end to end (`FlatMoments`):
+each is elementwise, so every element gets the arithmetic the per-tensor loop gives it, in about ten launches where
+the loop makes seven a parameter. torch's multi-tensor (foreach) and fused forms take fewer launches too but round
+differently on CUDA: a CUDA run would no longer compute what it computed before, so they are not used.
+
+State, state_dict and load_state_dict are torch.optim.Adam's (in the flat form, each parameter's moments are views of
+the flat ones): checkpoints and swapped optimizer states are the same as ever."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
-class Adam(torch.optim.Adam):
-    """torch.optim.Adam(params, lr, betas) with eps 1e-8, no weight decay, no amsgrad, real parameters."""
+@dataclass
+class FlatMoments:
+    """Adam's moments of a group's parameters laid end to end; each parameter's state holds views of them."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float]):
+    params: tuple[torch.Tensor, ...]
+    exp_avg: torch.Tensor  # (sum of the parameters' numel,)
+    exp_avg_sq: torch.Tensor  # (sum of the parameters' numel,)
+    views: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # each parameter's (exp_avg, exp_avg_sq) in the state
+
+    @classmethod
+    def adopt(cls, params: list[torch.Tensor], state) -> "FlatMoments":
+        """The flat moments of `params`: zeros where none has a state yet, else a copy of their states' moments
+        (after load_state_dict or a swap); each state then holds views of them."""
+        fresh = not any(state[p] for p in params)
+        flat = {}
+        for name in ("exp_avg", "exp_avg_sq"):
+            flat[name] = (torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                          if fresh else torch.cat([state[p][name].reshape(-1) for p in params]))
+        views = []
+        for p, (avg, avg_sq) in zip(params, zip(*(_split(flat[n], params) for n in ("exp_avg", "exp_avg_sq")))):
+            if fresh:  # as torch.optim.Adam starts a parameter's state
+                state[p]["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # (torch keeps it there)
+            state[p]["exp_avg"], state[p]["exp_avg_sq"] = avg, avg_sq
+            views.append((avg, avg_sq))
+        return cls(tuple(params), flat["exp_avg"], flat["exp_avg_sq"], tuple(views))
+
+    def holds(self, params: list[torch.Tensor], state) -> bool:
+        """Whether these are still the moments of exactly `params` (no load, swap or clear since)."""
+        return (len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
+                and all(state[p].get("exp_avg") is avg and state[p].get("exp_avg_sq") is avg_sq
+                        for p, (avg, avg_sq) in zip(params, self.views)))
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped as each tensor of `like`, in order."""
+    return [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in like]), like)]
+
+
+class Adam(torch.optim.Adam):
+    """torch.optim.Adam(params, lr, betas) with eps 1e-8, no weight decay, no amsgrad, real parameters.
+
+    flat: step over the parameters laid end to end; None (the default) where they are on CUDA."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], flat: bool | None = None):
         super().__init__(params, lr=lr, betas=betas, foreach=False)
+        self.flat = flat
+        self._flat: dict[int, FlatMoments] = {}  # param group index -> its flat moments
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("this Adam takes no closure")
-        for group in self.param_groups:
-            lr, eps = group["lr"], group["eps"]
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                state = self.state[param]
-                if not state:  # as torch.optim.Adam starts a parameter's state
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # (torch keeps it there)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                step_t += 1
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step = step_t.item()
-                bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
-                step_size = lr / bias_correction1
-                bias_correction2_sqrt = bias_correction2**0.5
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                param.addcdiv_(exp_avg, denom, value=-step_size)
+        for index, group in enumerate(self.param_groups):
+            if self._flat_fits(group):
+                self._flat_step(index, group)
+            else:
+                self._per_tensor_step(group)
         return None
+
+    def _flat_fits(self, group) -> bool:
+        """The flat step applies: wanted, and every parameter of the group has a contiguous float32 gradient on
+        one device and the same step count (a parameter skipped in some step goes per tensor from then on)."""
+        params = group["params"]
+        if not params or (self.flat is None and params[0].device.type != "cuda") or self.flat is False:
+            return False
+        device = params[0].device
+        if not all(p.grad is not None and p.dtype == torch.float32 and p.device == device and p.is_contiguous()
+                   and not p.grad.is_sparse for p in params):
+            return False
+        states = [self.state[p] for p in params]
+        if not any(states):
+            return True
+        return all(states) and len({float(s["step"]) for s in states}) == 1
+
+    def _flat_step(self, index: int, group) -> None:
+        params = group["params"]
+        lr, eps = group["lr"], group["eps"]
+        beta1, beta2 = group["betas"]
+        moments = self._flat.get(index)
+        if moments is None or not moments.holds(params, self.state):
+            moments = self._flat[index] = FlatMoments.adopt(params, self.state)
+        for p in params:
+            self.state[p]["step"] += 1
+        step = self.state[params[0]]["step"].item()
+        grad = torch.cat([p.grad.reshape(-1) for p in params])  # (total,)
+        weights = torch.cat([p.reshape(-1) for p in params])  # (total,)
+        # the per-tensor loop's kernels and scalars (_per_tensor_step), once over every parameter
+        moments.exp_avg.lerp_(grad, 1 - beta1)
+        moments.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+        denom = (moments.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        weights.addcdiv_(moments.exp_avg, denom, value=-step_size)
+        torch._foreach_copy_(list(params), _split(weights, params))
+
+    def _per_tensor_step(self, group) -> None:
+        lr, eps = group["lr"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            state = self.state[param]
+            if not state:  # as torch.optim.Adam starts a parameter's state
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # (torch keeps it there)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            step_t += 1
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            step = step_t.item()
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = bias_correction2**0.5
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            param.addcdiv_(exp_avg, denom, value=-step_size)

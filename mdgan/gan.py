@@ -36,7 +36,7 @@ def derive_seed(seed: int, role: str, index: int = 0) -> int:
 
 
 def make_adam(module: nn.Module, spec: OptimizerSpec) -> torch.optim.Adam:
-    # the per-tensor loop (mdgan/adam.py): one rounding everywhere, bitwise repeatable on every device
+    # torch's per-tensor loop's arithmetic (mdgan/adam.py): one rounding everywhere, bitwise repeatable on every device
     return Adam(module.parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2))
 
 

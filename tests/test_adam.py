@@ -1,5 +1,6 @@
 """mdgan/adam.py: the project's Adam moves weights exactly as torch.optim.Adam's per-tensor loop, on the CPU and on
-CUDA, and keeps its state in torch's format (checkpoints, swapped optimizer states)."""
+CUDA, per tensor and over the parameters laid end to end (its form on CUDA), and keeps its state in torch's format
+(checkpoints, swapped optimizer states)."""
 
 import copy
 
@@ -29,6 +30,18 @@ def _steps(nets, optimizers, device: str, steps: int, seed: int = 0, skip: int |
             optimizer.step()
 
 
+def _same(nets, ours, torchs) -> None:
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+    mine, theirs = ours.state_dict(), torchs.state_dict()
+    assert mine["state"].keys() == theirs["state"].keys()
+    for key, state in mine["state"].items():
+        for name, value in state.items():
+            other = theirs["state"][key][name]
+            assert value.shape == other.shape and value.device == other.device and value.dtype == other.dtype
+            assert torch.equal(value, other), name
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("architecture", ["mlp", "cnn-mnist"])
 def test_adam_takes_torch_adams_per_tensor_steps_bit_for_bit(device, architecture):
@@ -40,15 +53,51 @@ def test_adam_takes_torch_adams_per_tensor_steps_bit_for_bit(device, architectur
     torchs = torch.optim.Adam(nets[1].parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2), foreach=False)
     assert isinstance(ours, Adam)
     _steps(nets, [ours, torchs], device, 60, skip=1)
-    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
-        assert torch.equal(a, b)
+    _same(nets, ours, torchs)
     mine, theirs = ours.state_dict(), torchs.state_dict()
-    assert mine["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
-    assert mine["state"].keys() == theirs["state"].keys() and 1 not in mine["state"]
-    for key, state in mine["state"].items():
-        for name, value in state.items():
-            other = theirs["state"][key][name]
-            assert value.device == other.device and value.dtype == other.dtype and torch.equal(value, other), name
+    assert mine["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"] and 1 not in mine["state"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("architecture", ["mlp", "cnn-mnist"])
+def test_the_flat_step_takes_torch_adams_per_tensor_steps_bit_for_bit(device, architecture):
+    """Over the parameters laid end to end (CUDA's form; forced here on the CPU too): 40 steps the same as torch's
+    per-tensor loop; then a checkpoint of torch's loaded, 10 more; then the state cleared (a swap without moments),
+    10 more; then a parameter without a gradient (per tensor from then on, on the flat moments), 10 more."""
+    nets = _nets(device, architecture)
+    spec = OptimizerSpec(lr=2e-4, beta1=0.5, beta2=0.999)
+    ours = Adam(nets[0].parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2), flat=True)
+    torchs = torch.optim.Adam(nets[1].parameters(), lr=spec.lr, betas=(spec.beta1, spec.beta2), foreach=False)
+    _steps(nets, [ours, torchs], device, 40)
+    flat = ours._flat[0]
+    assert ours.state[next(nets[0].parameters())]["exp_avg"]._base is flat.exp_avg  # the flat form ran
+    _same(nets, ours, torchs)
+    ours.load_state_dict(copy.deepcopy(torchs.state_dict()))
+    _steps(nets, [ours, torchs], device, 10, seed=1)
+    assert ours._flat[0] is not flat  # rebuilt from the loaded moments
+    _same(nets, ours, torchs)
+    ours.state.clear(), torchs.state.clear()
+    _steps(nets, [ours, torchs], device, 10, seed=2)
+    _same(nets, ours, torchs)
+    _steps(nets, [ours, torchs], device, 10, seed=3, skip=2)
+    _same(nets, ours, torchs)
+
+
+def test_the_flat_step_is_cudas_form_and_the_per_tensor_loop_the_cpus():
+    """flat=None (make_adam's): flat where the parameters are on CUDA, per tensor on the CPU, whose runs are
+    unchanged by it."""
+    nets = _nets("cpu", "mlp")
+    ours = make_adam(nets[0], OptimizerSpec())
+    torchs = torch.optim.Adam(nets[1].parameters(), lr=ours.defaults["lr"], betas=ours.defaults["betas"],
+                              foreach=False)
+    _steps(nets, [ours, torchs], "cpu", 3)
+    assert ours.flat is None and not ours._flat
+    _same(nets, ours, torchs)
+    if torch.cuda.is_available():
+        nets = _nets("cuda", "mlp")
+        ours = make_adam(nets[0], OptimizerSpec())
+        _steps(nets[:1], [ours], "cuda", 2)
+        assert ours._flat
 
 
 def test_a_state_saved_by_torchs_adam_goes_on_in_ours_as_in_torchs():
