@@ -66,6 +66,14 @@ class Adam(torch.optim.Adam):
         self.flat = flat
         self._flat: dict[int, FlatMoments] = {}  # param group index -> its flat moments
 
+    def __getstate__(self):  # (a copy or a pickle: torch's three fields and the form; the flat moments are rebuilt)
+        return {**super().__getstate__(), "flat": self.flat}
+
+    def __setstate__(self, state):  # (also load_state_dict's way in, with the state alone: the form stays)
+        super().__setstate__(state)
+        self.flat = state.get("flat", getattr(self, "flat", None))
+        self._flat = {}
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:

@@ -83,6 +83,18 @@ def test_the_flat_step_takes_torch_adams_per_tensor_steps_bit_for_bit(device, ar
     _same(nets, ours, torchs)
 
 
+def test_a_copy_of_a_flat_adam_goes_on_as_the_original():
+    """copy.deepcopy of a network with its Adam (as the async trainer copies G's side): the copy keeps the flat form
+    and takes the original's steps, bit for bit."""
+    net = _nets("cpu", "mlp")[0]
+    ours = Adam(net.parameters(), lr=2e-4, betas=(0.5, 0.999), flat=True)
+    _steps([net], [ours], "cpu", 3)
+    twin_net, twin = copy.deepcopy((net, ours))
+    assert twin.flat is True
+    _steps([net, twin_net], [ours, twin], "cpu", 3, seed=1)
+    assert twin._flat and all(torch.equal(a, b) for a, b in zip(net.parameters(), twin_net.parameters()))
+
+
 def test_the_flat_step_is_cudas_form_and_the_per_tensor_loop_the_cpus():
     """flat=None (make_adam's): flat where the parameters are on CUDA, per tensor on the CPU, whose runs are
     unchanged by it."""
