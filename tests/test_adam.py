@@ -9,9 +9,10 @@ import torch
 
 from conftest import DEVICES
 from mdgan.adam import Adam
-from mdgan.config import ModelSpec, OptimizerSpec
+from mdgan.config import DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.gan import make_adam
 from mdgan.models import build_discriminator
+from mdgan.simulation import simulate
 
 
 def _nets(device: str, architecture: str):
@@ -127,3 +128,20 @@ def test_a_state_saved_by_torchs_adam_goes_on_in_ours_as_in_torchs():
 def test_a_closure_is_refused():
     with pytest.raises(ValueError, match="closure"):
         make_adam(torch.nn.Linear(2, 1), OptimizerSpec()).step(lambda: 0.0)
+
+
+@pytest.mark.parametrize("algorithm, changes", [
+    ("mdgan", {}), ("mdgan", {"swap_optimizer_state": True, "disc_steps": 2}), ("pwgan", {}), ("psgan", {})])
+def test_a_run_with_every_adam_flat_ends_on_the_per_tensor_runs_generator(tmp_path, monkeypatch, algorithm, changes):
+    """A whole CPU run with every Adam in the flat form (CUDA's; swaps, with and without the moments, clearing and
+    replacing the state between steps) ends on the generator of the run with the per-tensor loop, bit for bit."""
+    config = TrainingConfig(workers=3, kappa=2, iterations=6, batch_size=8, swap_every=2, seed=5, **changes).validate()
+    data = DataConfig("synthetic", num_shards=3)
+    plain = simulate(config, data, str(tmp_path / "plain"), progress=False, algorithm=algorithm)["generator_sha256"]
+    original, flat_steps = Adam.__init__, []
+    monkeypatch.setattr(Adam, "__init__", lambda self, params, lr, betas, flat=None: original(self, params, lr, betas,
+                                                                                              flat=True))
+    step = Adam._flat_step
+    monkeypatch.setattr(Adam, "_flat_step", lambda self, *a: flat_steps.append(1) or step(self, *a))
+    flat = simulate(config, data, str(tmp_path / "flat"), progress=False, algorithm=algorithm)["generator_sha256"]
+    assert flat_steps and flat == plain
