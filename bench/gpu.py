@@ -5,8 +5,9 @@ was busy (NVML's utilization, sampled by `nvidia-smi` every 100 ms while it trai
 
     python bench/gpu.py                      # N = 10 and 50, MNIST under ../shared/data
     python bench/gpu.py --workers 10 --cpu-iterations 20 --gpu-iterations 300
-    python bench/gpu.py --eager              # also CUDA simulate and local with every step eager, on one stream
-                                             # (MDGAN_CUDA_GRAPHS=0 MDGAN_CUDA_LANES=0): what graphs and lanes buy
+    python bench/gpu.py --eager              # also CUDA simulate and local with every step eager, on one stream,
+                                             # Adam per tensor (MDGAN_CUDA_GRAPHS=0 MDGAN_CUDA_LANES=0
+                                             # MDGAN_FLAT_ADAM=0): what graphs, lanes and the flat Adam buy
 
 On a machine without CUDA it times the CPU alone and says so. Run it on a quiet machine."""
 
@@ -68,7 +69,9 @@ def time_run(command: str, device: str, workers: int, iterations: int, data_root
                 "--iterations", str(iterations), "--architecture", "cnn-mnist", "--batch-size", "10", "--kappa", "1",
                 "--eval-every", "-1", "--data-root", data_root, "--out", out, "--no-progress", "--threads", str(threads)]
         index = int(device.partition(":")[2] or 0)
-        environment = {**os.environ, **({"MDGAN_CUDA_GRAPHS": "0", "MDGAN_CUDA_LANES": "0"} if eager else {})}
+        # eager: every step eager, on one stream, Adam per tensor
+        plain = {"MDGAN_CUDA_GRAPHS": "0", "MDGAN_CUDA_LANES": "0", "MDGAN_FLAT_ADAM": "0"}
+        environment = {**os.environ, **(plain if eager else {})}
         started = time.perf_counter()
         with BusySampler(index if device != "cpu" else None) as sampler:
             done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=environment)

@@ -2,7 +2,7 @@
 # What a short GPU loan is spent on, as two commands of at most 10 minutes (each step's output under $OUT, a file a
 # step; a step that runs past its limit is stopped and the next one starts):
 #   checks: every CUDA test (pytest -m cuda: CPU == CUDA, local == simulate on CUDA, graphs and lanes == eager);
-#           bench/gpu.py --eager at N = 10 and 50 (the pace with the exact flat Adam of mdgan/adam.py);
+#           bench/gpu.py --eager at N = 10 and 50 (with and without graphs, lanes and the flat Adam);
 #           bench/gpu_divergence.py for P-WGAN (simulate twice, local twice), as its CUDA test runs it and without
 #           its gradient penalty: which part of a critic's step local computes otherwise
 #   figure3: Figure 3 with the CNN at 5,000 iterations (experiments/figure3-mnist-cnn-5k.yaml), its five runs

@@ -9,13 +9,23 @@ the loop makes seven a parameter. torch's multi-tensor (foreach) and fused forms
 differently on CUDA: a CUDA run would no longer compute what it computed before, so they are not used.
 
 State, state_dict and load_state_dict are torch.optim.Adam's (in the flat form, each parameter's moments are views of
-the flat ones): checkpoints and swapped optimizer states are the same as ever."""
+the flat ones): checkpoints and swapped optimizer states are the same as ever.
+
+MDGAN_FLAT_ADAM=0 in the environment keeps the per-tensor loop on CUDA too."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+ENVIRONMENT = "MDGAN_FLAT_ADAM"
+
+
+def flat_wanted(device: torch.device) -> bool:
+    """The flat form where an Adam is not told (flat=None): on CUDA, unless MDGAN_FLAT_ADAM=0."""
+    return device.type == "cuda" and os.environ.get(ENVIRONMENT, "1") != "0"
 
 
 @dataclass
@@ -59,7 +69,7 @@ def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
 class Adam(torch.optim.Adam):
     """torch.optim.Adam(params, lr, betas) with eps 1e-8, no weight decay, no amsgrad, real parameters.
 
-    flat: step over the parameters laid end to end; None (the default) where they are on CUDA."""
+    flat: step over the parameters laid end to end; None (the default): as flat_wanted says for their device."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], flat: bool | None = None):
         super().__init__(params, lr=lr, betas=betas, foreach=False)
@@ -89,7 +99,7 @@ class Adam(torch.optim.Adam):
         """The flat step applies: wanted, and every parameter of the group has a contiguous float32 gradient on
         one device and the same step count (a parameter skipped in some step goes per tensor from then on)."""
         params = group["params"]
-        if not params or (self.flat is None and params[0].device.type != "cuda") or self.flat is False:
+        if not params or self.flat is False or (self.flat is None and not flat_wanted(params[0].device)):
             return False
         device = params[0].device
         if not all(p.grad is not None and p.dtype == torch.float32 and p.device == device and p.is_contiguous()

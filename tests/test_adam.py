@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from mdgan.adam import Adam
+from mdgan.adam import ENVIRONMENT, Adam, flat_wanted
 from mdgan.config import DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.gan import make_adam
 from mdgan.models import build_discriminator
@@ -96,9 +96,13 @@ def test_a_copy_of_a_flat_adam_goes_on_as_the_original():
     assert twin._flat and all(torch.equal(a, b) for a, b in zip(net.parameters(), twin_net.parameters()))
 
 
-def test_the_flat_step_is_cudas_form_and_the_per_tensor_loop_the_cpus():
-    """flat=None (make_adam's): flat where the parameters are on CUDA, per tensor on the CPU, whose runs are
-    unchanged by it."""
+def test_the_flat_step_is_cudas_form_and_the_per_tensor_loop_the_cpus(monkeypatch):
+    """flat=None (make_adam's): flat where the parameters are on CUDA (unless MDGAN_FLAT_ADAM=0), per tensor on the
+    CPU, whose runs are unchanged by it."""
+    assert flat_wanted(torch.device("cuda", 0)) and not flat_wanted(torch.device("cpu"))
+    monkeypatch.setenv(ENVIRONMENT, "0")
+    assert not flat_wanted(torch.device("cuda", 0))
+    monkeypatch.delenv(ENVIRONMENT)
     nets = _nets("cpu", "mlp")
     ours = make_adam(nets[0], OptimizerSpec())
     torchs = torch.optim.Adam(nets[1].parameters(), lr=ours.defaults["lr"], betas=ours.defaults["betas"],

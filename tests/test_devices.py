@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import CUDA, NO_CUDA, cuda_only
-from mdgan import cuda_graphs, cuda_lanes
+from mdgan import adam, cuda_graphs, cuda_lanes
 from mdgan.algorithms.psgan import PSGANOptions
 from mdgan.algorithms.mdgan.options import MDGANOptions
 from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
@@ -103,9 +103,10 @@ USES_GRAPHS = {"mdgan", "dp-feedback", "checked-swaps", "int8-wire", "median", "
 @pytest.mark.parametrize("case, algorithm, changes, extra", GRAPHED, ids=[f[0] for f in GRAPHED])
 @cuda_only
 def test_cuda_graphs_leave_what_a_run_computes_as_it_was(tmp_path, monkeypatch, case, algorithm, changes, extra):
-    """mdgan/cuda_graphs.py and mdgan/cuda_lanes.py: a run with its workers' steps replayed from CUDA graphs, each
-    worker on a stream of its own, ends with the generator of the same run stepped eagerly one worker after the
-    other on one stream, bit for bit."""
+    """mdgan/cuda_graphs.py, mdgan/cuda_lanes.py and mdgan/adam.py's flat form: a run with its workers' steps
+    replayed from CUDA graphs, each worker on a stream of its own, every Adam over its parameters laid end to end,
+    ends with the generator of the same run stepped eagerly one worker after the other on one stream with Adam's
+    per-tensor loop, bit for bit."""
     config = dataclasses.replace(BASE, device="cuda", **changes).validate()
     replays = []
     replay = cuda_graphs.GraphedStep.disc_steps
@@ -114,6 +115,7 @@ def test_cuda_graphs_leave_what_a_run_computes_as_it_was(tmp_path, monkeypatch, 
     for graphs in ("0", "1"):
         monkeypatch.setenv(cuda_graphs.ENVIRONMENT, graphs)
         monkeypatch.setenv(cuda_lanes.ENVIRONMENT, graphs)
+        monkeypatch.setenv(adam.ENVIRONMENT, graphs)
         hashes[graphs] = simulate(config, DataConfig("synthetic", num_shards=3), str(tmp_path / graphs),
                                   progress=False, algorithm=algorithm, **extra)["generator_sha256"]
         if graphs == "0":
