@@ -48,8 +48,8 @@ class FlatMoments:
                           if fresh else torch.cat([state[p][name].reshape(-1) for p in params]))
         views = []
         for p, (avg, avg_sq) in zip(params, zip(*(_split(flat[n], params) for n in ("exp_avg", "exp_avg_sq")))):
-            if fresh:  # as torch.optim.Adam starts a parameter's state
-                state[p]["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # (torch keeps it there)
+            if fresh:
+                state[p]["step"] = _new_step()
             state[p]["exp_avg"], state[p]["exp_avg_sq"] = avg, avg_sq
             views.append((avg, avg_sq))
         return cls(tuple(params), flat["exp_avg"], flat["exp_avg_sq"], tuple(views))
@@ -89,70 +89,72 @@ class Adam(torch.optim.Adam):
         if closure is not None:
             raise ValueError("this Adam takes no closure")
         for index, group in enumerate(self.param_groups):
-            if self._flat_fits(group):
-                self._flat_step(index, group)
+            moments = self._flat_moments(index, group)
+            if moments is not None:
+                self._flat_step(group, moments)
             else:
+                self._flat.pop(index, None)  # (a per-tensor step may leave the parameters' steps apart)
                 self._per_tensor_step(group)
         return None
 
-    def _flat_fits(self, group) -> bool:
-        """The flat step applies: wanted, and every parameter of the group has a contiguous float32 gradient on
-        one device and the same step count (a parameter skipped in some step goes per tensor from then on)."""
+    def _flat_moments(self, index: int, group) -> FlatMoments | None:
+        """The group's flat moments when the flat step applies: wanted, every parameter with a gradient, all of one
+        dtype, contiguous and on one device, and (to lay them end to end) their states all new or all at one step.
+        None: a per-tensor step."""
         params = group["params"]
         if not params or self.flat is False or (self.flat is None and not flat_wanted(params[0].device)):
-            return False
-        device = params[0].device
-        if not all(p.grad is not None and p.dtype == torch.float32 and p.device == device and p.is_contiguous()
-                   and not p.grad.is_sparse for p in params):
-            return False
-        states = [self.state[p] for p in params]
-        if not any(states):
-            return True
-        return all(states) and len({float(s["step"]) for s in states}) == 1
-
-    def _flat_step(self, index: int, group) -> None:
-        params = group["params"]
-        lr, eps = group["lr"], group["eps"]
-        beta1, beta2 = group["betas"]
+            return None
+        first = params[0]
+        if not all(p.grad is not None and p.dtype == first.dtype and p.device == first.device and p.is_contiguous()
+                   for p in params):
+            return None
         moments = self._flat.get(index)
-        if moments is None or not moments.holds(params, self.state):
-            moments = self._flat[index] = FlatMoments.adopt(params, self.state)
+        if moments is not None and moments.holds(params, self.state):
+            return moments
+        states = [self.state[p] for p in params]
+        if any(states) and not (all(states) and len({float(s["step"]) for s in states}) == 1):
+            return None
+        moments = self._flat[index] = FlatMoments.adopt(params, self.state)
+        return moments
+
+    def _flat_step(self, group, moments: FlatMoments) -> None:
+        params = group["params"]
         for p in params:
             self.state[p]["step"] += 1
-        step = self.state[params[0]]["step"].item()
         grad = torch.cat([p.grad.reshape(-1) for p in params])  # (total,)
         weights = torch.cat([p.reshape(-1) for p in params])  # (total,)
-        # the per-tensor loop's kernels and scalars (_per_tensor_step), once over every parameter
-        moments.exp_avg.lerp_(grad, 1 - beta1)
-        moments.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2**0.5
-        denom = (moments.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        weights.addcdiv_(moments.exp_avg, denom, value=-step_size)
+        _update(weights, grad, moments.exp_avg, moments.exp_avg_sq, self.state[params[0]]["step"].item(), group)
         torch._foreach_copy_(list(params), _split(weights, params))
 
     def _per_tensor_step(self, group) -> None:
-        lr, eps = group["lr"], group["eps"]
-        beta1, beta2 = group["betas"]
         for param in group["params"]:
-            grad = param.grad
-            if grad is None:
+            if param.grad is None:
                 continue
             state = self.state[param]
-            if not state:  # as torch.optim.Adam starts a parameter's state
-                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # (torch keeps it there)
+            if not state:
+                state["step"] = _new_step()
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-            step_t += 1
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            step = step_t.item()
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            step_size = lr / bias_correction1
-            bias_correction2_sqrt = bias_correction2**0.5
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            param.addcdiv_(exp_avg, denom, value=-step_size)
+            state["step"] += 1
+            _update(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), group)
+
+
+def _new_step() -> torch.Tensor:
+    """A parameter's step count as torch.optim.Adam starts it (on the CPU, where torch keeps it)."""
+    return torch.tensor(0.0, dtype=torch.float32, device="cpu")
+
+
+def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
+            group) -> None:
+    """torch.optim.Adam(foreach=False)'s update of one tensor, its kernels and scalars in its order; elementwise, so
+    the flat step's one call over every parameter gives each element what a call per parameter gives it."""
+    lr, eps = group["lr"], group["eps"]
+    beta1, beta2 = group["betas"]
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)

@@ -77,7 +77,8 @@ def test_the_flat_step_takes_torch_adams_per_tensor_steps_bit_for_bit(device, ar
     _steps(nets, [ours, torchs], device, 10, seed=1)
     assert ours._flat[0] is not flat  # rebuilt from the loaded moments
     _same(nets, ours, torchs)
-    ours.state.clear(), torchs.state.clear()
+    ours.state.clear()
+    torchs.state.clear()
     _steps(nets, [ours, torchs], device, 10, seed=2)
     _same(nets, ours, torchs)
     _steps(nets, [ours, torchs], device, 10, seed=3, skip=2)
