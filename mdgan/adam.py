@@ -46,6 +46,8 @@ class FlatMoments:
         for name in ("exp_avg", "exp_avg_sq"):
             flat[name] = (torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
                           if fresh else torch.cat([state[p][name].reshape(-1) for p in params]))
+        if not fresh:
+            _read_here([state[p][name] for p in params for name in ("exp_avg", "exp_avg_sq")])
         views = []
         for p, (avg, avg_sq) in zip(params, zip(*(_split(flat[n], params) for n in ("exp_avg", "exp_avg_sq")))):
             if fresh:
@@ -59,6 +61,16 @@ class FlatMoments:
         return (len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
                 and all(state[p].get("exp_avg") is avg and state[p].get("exp_avg_sq") is avg_sq
                         for p, (avg, avg_sq) in zip(params, self.views)))
+
+
+def _read_here(replaced: list[torch.Tensor]) -> None:
+    """Moments the flat ones were just copied from, about to be dropped: on CUDA their memory is not handed out
+    again before the current stream has read them. They may come from another stream (a swap's or a checkpoint's
+    tensors, made on the main stream, read on a worker's lane: mdgan/cuda_lanes.py), whose next allocation could
+    otherwise take and overwrite them before this stream's copy has run."""
+    for tensor in replaced:
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import DEVICES
+from conftest import DEVICES, cuda_only
 from mdgan.adam import ENVIRONMENT, Adam, flat_wanted
 from mdgan.config import DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.gan import make_adam
@@ -116,6 +116,42 @@ def test_the_flat_step_is_cudas_form_and_the_per_tensor_loop_the_cpus(monkeypatc
         ours = make_adam(nets[0], OptimizerSpec())
         _steps(nets[:1], [ours], "cuda", 2)
         assert ours._flat
+
+
+@cuda_only
+def test_moments_read_on_a_lane_are_not_handed_out_again_before_the_lane_has_read_them():
+    """A swap's or a checkpoint's moments are made on the main stream; the flat moments are rebuilt from them on a
+    worker's lane (mdgan/cuda_lanes.py), which drops them. While the lane has not run that copy (held here by a
+    sleeping kernel), tensors the main stream makes and fills do not take their memory, and the steps end where
+    the same steps on one stream end."""
+    nets = _nets("cuda", "mlp")
+    optimizers = [Adam(net.parameters(), lr=2e-4, betas=(0.5, 0.999), flat=True) for net in nets]
+    _steps(nets, optimizers, "cuda", 2)
+    for optimizer in optimizers:  # (torch's load keeps the tensors it is given: these, made on the main stream)
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    loaded = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+              for state in optimizers[0].state.values() for t in (state["exp_avg"], state["exp_avg_sq"])]
+    _steps(nets[1:], optimizers[1:], "cuda", 1, seed=1)  # the reference: on the main stream
+    noise = torch.Generator().manual_seed(1)  # (_steps' gradients, made before the lane waits)
+    grads = [(torch.randn(p.shape, generator=noise) * 10 ** torch.randint(-4, 2, (), generator=noise)).to("cuda")
+             for p in nets[0].parameters()]
+    torch.cuda.empty_cache()  # (what the main stream has cached besides the loaded moments: little to take below)
+    lane = torch.cuda.Stream()
+    lane.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(lane):
+        torch.cuda._sleep(2_000_000_000)  # (about a second: the copy below waits behind it)
+        for p, grad in zip(nets[0].parameters(), grads):
+            p.grad = grad
+        optimizers[0].step()  # the flat moments rebuilt from the loaded ones, on the lane
+    made, reserved = [], torch.cuda.memory_reserved()
+    while torch.cuda.memory_reserved() == reserved:  # every large block the main stream has cached, taken and filled
+        made.append(torch.full((393_216,), float("nan"), device="cuda"))  # (1.5 MB: the allocator's large blocks)
+    for tensor in made:
+        start = tensor.data_ptr()
+        assert all(start + tensor.numel() * tensor.element_size() <= low or start >= high for low, high in loaded)
+    torch.cuda.synchronize()
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
 
 
 def test_a_state_saved_by_torchs_adam_goes_on_in_ours_as_in_torchs():
