@@ -9,7 +9,7 @@ import torch
 
 from conftest import DEVICES, cuda_only
 from mdgan.adam import ENVIRONMENT, Adam, flat_wanted
-from mdgan.config import DataConfig, ModelSpec, OptimizerSpec, TrainingConfig
+from mdgan.config import DataConfig, ModelSpec, OptimizerSpec, PrivacySpec, TrainingConfig
 from mdgan.gan import make_adam
 from mdgan.models import build_discriminator
 from mdgan.simulation import simulate
@@ -172,17 +172,23 @@ def test_a_closure_is_refused():
 
 
 @pytest.mark.parametrize("algorithm, changes", [
-    ("mdgan", {}), ("mdgan", {"swap_optimizer_state": True, "disc_steps": 2}), ("pwgan", {}), ("psgan", {})])
+    ("mdgan", {}), ("mdgan", {"swap_optimizer_state": True, "disc_steps": 2}), ("pwgan", {}), ("psgan", {}),
+    ("mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0)}),
+    ("mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0, mechanism="feedback", discriminators=2),
+               "swap_every": None})], ids=["mdgan", "swapped-moments", "pwgan", "psgan", "dp-sgd", "dp-feedback"])
 def test_a_run_with_every_adam_flat_ends_on_the_per_tensor_runs_generator(tmp_path, monkeypatch, algorithm, changes):
     """A whole CPU run with every Adam in the flat form (CUDA's; swaps, with and without the moments, clearing and
-    replacing the state between steps) ends on the generator of the run with the per-tensor loop, bit for bit."""
-    config = TrainingConfig(workers=3, kappa=2, iterations=6, batch_size=8, swap_every=2, seed=5, **changes).validate()
+    replacing the state between steps; DP-SGD's Adam under Opacus, the private feedback's several discriminators)
+    ends on the generator of the run with the per-tensor loop, bit for bit."""
+    config = TrainingConfig(**{"workers": 3, "kappa": 2, "iterations": 6, "batch_size": 8, "swap_every": 2, "seed": 5,
+                               **changes}).validate()
     data = DataConfig("synthetic", num_shards=3)
     plain = simulate(config, data, str(tmp_path / "plain"), progress=False, algorithm=algorithm)["generator_sha256"]
-    original, flat_steps = Adam.__init__, []
-    monkeypatch.setattr(Adam, "__init__", lambda self, params, lr, betas, flat=None: original(self, params, lr, betas,
-                                                                                              flat=True))
+    original, made, flat_steps = Adam.__init__, [], set()
+    monkeypatch.setattr(Adam, "__init__", lambda self, params, lr, betas, flat=None: made.append(self) or original(
+        self, params, lr, betas, flat=True))
     step = Adam._flat_step
-    monkeypatch.setattr(Adam, "_flat_step", lambda self, *a: flat_steps.append(1) or step(self, *a))
+    monkeypatch.setattr(Adam, "_flat_step", lambda self, *a: flat_steps.add(id(self)) or step(self, *a))
     flat = simulate(config, data, str(tmp_path / "flat"), progress=False, algorithm=algorithm)["generator_sha256"]
-    assert flat_steps and flat == plain
+    assert flat == plain
+    assert len(made) > 1 and flat_steps == {id(adam) for adam in made}  # (G's, every D's: under Opacus's too)
