@@ -7,7 +7,13 @@ history.jsonl where a run leaves the first simulate, and every warning the runs 
 
 simulate against simulate apart: something in one process is not repeatable (an op without a deterministic
 kernel); local against local apart: something in the services is (an order of arrival, a timing); each repeatable
-but apart from the other: the two transports compute something differently."""
+but apart from the other: the two transports compute something differently.
+
+    python bench/gpu_divergence.py --trace -- --algorithm pwgan ...
+
+also traces every run tensor by tensor (mdgan/tensor_trace.py: G's and each D's forward outputs, gradients and
+weights after each optimizer step) and prints, for each network, the first record where a run leaves the first
+simulate: the module, gradient or step where they part."""
 
 from __future__ import annotations
 
@@ -19,13 +25,16 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from mdgan import tensor_trace  # noqa: E402
 IGNORED = {"seconds", "generate_seconds", "wait_seconds", "update_seconds", "swap_seconds", "disc_seconds",
            "feedback_seconds", "time", "unix_time"}
 
 
-def run(command: str, flags: list[str], out: str) -> tuple[dict, list[dict], list[str]]:
+def run(command: str, flags: list[str], out: str, trace: str | None = None) -> tuple[dict, list[dict], list[str]]:
+    env = dict(os.environ, **({tensor_trace.ENVIRONMENT: trace} if trace else {}))
     done = subprocess.run([sys.executable, "-W", "always", "-m", "mdgan_app.cli", command, *flags, "--no-progress",
-                           "--out", out], cwd=REPO, capture_output=True, text=True)
+                           "--out", out], cwd=REPO, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{command} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     warnings = sorted({line.strip() for line in (done.stderr + done.stdout).splitlines()
@@ -47,18 +56,25 @@ def first_difference(a: list[dict], b: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", action="store_true", help="also trace each run tensor by tensor and say where "
+                                                                 "each network's records part")
     parser.add_argument("flags", nargs="+", help="the runs' flags, after --")
     args = parser.parse_args()
+    names = (("simulate", "simulate"), ("simulate again", "simulate"), ("local", "local"), ("local again", "local"))
     with tempfile.TemporaryDirectory(prefix="mdgan-divergence-") as tmp:
-        runs = {name: run(command, args.flags, os.path.join(tmp, name))
-                for name, command in (("simulate", "simulate"), ("simulate again", "simulate"), ("local", "local"),
-                                      ("local again", "local"))}
+        traces = {name: os.path.join(tmp, f"trace-{i}") if args.trace else None for i, (name, _) in enumerate(names)}
+        runs = {name: run(command, args.flags, os.path.join(tmp, name), traces[name]) for name, command in names}
+        records = {name: tensor_trace.read(trace) for name, trace in traces.items() if trace}
     reference = runs["simulate"][1]
     print(f"flags: {' '.join(args.flags)}")
     for name, (summary, history, warnings) in runs.items():
         print(f"  {name:<15} {summary['generator_sha256'][:16]}  {first_difference(reference, history)}")
         for line in warnings:
             print(f"      {line[:200]}")
+        if name in records:
+            for network, where in tensor_trace.first_differences(records["simulate"], records[name]).items():
+                print(f"      {network:<4} {where or 'every record agrees'} "
+                      f"({len(records[name].get(network, []))} records)")
     return 0
 
 

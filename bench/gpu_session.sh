@@ -3,8 +3,9 @@
 # step; a step that runs past its limit is stopped and the next one starts):
 #   checks: every CUDA test (pytest -m cuda: CPU == CUDA, local == simulate on CUDA, graphs and lanes == eager);
 #           bench/gpu.py --eager at N = 10 and 50 (with and without graphs, lanes and the flat Adam);
-#           bench/gpu_divergence.py for P-WGAN (simulate twice, local twice), as its CUDA test runs it and without
-#           its gradient penalty: which part of a critic's step local computes otherwise
+#           bench/gpu_divergence.py for P-WGAN (simulate twice, local twice) as its CUDA test runs it, then again
+#           traced tensor by tensor (--trace: the module, gradient or step where local computes otherwise; a
+#           trace reads every tensor to the host, so a divergence that needs two streams racing would not show)
 #   figure3: Figure 3 with the CNN at 5,000 iterations (experiments/figure3-mnist-cnn-5k.yaml), its five runs
 #           sharing the card, kept in $OUT/figure3-mnist-cnn-5k
 #
@@ -50,5 +51,5 @@ step bench 150 "$PY" bench/gpu.py --eager --workers 10 50 --cpu-iterations 4 --g
 pwgan=(--algorithm pwgan --workers 3 --iterations 8 --batch-size 10 --disc-steps 2 --potential-rounds 3
        --potential-lr 0.5 --seed 4 --dataset synthetic --device cuda)
 step divergence_pwgan 60 "$PY" bench/gpu_divergence.py -- "${pwgan[@]}" --gradient-penalty 5
-step divergence_pwgan_no_penalty 60 "$PY" bench/gpu_divergence.py -- "${pwgan[@]}" --gradient-penalty 0
+step divergence_pwgan_traced 60 "$PY" bench/gpu_divergence.py --trace -- "${pwgan[@]}" --gradient-penalty 5
 echo "gpu_session: $(( $(date +%s) - started )) s"

@@ -7,7 +7,7 @@ what it computes. What is captured: D on the real batch and on X_d, J_disc and i
 (Adam's step stays outside, as in the eager step), and J_gen(X_g) with its gradient F_n. Not captured: DP-SGD's
 steps (Opacus's hooks), the CPU, a step whose batches have other shapes than the captured ones.
 
-MDGAN_CUDA_GRAPHS=0 in the environment keeps every step eager."""
+MDGAN_CUDA_GRAPHS=0 in the environment keeps every step eager, as does a tensor trace (MDGAN_TRACE_DIR)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mdgan import tensor_trace
 from mdgan.step_results import DiscriminatorStats
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ WARMUP = 2  # eager passes on a side stream before capture (cuDNN's and cuBLAS's
 
 
 def wanted(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get(ENVIRONMENT, "1") != "0"
+    """On CUDA, unless MDGAN_CUDA_GRAPHS=0 or a tensor trace reads every step's tensors (mdgan/tensor_trace.py)."""
+    return device.type == "cuda" and os.environ.get(ENVIRONMENT, "1") != "0" and not tensor_trace.enabled()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from mdgan.adam import Adam
 from mdgan.config import ModelSpec, OptimizerSpec, TrainingConfig
 from mdgan.cuda_graphs import StepGraphs, StepInputs
 from mdgan.data import Shard, ShardSampler
-from mdgan import devices
+from mdgan import devices, tensor_trace
 from mdgan.devices import to_device
 from mdgan.step_results import DiscriminatorStats, StepResult
 from mdgan.models import build_discriminator, build_generator
@@ -130,11 +130,13 @@ class WorkerBatch:
 
 
 class GeneratorSide:
-    def __init__(self, config: TrainingConfig):
+    def __init__(self, config: TrainingConfig, trace_as: str = "G"):
+        """trace_as: G's name in a run's tensor trace (mdgan/tensor_trace.py; an FL-GAN worker's G has its own)."""
         self.config = config
         self.spec = config.model
         self.device = devices.resolve(config.device)
         self.generator = build_generator(self.spec, derive_seed(config.seed, "generator-init")).to(self.device)
+        tensor_trace.watch(self.generator, trace_as)
         self.optimizer = make_adam(self.generator, config.generator_optimizer)
         self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "server-noise"))
 
@@ -202,6 +204,7 @@ class DiscriminatorSide:
         self.device = devices.resolve(config.device)
         # All D_n start equal, as the paper assumes (section IV-A).
         self.discriminator = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init")).to(self.device)
+        tensor_trace.watch(self.discriminator, f"D{shard.index}")
         if self.device.type != "cpu":  # the shard lives where D computes
             shard = dataclasses.replace(shard, images=shard.images.to(self.device), labels=shard.labels.to(self.device))
         self.optimizer = make_adam(self.discriminator, config.discriminator_optimizer)

@@ -53,7 +53,7 @@ class FederatedWorker(abc.ABC):
 
 def make_flgan_worker_gan(config: TrainingConfig, shard: Shard) -> LocalGAN:
     """An FL-GAN worker's G and D: both start from the run's initial weights; its noise is its own."""
-    gan = LocalGAN(config, shard, GeneratorSide(config))
+    gan = LocalGAN(config, shard, GeneratorSide(config, trace_as=f"G{shard.index}"))
     gan.g._noise = torch.Generator().manual_seed(derive_seed(config.seed, "flgan-noise", shard.index))
     return gan
 

@@ -85,7 +85,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mdgan import devices
+from mdgan import devices, tensor_trace
 from mdgan.algorithms.base import (Algorithm, InProcessRun, InputRejected, IterationRecord, RunResult, crashing, mean,
                                    option)
 from mdgan.algorithms.fixed_set import FixedSetTrainer
@@ -237,6 +237,7 @@ class CriticSide:
         self.device = devices.resolve(config.device)
         # All D_k start equal (the same seed as MD-GAN's D_n); the paper lets them drift apart.
         self.critic = build_discriminator(self.spec, derive_seed(config.seed, "discriminator-init")).to(self.device)
+        tensor_trace.watch(self.critic, f"D{shard.index}")
         if self.device.type != "cpu":
             shard = dataclasses.replace(shard, images=shard.images.to(self.device), labels=shard.labels.to(self.device))
         self.optimizer = make_adam(self.critic, config.discriminator_optimizer)
