@@ -251,9 +251,15 @@ class LocalCluster:
         module, *rest = argv
         process = self._context.Process(target=_run_service, args=(module, rest, self.log_path(name)),
                                         name=name, daemon=True)
-        process.start()
-        self.processes.append((name, process))
+        self._start(name, process)
         return process
+
+    def _start(self, name: str, process: multiprocessing.Process) -> None:
+        """Start the process and count it as the cluster's; a stop that comes meanwhile is handled once it is
+        (scheduling.signals_held: never between its fork and the sending of what it is to run)."""
+        with scheduling.signals_held(signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            process.start()
+            self.processes.append((name, process))
 
     def _spawn_workers(self, workers: list[tuple[str, list[str]]]) -> None:
         """Worker processes of `workers_per_process(...)` workers each: alone, a worker is an
@@ -276,9 +282,8 @@ class LocalCluster:
             process = self._context.Process(target=_run_worker_group,
                                             args=(members, self.log_path(name), self.status_path(name)),
                                             name=name, daemon=True)
-            process.start()
-            self.processes.append((name, process))
             self.groups[name] = [member for member, _ in chunk]
+            self._start(name, process)
 
     def write_targets(self, groups: list[dict]) -> None:
         """metrics_targets.json, replaced atomically (Prometheus may read it at any moment)."""

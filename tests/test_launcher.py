@@ -575,6 +575,45 @@ def test_a_taken_port_is_skipped(monkeypatch):
     assert port not in ports and port + 1 in ports and len(set(ports)) == 2
 
 
+# `mdgan local` with a SIGTERM to itself right after the fork server forked its K-th service (MDGAN_TEST_SIGTERM_AT),
+# before that service has been sent what to run
+SIGTERM_AT_START = """
+import multiprocessing.forkserver, os, signal, sys
+connect, started = multiprocessing.forkserver.connect_to_new_process, []
+def connect_then_sigterm(fds):
+    answer = connect(fds)
+    started.append(1)
+    if len(started) == int(os.environ["MDGAN_TEST_SIGTERM_AT"]):
+        signal.raise_signal(signal.SIGTERM)  # (its handler runs here and now)
+    return answer
+multiprocessing.forkserver.connect_to_new_process = connect_then_sigterm
+from mdgan_app.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["the server", "a worker"])
+def test_a_sigterm_while_a_service_starts_stops_the_cluster_once_it_has(tmp_path, at):
+    """A SIGTERM that comes between a service's fork and the sending of what it is to run (here: exactly there) is
+    handled once the service has started: the cluster stops as on any SIGTERM, with no traceback (a service sent
+    half its start printed EOFError) and no process left."""
+    command = subprocess.Popen([sys.executable, "-c", SIGTERM_AT_START, "local", "--workers", "3", "--iterations",
+                                "50", "--dataset", "synthetic", "--no-progress", "--out", str(tmp_path / "run")],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env=dict(os.environ, MDGAN_TEST_SIGTERM_AT=str(at)))
+    try:
+        out, _ = command.communicate(timeout=120)
+        assert command.returncode == 128 + signal.SIGTERM and "Traceback" not in out, out
+        assert out.strip().splitlines()[-1] == "mdgan local: SIGTERM: stopping the cluster", out
+        deadline = time.monotonic() + 30
+        while session_processes(command.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert session_processes(command.pid) == []
+    finally:
+        for pid in session_processes(command.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_stopping_the_cluster_ends_multiprocessings_helper_processes():
     # Left alone, the fork server and the resource tracker end only once the launcher's process has
     # exited (their pipes close then): for a moment they outlived `mdgan local`.

@@ -19,15 +19,18 @@ in seven comparisons within one run each) for the same CPU (0.98-1.05x; `bench/l
 
 `usable_cpus` is the CPUs a process may use (the launcher's layout starts from it); `die_with_parent`
 asks the kernel to stop a child process when its parent dies, however it dies (the services of
-`mdgan local`, the runs of `mdgan experiment --jobs`).
+`mdgan local`, the runs of `mdgan experiment --jobs`); `signals_held` keeps a stop from coming between a
+child's start and the sending of what it is to run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import platform
+import signal
 import signal
 import sys
 
@@ -100,6 +103,25 @@ def die_with_parent(parent: int | None = None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before prctl took effect
         sys.exit(1)
+
+
+@contextlib.contextmanager
+def signals_held(*signums: int, ignoring: tuple[int, ...] = ()):
+    """The block runs with `signums` held: one that comes meanwhile goes, as the block ends, to the handler that was
+    in place (which may raise there); `ignoring` are ignored meanwhile (a child started then inherits that).
+
+    For starting a child process: multiprocessing starts it, then sends it what to run; a handler that raised in
+    between (a SIGTERM, a Ctrl-C) left the child without it, and the child printed a traceback (EOFError)."""
+    held: list[int] = []
+    previous = {signum: signal.signal(signum, lambda number, frame: held.append(number)) for signum in signums}
+    previous.update({signum: signal.signal(signum, signal.SIG_IGN) for signum in ignoring})
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 def cpu_list(cpus) -> str:
