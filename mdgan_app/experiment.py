@@ -83,6 +83,7 @@ DEFAULTS = {
 # every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the parameter-server GAN's Q, ...), with their defaults
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
 DEFAULTS.update({option_key(f): f.default for f in OPTION_FIELDS})
+OPTIONS = {option_key(f): f for f in OPTION_FIELDS}
 # the keys that name a run (in this order) when they differ between runs
 NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_every", "swap_epochs",
              "swap_optimizer_state", "crash",
@@ -140,11 +141,16 @@ def load_config(path: str, _including: tuple[str, ...] = ()) -> dict:
             config = yaml.safe_load(fh) or {}
     except OSError as exc:
         raise ConfigError(f"{_including[-1] + ': base_from ' if _including else ''}{path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: not YAML{where}: {getattr(exc, 'problem', None) or exc}") from exc
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: an experiment config is a mapping (name, out, base, grid, runs, plot)")
     unknown = set(config) - {"name", "out", "base", "base_from", "grid", "runs", "plot"}
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
+    _check_shape(config, path)
     if config.get("base_from") is not None:
         parent = os.path.join(os.path.dirname(path), str(config["base_from"]))
         chain = (*_including, path)
@@ -162,6 +168,25 @@ def load_config(path: str, _including: tuple[str, ...] = ()) -> dict:
     if config["plot"] not in PLOTS:
         raise ConfigError(f"{path}: plot must be one of {', '.join(PLOTS)}")
     return config
+
+
+def _check_shape(config: dict, path: str) -> None:
+    """Each key of a config holds what it must: one clear line for the first that does not."""
+    for key in ("name", "out", "base_from", "plot"):
+        if config.get(key) is not None and not (isinstance(config[key], str) and config[key].strip()):
+            raise ConfigError(f"{path}: {key} must be a text, not {config[key]!r}")
+    for key, example in (("base", "{workers: 10, iterations: 5000}"), ("grid", "{workers: [2, 10]}")):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise ConfigError(f"{path}: {key} must be a mapping of settings, like {example}; not {config[key]!r}")
+    for key, values in (config.get("grid") or {}).items():
+        if isinstance(values, list) and not values:
+            raise ConfigError(f"{path}: grid {key} has no values")
+        if isinstance(values, dict):
+            raise ConfigError(f"{path}: grid {key} must be a value or a list of values, not a mapping")
+    runs = config.get("runs")
+    if runs is not None and not (isinstance(runs, list) and all(isinstance(run, dict) for run in runs)):
+        raise ConfigError(f"{path}: runs must be a list of mappings of settings, like "
+                          "[{algorithm: standalone, batch_size: 10}]; not " + repr(runs))
 
 
 def _keys(settings: dict | None) -> dict:
@@ -185,6 +210,7 @@ def expand(config: dict) -> list[dict]:
         unknown = set(run) - set(DEFAULTS)
         if unknown:
             raise ConfigError(f"unknown run keys {sorted(unknown)}")
+        _check_types(run)
         if run["kappa"] == "log2":
             run["kappa"] = max(1, int(math.log2(run["workers"])))
         algorithms.refuse_foreign_options(run["algorithm"], run)
@@ -201,6 +227,42 @@ def expand(config: dict) -> list[dict]:
     if len(set(names)) != len(names):
         raise ConfigError(f"two runs of the experiment are the same: {sorted(n for n in names if names.count(n) > 1)}")
     return [settings.resolved(run) for run in runs]  # (named by what was given; recorded as they train)
+
+
+# what each key takes beyond its default's type: words some keys also take, and keys whose default is None
+SPELLINGS = {"kappa": ("log2",), "swap_every": ("never",)}
+TEXT_OR_NONE = ("crash", "label", "attack")
+
+
+def _check_types(run: dict) -> None:
+    """Every value of a run of the type its key takes (a whole number where the flag takes one, true or false for a
+    switch, one of the choices): one clear line for the first that is not. A number written as YAML reads it as a
+    text (1e-4) is taken as the number."""
+    for key, value in list(run.items()):
+        setting, option = settings.SETTINGS.get(key), OPTIONS.get(key)
+        kind = (setting.kind if setting is not None else option.metadata.get("type", type(option.default))
+                if option is not None else type(DEFAULTS[key]) if DEFAULTS[key] is not None else str)
+        optional = (setting.optional if setting is not None else DEFAULTS[key] is None) or key == "swap_every"
+        if (value is None and optional) or value in SPELLINGS.get(key, ()):
+            continue
+        if key == "series" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            continue
+        if kind is float and isinstance(value, str):  # (YAML reads 1e-4, without a dot, as a text)
+            try:
+                value = run[key] = float(value)
+            except ValueError:
+                pass
+        fits = (isinstance(value, bool) if kind is bool else
+                isinstance(value, int) and not isinstance(value, bool) if kind is int else
+                isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+                isinstance(value, str))
+        if not fits:
+            words = {bool: "true or false", int: "a whole number", float: "a number", str: "a text"}[kind]
+            also = "".join(f" or {w!r}" for w in SPELLINGS.get(key, ())) + (" or null" if optional else "")
+            raise ConfigError(f"{key} must be {words}{also}, not {value!r}")
+        choices = setting.choices if setting is not None else option.metadata.get("choices") if option else None
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, not {value!r}")
 
 
 def training_config(run: dict) -> TrainingConfig:
@@ -723,13 +785,12 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
     elif todo:
         # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
         # The children start with Ctrl-C ignored (an ignored signal stays ignored across exec): one that
-        # came while a child was still importing torch printed its KeyboardInterrupt traceback
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # came while a child was still importing torch printed its KeyboardInterrupt traceback. A SIGTERM
+        # that comes while they start is handled once they have (scheduling.signals_held).
+        pool = None
         try:
-            pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        try:
+            with scheduling.signals_held(signal.SIGTERM, ignoring=(signal.SIGINT,)):
+                pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
             for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
                 bar.set_postfix_str(f"finished {name}")  # a failed run raises here
                 if keep:
@@ -740,10 +801,12 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
         except BaseException:
             # a failed run, Ctrl-C or SIGTERM: the runs under way stop now (waiting for them could
             # take hours); they and those not started are run again by a resume
-            pool.terminate()
+            if pool is not None:
+                pool.terminate()
             raise
         finally:
-            pool.join()
+            if pool is not None:
+                pool.join()
     bar.close()
     rows, plots = tabulate(config, runs, out)
     result = {"out": out, "runs": len(runs), "ran": len(todo), "rows": len(rows), "plots": plots}

@@ -1,6 +1,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,42 @@ def test_bad_configs_are_refused(tmp_path):
         expand(load_config(_write(tmp_path, {"runs": [{"workerz": 3}]})))
     with pytest.raises(ConfigError, match="the same"):
         expand(load_config(_write(tmp_path, {"runs": [{"workers": 3}, {"workers": 3}]})))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base: {workers: 2\nruns: [{}]\n", r"not YAML \(line 2, column 5\): expected ',' or '}'"),
+    ("runs: {x: {workers: 2}}\n", "runs must be a list of mappings"),
+    ("base: [workers, 2]\nruns: [{}]\n", "base must be a mapping of settings"),
+    ("grid: {workers: []}\n", "grid workers has no values"),
+    ("out: 5\nruns: [{}]\n", "out must be a text"),
+    ("base: {workers: ten}\nruns: [{}]\n", "workers must be a whole number, not 'ten'"),
+    ("runs: [{iterations: 2.5}]\n", "iterations must be a whole number, not 2.5"),
+    ("runs: [{swap_optimizer_state: 1}]\n", "swap_optimizer_state must be true or false, not 1"),
+    ("runs: [{wire_dtype: float64}]\n", "wire_dtype must be one of float32, float16, bfloat16, int8"),
+    ("runs: [{kappa: log3}]\n", "kappa must be a whole number or 'log2', not 'log3'"),
+    ("runs: [{swap_every: sometimes}]\n", "swap_every must be a whole number or 'never' or null"),
+    ("runs: [{gen_lr: fast}]\n", "gen_lr must be a number, not 'fast'"),
+    ("runs: [{algorithm: pwgan, potential_rounds: 2.5}]\n", "potential_rounds must be a whole number"),
+    ("runs: [{crash: 5}]\n", "crash must be a text or null, not 5"),
+])
+def test_a_config_of_the_wrong_shape_or_types_is_refused_in_one_line(tmp_path, text, message):
+    """`mdgan experiment` (a real process) on a config that is not YAML, holds a key of the wrong shape or a value
+    of the wrong type: exit 2, one line naming the key and what it takes, and nothing written."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + f"name: bad\n" + ("" if text.startswith("out:") else f"out: {tmp_path / 'out'}\n"))
+    done = subprocess.run([sys.executable, "-m", "mdgan_app.cli", "experiment", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and re.search(message, done.stderr), done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["bad.yaml"]
+
+
+def test_numbers_yaml_reads_as_texts_and_the_keys_words_are_taken(tmp_path):
+    """1e-4 (YAML reads a number without a dot as a text) is the number; log2, never and null where a key takes
+    them."""
+    runs = expand(load_config(_write(tmp_path, {"runs": [{"gen_lr": "1e-4", "kappa": "log2", "workers": 4,
+                                                          "swap_every": "never", "dp_noise_multiplier": None}]})))
+    assert runs[0]["gen_lr"] == 0.0001 and runs[0]["kappa"] == 2 and runs[0]["swap_every"] == "never"
 
 
 def test_every_shipped_experiment_config_expands():
@@ -218,6 +255,36 @@ def test_stopping_a_parallel_experiment_stops_its_runs_quietly(tmp_path, how):
     finally:
         for pid in session_processes(command.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# `mdgan experiment` with a SIGTERM to itself right after its first run process is started, before that process has
+# been sent what to run
+SIGTERM_AT_FIRST_SPAWN = """
+import multiprocessing.util, signal, sys
+spawn = multiprocessing.util.spawnv_passfds
+def spawn_then_sigterm(path, args, passfds, sent=[]):
+    pid = spawn(path, args, passfds)
+    if not sent and "--multiprocessing-fork" in args:  # (a run's process; not the resource tracker)
+        sent.append(pid)
+        signal.raise_signal(signal.SIGTERM)  # (its handler runs here and now)
+    return pid
+multiprocessing.util.spawnv_passfds = spawn_then_sigterm
+from mdgan_app.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_while_the_runs_processes_start_waits_until_they_have(tmp_path):
+    """A SIGTERM that comes between a run process's start and the sending of what it is to run (here: exactly
+    there) is handled once every process has started: the experiment stops as on any SIGTERM, and no process
+    prints a traceback (one that was sent half its start printed EOFError)."""
+    path = _write(tmp_path, {"out": str(tmp_path / "out"), "base": {
+        "dataset": "synthetic", "iterations": 100000, "workers": 2, "batch_size": 5, "eval_every": -1},
+        "runs": [{"kappa": 1}, {"kappa": 2}]})
+    done = subprocess.run([sys.executable, "-c", SIGTERM_AT_FIRST_SPAWN, "experiment", path, "--jobs", "2",
+                           "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "mdgan experiment: SIGTERM: stopped; run it again to resume"
 
 
 def test_an_experiments_runs_take_the_flags_names_too():
