@@ -176,7 +176,21 @@ def final_discriminator(state_dir: str, run_id: str | None) -> dict | None:
             return None
         run_id = runs[-1].name
     path = os.path.join(kept, run_id, checkpoint.FINAL_DISCRIMINATOR_FILE)
-    return checkpoint.load(path) if os.path.exists(path) else None
+    return _read(path, ("discriminator", "worker_id")) if os.path.exists(path) else None
+
+
+def _read(path: str, keys: tuple[str, ...]) -> dict:
+    """A discriminators' file a run or a worker wrote, with these keys; ConfigError, in one line, for anything
+    else (a truncated file, another program's)."""
+    from mdgan import checkpoint
+
+    try:
+        found = checkpoint.load(path)
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(str(exc).splitlines()[0][:400]) from None
+    if not isinstance(found, dict) or any(key not in found for key in keys):
+        raise ConfigError(f"{path}: not the discriminators a run keeps (no {', '.join(keys)})")
+    return found
 
 
 def load_discriminators(run_dir: str, config: TrainingConfig, run_id: str | None = None) -> dict[str, dict] | None:
@@ -187,7 +201,10 @@ def load_discriminators(run_dir: str, config: TrainingConfig, run_id: str | None
 
     path = os.path.join(run_dir, "discriminators.pt")
     if os.path.exists(path):
-        return checkpoint.load(path)["discriminators"]
+        saved = _read(path, ("discriminators",))["discriminators"]
+        if not isinstance(saved, dict):
+            raise ConfigError(f"{path}: not the discriminators a run keeps (worker id -> state)")
+        return saved
     root = os.path.join(run_dir, "workers")
     found = {}
     if run_id and os.path.isdir(root):
@@ -273,18 +290,31 @@ class SiteMembers:
     labels: torch.Tensor
 
 
+def _discriminator(spec, state, worker: str) -> torch.nn.Module:
+    """The run's discriminator network holding a worker's kept state; ConfigError when it is not one of its."""
+    from mdgan.models import build_discriminator
+
+    disc = build_discriminator(spec, 0)
+    try:
+        disc.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as exc:  # (another network's, or not a state at all)
+        raise ConfigError(f"{worker}'s kept discriminator is not this run's network: "
+                          f"{' '.join(str(exc).split())[:300]}") from None
+    return disc
+
+
 def _attack(run, sites: list[SiteMembers], held_images: torch.Tensor,
             held_labels: torch.Tensor, discriminators: dict | None, nonmember_source: str,
             settings: AuditSettings) -> dict:
     """Every attack on every site, against non-members
     drawn from the held-out images: the report."""
-    from mdgan.models import build_discriminator
-
     summary = run.summary
     algorithm = summary.get("algorithm", "mdgan")
+    spec = run.generator.spec
+    attacked = {worker: _discriminator(spec, state, worker) for worker, state in (discriminators or {}).items()
+                if any(site.worker == worker for site in sites)}  # (each checked before any attack runs)
     nonmember_pick = _pick(settings.nonmembers, len(held_labels), settings.seed + 1)
     non_images, non_labels = held_images[nonmember_pick], held_labels[nonmember_pick]
-    spec = run.generator.spec
     noise = torch.Generator().manual_seed(settings.seed + 2)
     z = torch.randn(settings.generated, spec.latent_dim, generator=noise)
     fake_labels = torch.arange(settings.generated) % spec.num_classes if spec.conditional else None
@@ -303,9 +333,8 @@ def _attack(run, sites: list[SiteMembers], held_images: torch.Tensor,
         site = {"members": len(pick), "nonmembers": len(nonmember_pick), "attacks": {}}
         member_scores = {"g_distance": generator_distance_scores(generated, images)}
         nonmember_scores = {"g_distance": non_g}
-        if discriminators is not None and worker in discriminators:
-            disc = build_discriminator(spec, 0)
-            disc.load_state_dict(discriminators[worker])
+        if worker in attacked:
+            disc = attacked[worker]
             member_scores.update(discriminator_scores(disc, spec.conditional, images, labels))
             nonmember_scores.update(discriminator_scores(disc, spec.conditional, non_images, non_labels))
         for attack in ATTACKS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 
 import numpy as np
 import torch
@@ -25,12 +26,38 @@ def load_generator(run_dir: str, device: str | torch.device = "cpu") -> torch.nn
     path = os.path.join(run_dir, "checkpoint.pt")
     if not os.path.exists(path):
         raise ConfigError(f"no checkpoint.pt in {run_dir}: is it the folder of a finished run (--out)?")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # our own file, plain tensors and dicts
-    model = dict(checkpoint["config"]["model"])
-    model["sample_shape"] = tuple(model["sample_shape"])
-    generator = build_generator(ModelSpec(**model), seed=0)
-    generator.load_state_dict(checkpoint["generator"])
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only
+        model = dict(checkpoint["config"]["model"])
+        model["sample_shape"] = tuple(model["sample_shape"])
+        generator = build_generator(ModelSpec(**model), seed=0)
+        generator.load_state_dict(checkpoint["generator"])
+    except (pickle.UnpicklingError, EOFError, OSError) as exc:  # (torch's words suggest an unsafe load: not said)
+        raise ConfigError(f"{path}: unreadable, truncated or not a checkpoint mdgan wrote "
+                          f"({type(exc).__name__})") from None
+    except Exception as exc:  # not a run's (or a damaged archive), or its generator not the one its config names
+        raise ConfigError(f"{path}: not a run's generator checkpoint ({_first_line(exc)})") from None
     return generator.eval().to(device)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def read_summary(run_dir: str) -> dict:
+    """A finished run's summary.json, with its config; ConfigError, in one line, for anything else."""
+    path = os.path.join(run_dir, "summary.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"no summary.json in {run_dir}: is it the folder of a finished run (--out)?") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a run's summary (not JSON: {exc})") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("config"), dict):
+        raise ConfigError(f"{path}: not a run's summary (no config)")
+    return summary
 
 
 @dataclass
@@ -74,12 +101,12 @@ class Run:
 
 def load_run(path: str, device: str | torch.device = "cpu") -> Run:
     """A finished run from its folder (what `mdgan local|simulate --out` wrote), on CPU or CUDA."""
+    summary = read_summary(path)
     try:
-        with open(os.path.join(path, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"no summary.json in {path}: is it the folder of a finished run (--out)?") from None
-    return Run(path, load_generator(path, device), TrainingConfig.from_dict(summary["config"]), summary)
+        config = TrainingConfig.from_dict(summary["config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{os.path.join(path, 'summary.json')}: not a run's config ({_first_line(exc)})") from None
+    return Run(path, load_generator(path, device), config, summary)
 
 
 def sample_run(run_dir: str, n: int, out: str, seed: int = 0) -> int:

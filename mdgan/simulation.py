@@ -140,9 +140,11 @@ def simulate(config: TrainingConfig, data: DataConfig, out_dir: str, progress: b
     extra = {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
              "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
              "worker_sizes": {f"worker-{s.index}": len(s) for s in shards},
-             # what `mdgan audit` needs to recover each worker's members
-             "data": None if site_dirs else dataclasses.asdict(replace(data, num_shards=config.workers)),
-             "site_dirs": site_dirs}
+             # what `mdgan audit` needs to recover each worker's members, from wherever it is run
+             "data": None if site_dirs else dataclasses.asdict(replace(
+                 data, num_shards=config.workers,
+                 data_root=None if data.data_root is None else os.path.abspath(data.data_root))),
+             "site_dirs": os.path.abspath(site_dirs) if site_dirs else None}
     if stop_after is not None:
         extra["stop_after"] = stop_after
     if options is not None:  # the options its traffic formula (`mdgan traffic`) and its record need

@@ -36,6 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mdgan.algorithms import ALGORITHMS
 from mdgan.algorithms.base import DIRECTIONS
 from mdgan.algorithms.traffic import discriminator_state_bytes
+from mdgan.config import ConfigError
+from mdgan.sampling import read_summary
 
 ARROWS = {"server_to_worker": "C->W", "worker_to_server": "W->C", "worker_to_worker": "W->W"}
 # which process kind sends and which receives, per direction
@@ -60,15 +62,28 @@ def _sum(values: dict, metric: str, direction: str, side: str) -> int:
     return int(sum(v for (m, d, s, _), v in values.items() if m == metric and d == direction and s == side))
 
 
+def _records(path: str) -> list[dict]:
+    """A run's JSON-lines file (history.jsonl, swaps.jsonl); ConfigError naming the line that is not one."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise ConfigError(f"{path} line {number}: not a run's record ({exc})") from None
+                if not isinstance(record, dict):
+                    raise ConfigError(f"{path} line {number}: not a run's record")
+                records.append(record)
+    return records
+
+
 def traffic_report(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
-        summary = json.load(fh)
-    with open(os.path.join(run_dir, "history.jsonl"), encoding="utf-8") as fh:
-        history = [json.loads(line) for line in fh if line.strip()]
+    summary = read_summary(run_dir)
+    history = _records(os.path.join(run_dir, "history.jsonl"))
     swaps = []
     if os.path.exists(os.path.join(run_dir, "swaps.jsonl")):
-        with open(os.path.join(run_dir, "swaps.jsonl"), encoding="utf-8") as fh:
-            swaps = [json.loads(line) for line in fh if line.strip()]
+        swaps = _records(os.path.join(run_dir, "swaps.jsonl"))
     files = sorted(glob.glob(os.path.join(run_dir, "metrics", "*.prom")))
     if not files:
         raise FileNotFoundError(f"no metrics/*.prom in {run_dir}: was it a `mdgan local` run?")

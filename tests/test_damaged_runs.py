@@ -1,0 +1,117 @@
+"""A run's folder that was damaged (a truncated copy, another program's file, a hand edit) is refused by the commands
+that read one (`mdgan score`, `sample`, `audit`, `traffic`, and `mdgan.load_run`) in one line naming the file, with
+exit status 2, never a traceback, and nothing is written into it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from mdgan.config import ConfigError
+from mdgan.sampling import load_run
+
+RUN = ["--workers", "2", "--iterations", "4", "--dataset", "synthetic", "--max-samples", "100", "--eval-every", "-1",
+       "--no-progress", "--save-discriminators"]
+SMALL_AUDIT = ["--members", "20", "--nonmembers", "20", "--generated", "50", "--bootstrap", "5"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from mdgan_app.cli import main
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["simulate", *RUN, "--out", str(out)]) == 0
+    return out
+
+
+def _truncate(path: str, keep: int = 1000) -> None:
+    with open(path, "rb") as fh:
+        head = fh.read(keep)
+    with open(path, "wb") as fh:
+        fh.write(head)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+DAMAGES = {  # what is damaged: (the file, how, what the refusal says)
+    "checkpoint truncated": ("checkpoint", lambda run: _truncate(os.path.join(run, "checkpoint.pt")),
+                             r"checkpoint.pt: (unreadable, truncated|not a run's generator checkpoint)"),
+    "checkpoint of random bytes": ("checkpoint", lambda run: _write(os.path.join(run, "checkpoint.pt"), "garbage"),
+                                   r"checkpoint.pt: unreadable, truncated or not a checkpoint mdgan wrote"),
+    "checkpoint of another shape": ("checkpoint", lambda run: torch.save([1, 2], os.path.join(run, "checkpoint.pt")),
+                                    r"checkpoint.pt: not a run's generator checkpoint \(TypeError"),
+    "summary not JSON": ("summary", lambda run: _write(os.path.join(run, "summary.json"), "{"),
+                         r"summary.json: not a run's summary \(not JSON"),
+    "summary without its config": ("summary", lambda run: _write(os.path.join(run, "summary.json"), "[1, 2]"),
+                                   r"summary.json: not a run's summary \(no config\)"),
+    "discriminators truncated": ("discriminators", lambda run: _truncate(os.path.join(run, "discriminators.pt")),
+                                 r"discriminators.pt: unreadable checkpoint"),
+    "discriminators of another program": (
+        "discriminators", lambda run: torch.save({"x": 1}, os.path.join(run, "discriminators.pt")),
+        r"discriminators.pt: not the discriminators a run keeps"),
+    "a discriminator of another network": (
+        "discriminators", lambda run: torch.save({"discriminators": {"worker-0": {"a": torch.zeros(2)}}},
+                                                 os.path.join(run, "discriminators.pt")),
+        r"worker-0's kept discriminator is not this run's network: .*Unexpected key\(s\) in state_dict: \"a\""),
+    "a history line not JSON": ("history", lambda run: _append(os.path.join(run, "history.jsonl"), '{"iteration":\n'),
+                                r"history.jsonl line 5: not a run's record"),
+}
+# which commands read which file
+READERS = {"checkpoint": ["score", "sample", "audit"], "summary": ["audit", "traffic"],
+           "discriminators": ["audit"], "history": ["traffic"]}
+CASES = [pytest.param(damage, command, message, id=f"{command}-{damage.replace(' ', '-')}")
+         for damage, (file, _, message) in DAMAGES.items() for command in READERS[file]]
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+@pytest.mark.parametrize("damage, command, message", CASES)
+def test_a_damaged_run_is_refused_in_one_line_and_left_as_it_was(tmp_path, capsys, finished_run, damage, command,
+                                                                  message):
+    from mdgan_app.cli import main
+
+    run = str(tmp_path / "run")
+    shutil.copytree(finished_run, run)
+    if command == "traffic":  # (the counters `mdgan local` leaves, which traffic reads after the history)
+        os.makedirs(os.path.join(run, "metrics"))
+        _write(os.path.join(run, "metrics", "server.prom"), "")
+    DAMAGES[damage][1](run)
+    before = sorted(os.listdir(run))
+    extra = {"sample": ["--out", str(tmp_path / "samples.png")], "audit": SMALL_AUDIT}.get(command, [])
+    code = main([command, run, *extra])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(message, lines[0]), lines[0]
+    assert sorted(os.listdir(run)) == before and not os.path.exists(tmp_path / "samples.png")
+
+
+def test_load_run_refuses_a_damaged_run_with_a_config_error(tmp_path, finished_run):
+    run = str(tmp_path / "run")
+    shutil.copytree(finished_run, run)
+    assert load_run(run).config.workers == 2
+    _write(os.path.join(run, "summary.json"), '{"config": {"workers": "two", "model": 5}}')
+    with pytest.raises(ConfigError, match=r"summary.json: not a run's config"):
+        load_run(run)
+
+
+def test_a_simulated_run_records_where_its_data_is_from_anywhere(tmp_path, monkeypatch, finished_run):
+    """`mdgan audit` recovers a run's members from the data it records: a relative --data-root is recorded as the
+    folder it named, so that an audit from another folder finds it."""
+    from mdgan_app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data")
+    assert main(["simulate", *RUN, "--data-root", "data", "--out", "run"]) == 0
+    summary = load_run("run").summary
+    assert summary["data"]["data_root"] == str(tmp_path / "data")
