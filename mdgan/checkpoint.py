@@ -114,8 +114,31 @@ def load(path: str):
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint file") from None
-    except Exception as exc:  # truncated, or not ours: say which file
-        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from exc
+    except Exception as exc:  # truncated, or not ours: say which file (torch's words, in short)
+        said = " ".join(str(exc).split())
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: "
+                              f"{said[:150] + '...' if len(said) > 150 else said})") from exc
+
+
+def read_identity(out_dir: str) -> dict:
+    """A run directory's identity ({"run_id", "config", ...}); CheckpointError, in one line, when it is not one."""
+    path = os.path.join(out_dir, RUN_FILE)
+    try:
+        identity = read_json(path)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a run's identity (not JSON: {exc})") from None
+    if not (isinstance(identity, dict) and isinstance(identity.get("run_id"), str)
+            and isinstance(identity.get("config"), dict)):
+        raise CheckpointError(f"{path}: not a run's identity (no run_id and config)")
+    from mdgan.config import TrainingConfig
+
+    try:
+        TrainingConfig.from_dict(identity["config"]).validate()
+        if not all(type(identity["config"][key]) is int for key in ("workers", "iterations")):
+            raise TypeError("workers and iterations must be whole numbers")
+    except (KeyError, TypeError, ValueError) as exc:  # (ConfigError is a ValueError)
+        raise CheckpointError(f"{path}: not a run's identity (its config: {type(exc).__name__}: {exc})") from None
+    return identity
 
 
 class CheckpointStore:

@@ -482,7 +482,7 @@ def plan_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: s
     path = os.path.join(out_dir, checkpoint.RUN_FILE)
     finished = is_finished(out_dir)
     if resume != "no" and os.path.exists(path) and not finished:
-        saved = checkpoint.read_json(path)
+        saved = checkpoint.read_identity(out_dir)
         if run_id is not None and run_id != saved["run_id"]:
             raise CheckpointError(f"{out_dir} holds run {saved['run_id']!r}, not run {run_id!r}")
         saved_config = replace(TrainingConfig.from_dict(saved["config"]), device=config.device)
@@ -493,9 +493,15 @@ def plan_run(out_dir: str, config: TrainingConfig, resume: str = "no", run_id: s
         if latest is None:  # stopped before its first complete checkpoint: the same run, from the start
             log.warning("run %s has no complete checkpoint: starting it again from iteration 0", saved["run_id"])
             return RunStart(saved["run_id"], saved_config, 0, None)
-        state = store.load(latest, "server")
-        if state.get("run_id") != saved["run_id"]:
-            raise CheckpointError(f"checkpoint {latest} in {out_dir} belongs to run {state.get('run_id')!r}")
+        try:
+            state = store.load(latest, "server")
+        except CheckpointError as exc:  # (damaged after it was written whole: the one before it may be whole)
+            raise CheckpointError(f"{exc}; to resume from the checkpoint before it, remove {store.folder(latest)}") \
+                from None
+        if not isinstance(state, dict) or state.get("run_id") != saved["run_id"]:
+            found = state.get("run_id") if isinstance(state, dict) else None
+            raise CheckpointError(f"checkpoint {latest} in {out_dir} belongs to run {found!r}, not to this run "
+                                  f"{saved['run_id']!r}")
         log.info("resuming run %s from its checkpoint at iteration %d", saved["run_id"], latest)
         return RunStart(saved["run_id"], saved_config, latest, state)
     if resume == "yes":

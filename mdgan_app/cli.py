@@ -709,6 +709,15 @@ def build_certs_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_status_of(exc: Exception) -> int | None:
+    """2: a bad setting or input (ConfigError, a damaged or foreign checkpoint); 1: the system's refusal (OSError);
+    None: neither. (mdgan.checkpoint imports torch, which `mdgan certs` never loads: asked only once imported.)"""
+    checkpoints = sys.modules.get("mdgan.checkpoint")
+    if isinstance(exc, ConfigError) or (checkpoints is not None and isinstance(exc, checkpoints.CheckpointError)):
+        return 2
+    return 1 if isinstance(exc, OSError) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     tokens = sys.argv[1:] if argv is None else list(argv)
     # `mdgan certs` runs where the certificates are made (a compose one-shot, a chart's hook Job, a
@@ -724,12 +733,15 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     try:
         return args.func(args)
-    except (ConfigError, OSError) as exc:
-        # A bad value found while running (a data file, a flag combination; 2), or the system's
-        # refusal (a folder that cannot be made, a full disk; 1): said under the subcommand's name,
-        # without the top-level usage banner that would say nothing about it.
+    except Exception as exc:
+        # A bad value found while running (a data file, a flag combination, a damaged checkpoint; 2), or the
+        # system's refusal (a folder that cannot be made, a full disk; 1): said under the subcommand's name,
+        # without the top-level usage banner that would say nothing about it. Anything else is a bug: its traceback.
+        status = _exit_status_of(exc)
+        if status is None:
+            raise
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return status
     except KeyboardInterrupt:  # Ctrl-C in a command that runs in this process (`local` stops its cluster itself)
         print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -101,13 +101,15 @@ def take_launch_settings(args) -> None:
     timeouts, security...), but for what this command gives (a moved --data-root, --threads, ...).
     Before, only its workers and iterations were taken: a run of synthetic data or another data root
     resumed with the defaults' data (or failed), and without --checkpoint-every never checkpointed again."""
-    from mdgan.checkpoint import RUN_FILE, read_json
+    from mdgan.checkpoint import RUN_FILE, CheckpointError, read_identity
 
     args.out = args.resume
     try:
-        saved = read_json(os.path.join(args.resume, RUN_FILE))
+        saved = read_identity(args.resume)
     except FileNotFoundError:
         raise ConfigError(f"--resume {args.resume}: no run to resume there (no {RUN_FILE})") from None
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume {args.resume}: {exc}") from None
     launched, name = _read_launch_settings(args)
     if not isinstance(launched, dict):
         raise ConfigError(f"--resume {args.resume}: {name} holds no settings (a JSON object is expected)")

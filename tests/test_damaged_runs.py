@@ -1,6 +1,6 @@
 """A run's folder that was damaged (a truncated copy, another program's file, a hand edit) is refused by the commands
-that read one (`mdgan score`, `sample`, `audit`, `traffic`, and `mdgan.load_run`) in one line naming the file, with
-exit status 2, never a traceback, and nothing is written into it."""
+that read one (`mdgan score`, `sample`, `audit`, `traffic`, `mdgan.load_run`, and `--resume` of a stopped run) in one
+line naming the file, with exit status 2, never a traceback, and nothing is written into it."""
 
 from __future__ import annotations
 
@@ -115,3 +115,91 @@ def test_a_simulated_run_records_where_its_data_is_from_anywhere(tmp_path, monke
     assert main(["simulate", *RUN, "--data-root", "data", "--out", "run"]) == 0
     summary = load_run("run").summary
     assert summary["data"]["data_root"] == str(tmp_path / "data")
+
+
+def _files(folder) -> dict[str, bytes]:
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as fh:
+                found[os.path.relpath(os.path.join(root, name), folder)] = fh.read()
+    return found
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A run with checkpoints whose end was not recorded (its summary.json gone): what --resume continues."""
+    from mdgan_app.cli import main
+
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    assert main(["simulate", "--workers", "2", "--iterations", "6", "--dataset", "synthetic", "--eval-every", "-1",
+                 "--no-progress", "--checkpoint-every", "2", "--out", str(out)]) == 0
+    os.remove(out / "summary.json")
+    return out
+
+
+def _latest_server_checkpoint(run: str) -> str:
+    latest = max(os.listdir(os.path.join(run, "checkpoints")))
+    return os.path.join(run, "checkpoints", latest, "server.pt")
+
+
+def _identity(run: str, change) -> None:
+    import json
+
+    path = os.path.join(run, "run_identity.json")
+    with open(path, encoding="utf-8") as fh:
+        identity = json.load(fh)
+    change(identity)
+    _write(path, json.dumps(identity))
+
+
+def _other_runs_checkpoint(run: str) -> None:
+    path = _latest_server_checkpoint(run)
+    state = torch.load(path, weights_only=True)
+    state["run_id"] = "another"
+    torch.save(state, path)
+
+
+RESUME_DAMAGES = {
+    "identity not JSON": (lambda run: _write(os.path.join(run, "run_identity.json"), "{"),
+                          r"run_identity.json: not a run's identity \(not JSON"),
+    "identity without a run": (lambda run: _write(os.path.join(run, "run_identity.json"), "[1]"),
+                               r"run_identity.json: not a run's identity \(no run_id and config\)"),
+    "identity's config damaged": (lambda run: _identity(run, lambda d: d["config"].update(workers="two")),
+                                  r"run_identity.json: not a run's identity \(its config: TypeError"),
+    "identity's config out of range": (lambda run: _identity(run, lambda d: d["config"].update(batch_size=-3)),
+                                       r"run_identity.json: not a run's identity \(its config: ConfigError: "
+                                       r"--batch-size must be at least 1"),
+    "latest checkpoint truncated": (lambda run: _truncate(_latest_server_checkpoint(run)),
+                                    r"server.pt: unreadable checkpoint \(.*\); to resume from the checkpoint before "
+                                    r"it, remove .*checkpoints/000000006$"),
+    "latest checkpoint another run's": (_other_runs_checkpoint,
+                                        r"checkpoint 6 in .* belongs to run 'another', not to this run"),
+}
+
+
+def test_a_stopped_run_resumes(tmp_path, stopped_run):
+    from mdgan_app.cli import main
+
+    run = str(tmp_path / "run")
+    shutil.copytree(stopped_run, run)
+    assert main(["simulate", "--resume", run, "--no-progress"]) == 0
+    assert load_run(run).summary["iterations"] == 6
+
+
+@pytest.mark.parametrize("damage", list(RESUME_DAMAGES))
+def test_resuming_a_damaged_run_is_refused_in_one_line_and_leaves_it_as_it_was(tmp_path, capsys, stopped_run,
+                                                                                damage):
+    from mdgan_app.cli import main
+
+    run = str(tmp_path / "run")
+    shutil.copytree(stopped_run, run)
+    change, message = RESUME_DAMAGES[damage]
+    change(run)
+    before = _files(run)
+    code = main(["simulate", "--resume", run, "--no-progress"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(message, lines[0]), lines[0]
+    assert _files(run) == before
