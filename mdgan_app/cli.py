@@ -437,6 +437,8 @@ def cmd_audit(args) -> int:
 
 def add_certs_command(sub) -> None:
     """`mdgan certs`: needs none of the training code (main builds only this for it: no torch to import)."""
+    from services.common.settings import certificate_days, served_port
+
     certs = sub.add_parser("certs", env_prefix=None, help="Provision a run's CA and the certificates of its server and workers.",
                            description="A CA in DIR (ca.crt, ca.key), then one key and certificate per identity "
                                        "in DIR/NAME/ (tls.crt, tls.key, ca.crt): the --tls-* files of the services.")
@@ -469,7 +471,7 @@ def add_certs_command(sub) -> None:
                           "certificate is made valid for HOST)")
     kit.add_argument("--slot", default="assign",
                      help="a site's rank in the run: a number, or 'assign' (default: the server gives the lowest free one)")
-    kit.add_argument("--metrics-port", type=int, default=None, help="the /metrics port (default: 9101 a site, 9100 the server)")
+    kit.add_argument("--metrics-port", type=served_port, default=None, help="the /metrics port (default: 9101 a site, 9100 the server)")
     kit.add_argument("--workers", type=int, default=None,
                      help="the server's kit: the number of sites (default: the sites that have a kit in PKI)")
     kit.add_argument("--out", default=None, help="the kit's folder (default: PKI/kits/NAME)")
@@ -491,7 +493,7 @@ def add_certs_command(sub) -> None:
     secrets.add_argument("--token-file", default=None, help="default: the pod's service-account token")
     secrets.add_argument("--api-ca", default=None, help="default: the pod's service-account CA")
     for p in (init, issue, kit, secrets):
-        p.add_argument("--days", type=int, default=365, help="validity in days")
+        p.add_argument("--days", type=certificate_days, default=365, help="validity in days")
     for p in (init, issue, kit):
         p.add_argument("--overwrite", action="store_true", help="replace existing files")
     certs.set_defaults(func=cmd_certs)

@@ -160,3 +160,23 @@ def test_mdgan_certs_runs_without_the_training_code(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[0, 0] False", done.stdout
     assert os.path.isfile(os.path.join(pki, "site-a", "tls.crt"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mdgan_app.cli", "certs", "init", "{pki}", "--days", "0"], r"--days: a number of days from 1 to 36,500, got 0"),
+    (["mdgan_app.cli", "certs", "init", "{pki}", "--days", "99999999"],
+     r"--days: a number of days from 1 to 36,500, got 99999999"),
+    (["mdgan_app.cli", "certs", "kit", "{pki}", "site-a", "--server-address", "srv:50051", "--metrics-port", "99999"],
+     r"--metrics-port: a port from 1 to 65535, got 99999"),
+    (["services.server", "--port", "50051", "--insecure", "--out", "{pki}"], r"unrecognized arguments: --port 50051"),
+    (["mdgan_app.cli", "simulate", "--iter", "3", "--dataset", "synthetic", "--out", "{pki}"],
+     r"unrecognized arguments: --iter 3"),
+])
+def test_a_flag_out_of_range_or_cut_short_is_refused_before_anything_is_written(tmp_path, run, argv, message):
+    """A certificate valid for no day or past X.509's dates, a port no one can reach; and a flag cut short, which
+    argparse took for the one it begins (`--port 50051` was --port-file: a server on another port, and a file
+    named 50051): each refused in one line (exit 2), and nothing written."""
+    folder = tmp_path / "made"
+    result = run([part.replace("{pki}", str(folder)) for part in argv])
+    assert result.returncode == 2 and re.search(message, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr and not folder.exists()

@@ -131,6 +131,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args, env_prefix: str | None = ENV_PREFIX, config_file: bool = False, **kwargs):
+        # A flag is taken only whole: with abbreviations, `--port 50051` was --port-file (a server on the default
+        # port, and a file named 50051), and a flag added later could change what an old command line means.
+        kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("epilog", EXIT_CODES)
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
@@ -525,6 +528,19 @@ def dial_address(text: str) -> str:
 
 def port_number(text: str) -> int:
     return _whole_number(text, 0, 65535, "a port from 0 to 65535")
+
+
+def served_port(text: str) -> int:
+    """A port others connect to (a kit's /metrics): 1 to 65535."""
+    return _whole_number(text, 1, 65535, "a port from 1 to 65535")
+
+
+CERTIFICATE_DAYS = 36_500  # a certificate's longest validity: a hundred years (X.509 dates end in 9999)
+
+
+def certificate_days(text: str) -> int:
+    """--days: how long a certificate is valid, 1 day to a hundred years."""
+    return _whole_number(text, 1, CERTIFICATE_DAYS, f"a number of days from 1 to {CERTIFICATE_DAYS:,}")
 
 
 def log_level(text: str) -> str:
