@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -109,6 +110,19 @@ def load_run(path: str, device: str | torch.device = "cpu") -> Run:
     return Run(path, load_generator(path, device), config, summary)
 
 
+@contextlib.contextmanager
+def _memory_for(n: int, spec: ModelSpec):
+    """Drawing n samples at once: where memory runs out, one line saying how much they need."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        if not isinstance(exc, MemoryError) and "alloc" not in str(exc) and "out of memory" not in str(exc):
+            raise
+        need = n * (spec.latent_dim + spec.sample_size) * 4
+        raise ConfigError(f"--n {n:,}: not enough memory to draw that many samples at once (about {need / 1e9:.1f} "
+                          "GB); draw fewer, several times with other --seed values") from None
+
+
 def sample_run(run_dir: str, n: int, out: str, seed: int = 0) -> int:
     """Writes n samples; ACGAN classes are balanced (n/C each, the rest from the first classes)."""
     if n < 1:
@@ -116,11 +130,12 @@ def sample_run(run_dir: str, n: int, out: str, seed: int = 0) -> int:
     generator = load_generator(run_dir)
     spec = generator.spec
     rng = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, spec.latent_dim, generator=rng)  # (n, l)
+    with _memory_for(n, spec):
+        z = torch.randn(n, spec.latent_dim, generator=rng)  # (n, l)
     labels = torch.arange(n) % spec.num_classes if spec.conditional else None  # (n,)
     if labels is not None:
         labels = labels.sort().values  # grouped by class: rows of a grid read as classes
-    with torch.no_grad():
+    with torch.no_grad(), _memory_for(n, spec):
         samples = generator(z, labels)  # (n, d) in [-1, 1]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     if out.endswith(".npy"):

@@ -203,3 +203,16 @@ def test_resuming_a_damaged_run_is_refused_in_one_line_and_leaves_it_as_it_was(t
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert re.search(message, lines[0]), lines[0]
     assert _files(run) == before
+
+
+def test_more_samples_than_memory_holds_are_refused_in_one_line(tmp_path, capsys, finished_run):
+    """`mdgan sample --n` past what the machine can hold (a billion samples: about 3.5 TB): one line saying how
+    much they need, not the allocator's traceback, and no file."""
+    from mdgan_app.cli import main
+
+    code = main(["sample", str(finished_run), "--n", "1000000000", "--out", str(tmp_path / "many.npy")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert re.search(r"--n 1,000,000,000: not enough memory to draw that many samples at once \(about 3536.0 GB\)",
+                     err), err
+    assert not os.listdir(tmp_path)

@@ -52,3 +52,14 @@ def test_stop_after_outside_the_run_or_with_checkpoints_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not with checkpoints"):
         simulate(config, DataConfig("synthetic"), str(tmp_path / "out"), progress=False,
                  evaluation=EvaluationOptions(every=-1), stop_after=4, durability=Durability(checkpoint_every=2))
+
+
+def test_a_run_of_no_iteration_ends_on_the_initial_generator_for_every_algorithm(tmp_path):
+    """--iterations 0: every algorithm writes its outputs for the generator it starts from, the same one (MD-GAN's
+    pipeline check refused it, saying --pipeline-depth 0 must be below --iterations 0)."""
+    hashes = set()
+    for algorithm in algorithms.NAMES:
+        summary, history = _run(tmp_path / algorithm, 0, algorithm)
+        assert history == [] and summary["iterations"] == 0, algorithm
+        hashes.add(summary["generator_sha256"])
+    assert len(hashes) == 1

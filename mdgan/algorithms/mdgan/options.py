@@ -59,7 +59,7 @@ class MDGANOptions:
         if self.pipeline_depth and config.sync != "all":
             raise ConfigError(f"--pipeline-depth {self.pipeline_depth} needs --sync all: a pipeline of fixed depth "
                               f"waits for every worker's answer, D iterations later (--sync {config.sync} does not)")
-        if self.pipeline_depth >= config.iterations:
+        if self.pipeline_depth and self.pipeline_depth >= config.iterations:
             raise ConfigError(f"--pipeline-depth {self.pipeline_depth} must be below --iterations "
                               f"{config.iterations} (G is first updated at iteration D + 1)")
         if self.swap_lag and config.privacy.keeps_discriminators:
