@@ -747,6 +747,9 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
     config = load_config(path)
     runs = _on_device(expand(config), device)
     out = config["out"]
+    for what, folder in ((f"{path}: out", out), ("--keep", keep)):
+        if folder and os.path.exists(folder) and not os.path.isdir(folder):
+            raise ConfigError(f"{what} {folder} is a file: give a folder (made where there is none)")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     if keep:
         restore_kept(runs, out, keep)

@@ -493,3 +493,16 @@ def test_a_config_takes_its_base_from_another_and_sets_what_differs(tmp_path):
     (tmp_path / "orphan.yaml").write_text("base_from: gone.yaml\n")
     with pytest.raises(ConfigError, match="orphan.yaml: base_from .*gone.yaml: No such file"):
         load_config(str(tmp_path / "orphan.yaml"))
+
+
+@pytest.mark.parametrize("where", ["out", "--keep"])
+def test_an_out_or_keep_that_is_a_file_is_refused_before_any_run(tmp_path, where):
+    """Before, a --keep that was a file failed after every run had trained (Not a directory: 'FILE/runs')."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    out = afile if where == "out" else tmp_path / "out"
+    path = _write(tmp_path, {"out": str(out), "base": {"dataset": "synthetic", "iterations": 2, "workers": 2,
+                                                       "eval_every": -1}, "runs": [{}]})
+    with pytest.raises(ConfigError, match=f"{where} {afile} is a file: give a folder"):
+        run_experiment(path, progress=False, keep=str(afile) if where == "--keep" else None)
+    assert sorted(os.listdir(tmp_path)) == ["afile", "exp.yaml"] and afile.read_text() == "mine"
