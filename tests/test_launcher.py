@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -481,8 +482,14 @@ def test_the_options_a_command_gives_are_told_apart_from_its_defaults(monkeypatc
     assert given_options(parser, []) == set()
     assert given_options(parser, ["--data-root", "/x", "--no-progress"]) == {"data_root", "no_progress"}
     assert given_options(parser, ["--dataset=synthetic"]) == {"dataset"}
-    assert given_options(parser, ["--data-", "/x"]) == {"data_root"}  # an abbreviation argparse takes
-    assert given_options(parser, ["--data", "/x"]) == set()  # ambiguous: argparse refuses it anyway
+    assert given_options(parser, ["--data-", "/x"]) == set()  # our parsers take no abbreviation: refused below
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-", "/x"])
+    plain = argparse.ArgumentParser(prog="p")  # (a parser that takes them: the one it names)
+    plain.add_argument("--data-root", default="data")
+    plain.add_argument("--dataset", default="mnist")
+    assert given_options(plain, ["--data-", "/x"]) == {"data_root"}
+    assert given_options(plain, ["--data", "/x"]) == set()  # ambiguous: argparse refuses it anyway
     assert given_options(parser, ["--", "--threads"]) == set()
     monkeypatch.setenv("MDGAN_THREADS", "2")
     assert given_options(parser, []) == {"threads"}
