@@ -25,6 +25,21 @@ class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent with another one."""
 
 
+def check_device(device: str) -> str:
+    """--device: cpu, cuda or cuda:N that this machine has; ConfigError, in one line, otherwise."""
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: no CUDA device is available here")
+        index = device.partition(":")[2]
+        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            raise ConfigError(f"--device {device}: this machine has CUDA devices 0 to {torch.cuda.device_count() - 1}")
+    return device
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What both sides need to build their networks. Travels to workers when they join."""
@@ -206,17 +221,7 @@ class TrainingConfig:
                               "its site, so there are no swaps (leave --swap-every out)")
         if self.seed < 0:
             raise ConfigError("--seed must be >= 0")
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.device != "cpu":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(f"--device {self.device}: no CUDA device is available here")
-            index = self.device.partition(":")[2]
-            if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
-                raise ConfigError(f"--device {self.device}: this machine has CUDA devices 0 to "
-                                  f"{torch.cuda.device_count() - 1}")
+        check_device(self.device)
         if self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(f"unknown --wire-dtype {self.wire_dtype!r}; choose from {WIRE_DTYPES}")
         if self.aggregation not in AGGREGATIONS:

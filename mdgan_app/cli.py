@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from services.common import scheduling
-from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec
+from mdgan.config import GAN_KINDS, SPLITS, ConfigError, ModelSpec, check_device
 
 from mdgan_app.run_folder import run_dir_lock, save_launch_settings, take_launch_settings
 
@@ -317,12 +317,17 @@ def _traffic_formulas(args) -> dict:
 
     if args.shard_size is None and args.dataset not in DATASET_TRAIN_SIZES:
         raise ConfigError(f"--dataset {args.dataset}: give the worker's shard size with --shard-size")
-    shard_size = args.shard_size or DATASET_TRAIN_SIZES[args.dataset] // args.workers
     config = TrainingConfig(workers=args.workers, iterations=1, batch_size=args.batch_size, disc_steps=args.disc_steps,
                             swap_epochs=args.swap_epochs, swap_every=args.swap_every,
                             swap_optimizer_state=args.swap_optimizer_state, wire_dtype=args.wire_dtype,
                             model=ModelSpec(architecture=args.architecture, gan=args.gan,
                                             sample_shape=tuple(DATASET_SAMPLE_SHAPES[args.dataset]))).validate()
+    if args.shard_size is not None and args.shard_size < 1:
+        raise ConfigError(f"--shard-size must be at least 1, got {args.shard_size}")
+    shard_size = args.shard_size or DATASET_TRAIN_SIZES[args.dataset] // args.workers
+    if shard_size < 1:
+        raise ConfigError(f"--workers {args.workers}: {args.dataset}'s {DATASET_TRAIN_SIZES[args.dataset]:,} training "
+                          "images leave each worker none (give --shard-size)")
     names = list(SERVED) if args.algorithm == "all" else [args.algorithm]
     return formula_table({name: algorithm_options(name, args, alone=False) for name in names}, config, shard_size)
 
@@ -373,6 +378,7 @@ def cmd_score(args) -> int:
 
     if args.samples < 2:
         raise ConfigError(f"--samples must be at least 2, got {args.samples}")
+    check_device(args.device)
     generator = load_generator(args.run, args.device)
     spec = generator.spec
     if tuple(spec.sample_shape) != (784,):

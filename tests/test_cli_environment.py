@@ -180,3 +180,26 @@ def test_a_flag_out_of_range_or_cut_short_is_refused_before_anything_is_written(
     result = run([part.replace("{pki}", str(folder)) for part in argv])
     assert result.returncode == 2 and re.search(message, result.stderr), result.stderr
     assert "Traceback" not in result.stderr and not folder.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mdgan_app.cli", "traffic", "--workers", "0"], r"--workers must be at least 1"),
+    (["mdgan_app.cli", "traffic", "--shard-size", "0"], r"--shard-size must be at least 1, got 0"),
+    (["mdgan_app.cli", "traffic", "--workers", "100000"],
+     r"--workers 100000: mnist's 60,000 training images leave each worker none \(give --shard-size\)"),
+    (["mdgan_app.cli", "score", "{run}", "--device", "tpu"], r"--device must be cpu, cuda or cuda:N, got 'tpu'"),
+])
+def test_a_formula_or_score_asked_with_values_out_of_range_is_refused_in_one_line(tmp_path, run, argv, message):
+    """(`mdgan traffic --workers 0` divided by zero; `mdgan score --device cuda` without CUDA raised torch's error.)"""
+    result = run([part.replace("{run}", str(tmp_path)) for part in argv])
+    assert result.returncode == 2 and re.search(message, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_scoring_on_a_missing_gpu_is_refused_in_one_line(tmp_path, run):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = run(["mdgan_app.cli", "score", str(tmp_path), "--device", "cuda"])
+    assert result.returncode == 2 and "--device cuda: no CUDA device is available here" in result.stderr, result.stderr
