@@ -171,6 +171,13 @@ def test_mdgan_certs_runs_without_the_training_code(tmp_path):
     (["services.server", "--port", "50051", "--insecure", "--out", "{pki}"], r"unrecognized arguments: --port 50051"),
     (["mdgan_app.cli", "simulate", "--iter", "3", "--dataset", "synthetic", "--out", "{pki}"],
      r"unrecognized arguments: --iter 3"),
+    (["mdgan_app.cli", "local", "--keep-checkpoints", "0", "--dataset", "synthetic", "--out", "{pki}"],
+     r"--keep-checkpoints: must be at least 1, got 0"),  # (the server refused it, after the run folder was made)
+    (["services.worker", "--keep-checkpoints", "0"], r"--keep-checkpoints: must be at least 1, got 0"),
+    (["mdgan_app.cli", "simulate", "--eval-samples", "1", "--dataset", "synthetic", "--out", "{pki}"],
+     r"--eval-samples: at least 2 images \(a FID needs two to compare\), got 1"),  # (FID's traceback at the end)
+    (["mdgan_app.cli", "simulate", "--eval-every", "-5", "--dataset", "synthetic", "--out", "{pki}"],
+     r"--eval-every: iterations, or 0 \(only at the end\) or -1 \(never\), got -5"),
 ])
 def test_a_flag_out_of_range_or_cut_short_is_refused_before_anything_is_written(tmp_path, run, argv, message):
     """A certificate valid for no day or past X.509's dates, a port no one can reach; and a flag cut short, which

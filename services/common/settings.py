@@ -369,7 +369,7 @@ def add_durable_arguments(group, *, keep_help: str, stop_grace: bool = False) ->
     group.add_argument("--checkpoint-every", type=non_negative_int, default=0,
                        help="checkpoint every this many iterations, and on SIGTERM (server and workers at the same "
                             "iteration boundary; workers keep theirs in their state folder; 0: never)")
-    group.add_argument("--keep-checkpoints", type=int, default=3, help=keep_help)
+    group.add_argument("--keep-checkpoints", type=positive_int, default=3, help=keep_help)
     if stop_grace:
         group.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
                            help="on SIGTERM, how long the server waits for the iteration under way to end and be "
@@ -448,11 +448,11 @@ def class_names(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("evaluation (MNIST score and FID with the shipped MNIST classifier)")
-    g.add_argument("--eval-every", type=int, default=1000,
+    g.add_argument("--eval-every", type=eval_period, default=1000,
                    help="score the generator every this many iterations, in the background (0: only at the end, "
                         "-1: never); MNIST-shaped samples only")
-    g.add_argument("--eval-samples", type=int, default=500, help="generated images per evaluation")
-    g.add_argument("--eval-reference", type=int, default=2000, help="MNIST test images FID compares against")
+    g.add_argument("--eval-samples", type=image_count, default=500, help="generated images per evaluation")
+    g.add_argument("--eval-reference", type=image_count, default=2000, help="MNIST test images FID compares against")
 
 
 def evaluation_options(args: argparse.Namespace, data_root: str | None):
@@ -577,6 +577,20 @@ def _finite(text: str) -> float:
 
 def non_negative_int(text: str) -> int:
     return _whole_number(text, 0, None, "must be >= 0")
+
+
+def positive_int(text: str) -> int:
+    return _whole_number(text, 1, None, "must be at least 1")
+
+
+def eval_period(text: str) -> int:
+    """--eval-every: a number of iterations, 0 (only at the end) or -1 (never)."""
+    return _whole_number(text, -1, None, "iterations, or 0 (only at the end) or -1 (never)")
+
+
+def image_count(text: str) -> int:
+    """How many images a FID compares: at least 2 (a covariance needs two)."""
+    return _whole_number(text, 2, None, "at least 2 images (a FID needs two to compare)")
 
 
 def _whole_number(text: str, low: int, high: int | None, expected: str) -> int:
