@@ -180,14 +180,11 @@ def final_discriminator(state_dir: str, run_id: str | None) -> dict | None:
 
 
 def _read(path: str, keys: tuple[str, ...]) -> dict:
-    """A discriminators' file a run or a worker wrote, with these keys; ConfigError, in one line, for anything
-    else (a truncated file, another program's)."""
+    """A discriminators' file a run or a worker wrote, with these keys (CheckpointError when it cannot be read,
+    ConfigError when it is another program's), each in one line."""
     from mdgan import checkpoint
 
-    try:
-        found = checkpoint.load(path)
-    except checkpoint.CheckpointError as exc:
-        raise ConfigError(str(exc).splitlines()[0][:400]) from None
+    found = checkpoint.load(path)
     if not isinstance(found, dict) or any(key not in found for key in keys):
         raise ConfigError(f"{path}: not the discriminators a run keeps (no {', '.join(keys)})")
     return found

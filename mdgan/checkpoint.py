@@ -16,8 +16,10 @@ Only files this program wrote are ever loaded; bytes from the network never go t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -114,10 +116,13 @@ def load(path: str):
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint file") from None
-    except Exception as exc:  # truncated, or not ours: say which file (torch's words, in short)
+    except Exception as exc:  # truncated, damaged or not ours: which file, and torch's first words
         said = " ".join(str(exc).split())
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: "
-                              f"{said[:150] + '...' if len(said) > 150 else said})") from exc
+        if isinstance(exc, pickle.UnpicklingError):  # (torch's words there advise loading it unsafely: not said)
+            said = ""
+        detail = f"{type(exc).__name__}: {said[:150] + '...' if len(said) > 150 else said}" if said else \
+            type(exc).__name__
+        raise CheckpointError(f"{path}: unreadable checkpoint, truncated or not written by mdgan ({detail})") from None
 
 
 def read_identity(out_dir: str) -> dict:
@@ -132,8 +137,8 @@ def read_identity(out_dir: str) -> dict:
         raise CheckpointError(f"{path}: not a run's identity (no run_id and config)")
     from mdgan.config import TrainingConfig
 
-    try:
-        TrainingConfig.from_dict(identity["config"]).validate()
+    try:  # (on the CPU: the device is each process's own, and a run resumes on another machine's)
+        dataclasses.replace(TrainingConfig.from_dict(identity["config"]), device="cpu").validate()
         if not all(type(identity["config"][key]) is int for key in ("workers", "iterations")):
             raise TypeError("workers and iterations must be whole numbers")
     except (KeyError, TypeError, ValueError) as exc:  # (ConfigError is a ValueError)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import pickle
 
 import numpy as np
 import torch
@@ -19,6 +18,7 @@ import torch
 import json
 from dataclasses import dataclass
 
+from mdgan import checkpoint
 from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.models import build_generator, image_shape
 
@@ -27,16 +27,13 @@ def load_generator(run_dir: str, device: str | torch.device = "cpu") -> torch.nn
     path = os.path.join(run_dir, "checkpoint.pt")
     if not os.path.exists(path):
         raise ConfigError(f"no checkpoint.pt in {run_dir}: is it the folder of a finished run (--out)?")
+    saved = checkpoint.load(path)  # (CheckpointError, in one line, when it cannot be read)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only
-        model = dict(checkpoint["config"]["model"])
+        model = dict(saved["config"]["model"])
         model["sample_shape"] = tuple(model["sample_shape"])
         generator = build_generator(ModelSpec(**model), seed=0)
-        generator.load_state_dict(checkpoint["generator"])
-    except (pickle.UnpicklingError, EOFError, OSError) as exc:  # (torch's words suggest an unsafe load: not said)
-        raise ConfigError(f"{path}: unreadable, truncated or not a checkpoint mdgan wrote "
-                          f"({type(exc).__name__})") from None
-    except Exception as exc:  # not a run's (or a damaged archive), or its generator not the one its config names
+        generator.load_state_dict(saved["generator"])
+    except Exception as exc:  # not a run's, or its generator not the one its config names
         raise ConfigError(f"{path}: not a run's generator checkpoint ({_first_line(exc)})") from None
     return generator.eval().to(device)
 
@@ -131,7 +128,7 @@ def sample_run(run_dir: str, n: int, out: str, seed: int = 0) -> int:
     spec = generator.spec
     rng = torch.Generator().manual_seed(seed)
     with _memory_for(n, spec):
-        z = torch.randn(n, spec.latent_dim, generator=rng)  # (n, l)
+        z = torch.randn(n, spec.latent_dim, generator=rng)  # (n, l), on the CPU, where load_generator put G
     labels = torch.arange(n) % spec.num_classes if spec.conditional else None  # (n,)
     if labels is not None:
         labels = labels.sort().values  # grouped by class: rows of a grid read as classes

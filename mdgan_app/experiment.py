@@ -47,6 +47,7 @@ not run again. Days of runs then add up across machines that keep nothing but DI
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import json
@@ -57,6 +58,7 @@ import re
 import signal
 import sys
 import warnings
+from dataclasses import dataclass
 
 import yaml
 from tqdm import tqdm
@@ -229,9 +231,39 @@ def expand(config: dict) -> list[dict]:
     return [settings.resolved(run) for run in runs]  # (named by what was given; recorded as they train)
 
 
-# what each key takes beyond its default's type: words some keys also take, and keys whose default is None
+# words some keys take besides a value of their type
 SPELLINGS = {"kappa": ("log2",), "swap_every": ("never",)}
-TEXT_OR_NONE = ("crash", "label", "attack")
+WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a text"}
+
+
+@dataclass(frozen=True)
+class KeyType:
+    """What a run's key takes: a value of `kind` (None too where optional), or one of `choices`' values."""
+
+    kind: type
+    optional: bool
+    choices: tuple | None = None
+
+
+def _key_type(key: str) -> KeyType:
+    """From the key's declaration: a training setting's (mdgan/settings.py), an algorithm's option's, else the
+    experiment's own default (None: a text or nothing)."""
+    setting, option = settings.SETTINGS.get(key), OPTIONS.get(key)
+    if setting is not None:
+        return KeyType(setting.kind, setting.optional or key == "swap_every", setting.choices)
+    if option is not None:
+        return KeyType(option.metadata.get("type", type(option.default)), option.default is None,
+                       option.metadata.get("choices"))
+    default = DEFAULTS[key]
+    return KeyType(str if default is None else type(default), default is None)
+
+
+def _fits(value, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind in (int, float):
+        return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
 
 
 def _check_types(run: dict) -> None:
@@ -239,30 +271,19 @@ def _check_types(run: dict) -> None:
     switch, one of the choices): one clear line for the first that is not. A number written as YAML reads it as a
     text (1e-4) is taken as the number."""
     for key, value in list(run.items()):
-        setting, option = settings.SETTINGS.get(key), OPTIONS.get(key)
-        kind = (setting.kind if setting is not None else option.metadata.get("type", type(option.default))
-                if option is not None else type(DEFAULTS[key]) if DEFAULTS[key] is not None else str)
-        optional = (setting.optional if setting is not None else DEFAULTS[key] is None) or key == "swap_every"
-        if (value is None and optional) or value in SPELLINGS.get(key, ()):
+        takes = _key_type(key)
+        if (value is None and takes.optional) or value in SPELLINGS.get(key, ()):
             continue
         if key == "series" and isinstance(value, list) and all(isinstance(v, str) for v in value):
             continue
-        if kind is float and isinstance(value, str):  # (YAML reads 1e-4, without a dot, as a text)
-            try:
+        if takes.kind is float and isinstance(value, str):  # (YAML reads 1e-4, without a dot, as a text)
+            with contextlib.suppress(ValueError):
                 value = run[key] = float(value)
-            except ValueError:
-                pass
-        fits = (isinstance(value, bool) if kind is bool else
-                isinstance(value, int) and not isinstance(value, bool) if kind is int else
-                isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-                isinstance(value, str))
-        if not fits:
-            words = {bool: "true or false", int: "a whole number", float: "a number", str: "a text"}[kind]
-            also = "".join(f" or {w!r}" for w in SPELLINGS.get(key, ())) + (" or null" if optional else "")
-            raise ConfigError(f"{key} must be {words}{also}, not {value!r}")
-        choices = setting.choices if setting is not None else option.metadata.get("choices") if option else None
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, not {value!r}")
+        if not _fits(value, takes.kind):
+            also = "".join(f" or {w!r}" for w in SPELLINGS.get(key, ())) + (" or null" if takes.optional else "")
+            raise ConfigError(f"{key} must be {WORDS[takes.kind]}{also}, not {value!r}")
+        if takes.choices is not None and value not in takes.choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, takes.choices))}, not {value!r}")
 
 
 def training_config(run: dict) -> TrainingConfig:

@@ -40,11 +40,12 @@ def _write(path: str, text: str) -> None:
         fh.write(text)
 
 
+UNREADABLE = r"checkpoint.pt: unreadable checkpoint, truncated or not written by mdgan"
 DAMAGES = {  # what is damaged: (the file, how, what the refusal says)
     "checkpoint truncated": ("checkpoint", lambda run: _truncate(os.path.join(run, "checkpoint.pt")),
-                             r"checkpoint.pt: (unreadable, truncated|not a run's generator checkpoint)"),
+                             UNREADABLE + r" \(RuntimeError: "),
     "checkpoint of random bytes": ("checkpoint", lambda run: _write(os.path.join(run, "checkpoint.pt"), "garbage"),
-                                   r"checkpoint.pt: unreadable, truncated or not a checkpoint mdgan wrote"),
+                                   UNREADABLE + r" \(UnpicklingError\)"),
     "checkpoint of another shape": ("checkpoint", lambda run: torch.save([1, 2], os.path.join(run, "checkpoint.pt")),
                                     r"checkpoint.pt: not a run's generator checkpoint \(TypeError"),
     "summary not JSON": ("summary", lambda run: _write(os.path.join(run, "summary.json"), "{"),
@@ -171,7 +172,8 @@ RESUME_DAMAGES = {
                                        r"run_identity.json: not a run's identity \(its config: ConfigError: "
                                        r"--batch-size must be at least 1"),
     "latest checkpoint truncated": (lambda run: _truncate(_latest_server_checkpoint(run)),
-                                    r"server.pt: unreadable checkpoint \(.*\); to resume from the checkpoint before "
+                                    r"server.pt: unreadable checkpoint, truncated or not written by mdgan \(.*\); "
+                                    r"to resume from the checkpoint before "
                                     r"it, remove .*checkpoints/000000006$"),
     "latest checkpoint another run's": (_other_runs_checkpoint,
                                         r"checkpoint 6 in .* belongs to run 'another', not to this run"),
@@ -216,3 +218,13 @@ def test_more_samples_than_memory_holds_are_refused_in_one_line(tmp_path, capsys
     assert re.search(r"--n 1,000,000,000: not enough memory to draw that many samples at once \(about 3536.0 GB\)",
                      err), err
     assert not os.listdir(tmp_path)
+
+
+def test_a_run_trained_on_cuda_resumes_on_a_machine_without_one(tmp_path, stopped_run):
+    """The device is each process's own: a run's identity naming cuda:7 is a run's identity on any machine."""
+    from mdgan.checkpoint import read_identity
+
+    run = str(tmp_path / "run")
+    shutil.copytree(stopped_run, run)
+    _identity(run, lambda d: d["config"].update(device="cuda:7"))
+    assert read_identity(run)["config"]["device"] == "cuda:7"

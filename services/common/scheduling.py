@@ -31,7 +31,6 @@ import logging
 import os
 import platform
 import signal
-import signal
 import sys
 
 from mdgan.config import ConfigError
