@@ -113,6 +113,9 @@ class PrivacySpec:
     discriminators: int = 1  # "feedback": K discriminators per site, one part of its data each
     # "sgd": each generated sample's gradient in D's step clipped to C too; None: on exactly when DP-SGD is
     clip_generated: bool | None = None
+    # research and tests only: each site's noise and Poisson sampling come from this number and the site's slot
+    # instead of a secret the site makes (mdgan/secret_noise.py); None: secret. Never sent to the workers.
+    fixed_noise: int | None = None
     CLIP_GENERATED_BEFORE: ClassVar[bool] = False  # what a run recorded before the setting existed did
 
     def __post_init__(self):
@@ -155,6 +158,12 @@ class PrivacySpec:
         if self.clip_generated and self.active_mechanism != "sgd":
             raise ConfigError("--dp-clip-generated clips DP-SGD's discriminator steps: it needs --dp-mechanism sgd "
                               "and --dp-noise-multiplier or --dp-target-epsilon")
+        if self.fixed_noise is not None and (isinstance(self.fixed_noise, bool) or not isinstance(self.fixed_noise, int)
+                                             or self.fixed_noise < 0):
+            raise ConfigError(f"--dp-fixed-noise must be a whole number >= 0, got {self.fixed_noise!r}")
+        if self.fixed_noise is not None and not self.enabled:
+            raise ConfigError("--dp-fixed-noise fixes a private run's noise: it needs --dp-noise-multiplier or "
+                              "--dp-target-epsilon")
         if self.discriminators > 1 and self.mechanism != "feedback":
             raise ConfigError(f"--dp-discriminators {self.discriminators} needs --dp-mechanism feedback (DP-SGD "
                               "trains one discriminator a site)")

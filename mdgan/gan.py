@@ -27,6 +27,7 @@ from mdgan import devices, tensor_trace
 from mdgan.devices import to_device
 from mdgan.step_results import DiscriminatorStats, StepResult
 from mdgan.models import build_discriminator, build_generator
+from mdgan.privacy_ledger import PrivacyLedger, adopt_old_accountant
 
 
 def derive_seed(seed: int, role: str, index: int = 0) -> int:
@@ -198,7 +199,9 @@ class GeneratorSide:
 # worker side
 
 class DiscriminatorSide:
-    def __init__(self, config: TrainingConfig, shard: Shard):
+    def __init__(self, config: TrainingConfig, shard: Shard, ledger: PrivacyLedger | None = None):
+        """`ledger`: with DP, the site's privacy ledger (mdgan/privacy_ledger.py) its steps are counted in and its
+        secret noise drawn by; None: one kept in memory, with the secret --dp-fixed-noise makes or a new one."""
         self.config = config
         self.spec = config.model
         self.device = devices.resolve(config.device)
@@ -220,10 +223,9 @@ class DiscriminatorSide:
 
             privacy.check_module(self.discriminator, self.spec.architecture)
             site = privacy.resolve(config.privacy, len(shard), config.batch_size, config.iterations, config.disc_steps)
-            self.private = privacy.PrivateSteps(
-                self.discriminator, self.optimizer, site, config.batch_size,
-                sampling_seed=derive_seed(config.seed, "dp-sampling", shard.index),
-                noise_seed=derive_seed(config.seed, "dp-noise", shard.index))
+            if ledger is None:
+                ledger = PrivacyLedger.open(None, "", shard.index, "sgd", fixed_noise=config.privacy.fixed_noise)
+            self.private = privacy.PrivateSteps(self.discriminator, self.optimizer, site, config.batch_size, ledger)
 
     def check_module(self) -> torch.nn.Module:
         """A scratch copy of D's module (eval mode) to judge an incoming state on, made once."""
@@ -302,7 +304,8 @@ class DiscriminatorSide:
         gen_loss = generator_loss(spec, disc(generated), batch.generated_labels)
         (feedback,) = torch.autograd.grad(gen_loss, generated)  # (b, *shape)
         return StepResult(feedback, stats.loss, gen_loss.detach(), stats.real_accuracy, stats.fake_accuracy,
-                          trained - started, time.perf_counter() - trained, private.epsilon(), private.site.delta)
+                          trained - started, time.perf_counter() - trained, private.epsilon(), private.site.delta,
+                          private.ledger.secret.fixed)
 
     def private_disc_steps(self, fake: torch.Tensor, fake_labels: torch.Tensor | None) -> DiscriminatorStats:
         """The L DP-SGD steps of D against the generated batch `fake` (b, *shape) (public) and Poisson
@@ -356,12 +359,12 @@ class DiscriminatorSide:
 
     # -- durable state (a checkpoint, kept on the worker) ------------------------------------------
     def state_dict(self) -> dict:
-        """D, its Adam state and the shard sampler's state (and with DP, the accountant and its generators:
-        a worker that rejoins or a run that resumes goes on spending its budget where it stopped)."""
+        """D, its Adam state and the shard sampler's state. With DP only a marker: what the site spent and the
+        state of its noise are in its ledger, which a restore never winds back."""
         state = {"discriminator": self.discriminator.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "sampler": self.sampler.state_dict(), "shard_index": self.shard_index}
         if self.private is not None:
-            state["privacy"] = self.private.state_dict()
+            state["privacy"] = {"ledger": True}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -373,7 +376,7 @@ class DiscriminatorSide:
         if self.private is not None:
             if "privacy" not in state:
                 raise ValueError("saved state of a run without DP; this run is private")
-            self.private.load_state_dict(state["privacy"])
+            adopt_old_accountant(self.private.ledger, state["privacy"])
 
     def adopt(self, state: dict[str, torch.Tensor]) -> None:
         """Take a copy of a live peer's discriminator (a late joiner, as in the paper): weights only,

@@ -16,21 +16,21 @@ What is private, and why the rest follows (docs/PRIVACY.md has the argument in f
 - The generated part of the step (X_d, from the server's G, which never saw the site's data) is
   added without noise: it holds no private data.
 - Opacus's RDP accountant composes every step the site took (L per iteration it took part in,
-  rejoins included; the accountant is in the site's checkpoint) into (epsilon, delta) for the site.
+  rejoins, restarts and resumes included: the site's ledger counts them) into (epsilon, delta) for the site.
 - Everything that leaves the site is computed from the private D and public inputs only: the
   feedback F_n (a gradient of D's output on generated samples), the discriminator pushed at a swap,
   and so the generator. That is post-processing, which spends nothing more. The swap check of a
   private site looks at generated samples only (mdgan/algorithms/mdgan/swapcheck.py), for the same
   reason.
 
-The noise and the Poisson draws come from the site's own generators, seeded by (run seed, shard):
-a private run is as deterministic as any (mdgan local == mdgan simulate, bit for bit). That makes the
-noise predictable to whoever knows the seed: for a guarantee against such an observer, keep the seed
-secret (a production deployment would use Opacus's secure_mode, which this project does not).
+The noise and the Poisson draws come from the site's own secret (mdgan/secret_noise.py), never from the run's
+seed, and every step is counted in the site's ledger (mdgan/privacy_ledger.py) before its result can leave:
+the ledger, not the run's checkpoint, is what the site's epsilon is computed from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -44,6 +44,7 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 import torch
 
 from mdgan.config import ConfigError, PrivacySpec
+from mdgan.privacy_ledger import PrivacyLedger
 
 ACCOUNTANT = "rdp"  # Opacus's Renyi-DP accountant (Mironov 2017; Mironov, Talwar, Zhang 2019)
 
@@ -77,6 +78,50 @@ def mechanism_summary(spec: PrivacySpec) -> dict:
         return {"mechanism": "feedback", "accountant": ACCOUNTANT, "discriminators": spec.discriminators,
                 "sampling": "one part answers; parallel composition over the parts"}
     return {"mechanism": "sgd", "accountant": ACCOUNTANT, "sampling": "poisson", "clip_generated": spec.clip_generated}
+
+
+# What of a step's statistics is computed on the site's real images, and so never leaves a private site: under
+# DP-SGD D is private, so what it says of public (generated) inputs is post-processing and may leave, but its loss
+# and accuracy on the real sample may not; under private feedback D is not private, so nothing of it leaves but
+# the noised feedback.
+WITHHELD_STATS = {"sgd": ("disc_loss", "real_accuracy"),
+                  "feedback": ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy")}
+
+
+def withheld_stats(spec: PrivacySpec) -> tuple[str, ...]:
+    """The StepResult statistics a site of this run keeps to itself (none without DP)."""
+    return WITHHELD_STATS.get(spec.active_mechanism, ())
+
+
+def released(result, spec: PrivacySpec):
+    """A site's StepResult as it may leave the site: its withheld statistics NaN (the wire carries them as 0)."""
+    withheld = withheld_stats(spec)
+    return dataclasses.replace(result, **{name: float("nan") for name in withheld}) if withheld else result
+
+
+def released_stats(stats: dict, spec: PrivacySpec) -> dict:
+    """A dict of step statistics (FL-GAN's local steps) as it may leave the site: its withheld ones NaN."""
+    return {**stats, **{name: float("nan") for name in withheld_stats(spec) if name in stats}}
+
+
+def budget(site: SitePrivacy, site_max_epsilon: float = 0.0) -> float:
+    """The epsilon a site stops before passing: the run's target (it is also a cap) and the site's own
+    --dp-max-epsilon, the smaller of those set; infinity for none."""
+    caps = [e for e in (site.target_epsilon or 0.0, site_max_epsilon or 0.0) if e > 0]
+    return min(caps) if caps else math.inf
+
+
+def over_budget(private, site_max_epsilon: float = 0.0) -> str | None:
+    """Why a private site must not take its next iteration's step (its epsilon would pass its budget), or None."""
+    cap = budget(private.site, site_max_epsilon)
+    if not math.isfinite(cap):
+        return None
+    ahead = private.epsilon_after_iteration()
+    if ahead <= cap:
+        return None
+    which = "the run's --dp-target-epsilon" if cap == (private.site.target_epsilon or 0.0) else "--dp-max-epsilon"
+    return (f"privacy budget spent: the next step would bring this site's epsilon to {ahead:.3f}, past {which} "
+            f"{cap:g} (spent: {private.epsilon():.3f} at delta {private.site.delta:g}); it answers no more")
 
 
 def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int, disc_steps: int) -> SitePrivacy:
@@ -184,8 +229,7 @@ class PrivateSteps:
     """
 
     def __init__(self, discriminator: torch.nn.Module, optimizer: torch.optim.Optimizer, site: SitePrivacy,
-                 batch_size: int, sampling_seed: int, noise_seed: int):
-        from opacus.accountants import RDPAccountant
+                 batch_size: int, ledger: PrivacyLedger):
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
         from opacus.optimizers import DPOptimizerFastGradientClipping
 
@@ -196,16 +240,17 @@ class PrivateSteps:
         self.module = GradSampleModuleFastGradientClipping(discriminator, batch_first=True, loss_reduction="sum",
                                                            max_grad_norm=site.max_grad_norm, use_ghost_clipping=True)
         self.module.disable_hooks()
-        self.noise = torch.Generator().manual_seed(noise_seed)  # drawn on the CPU: the same on any device
-        self.sampling = torch.Generator().manual_seed(sampling_seed)
+        self.ledger = ledger
+        self.noise = ledger.secret.stream("dp-sgd/noise")  # draw i: step i's noise, all of D's weights at once
+        self.sampling = ledger.secret.stream("dp-sgd/sampling")  # draw i: step i's Poisson sample
         self.optimizer = DPOptimizerFastGradientClipping(
             optimizer, noise_multiplier=site.noise_multiplier, max_grad_norm=site.max_grad_norm,
-            expected_batch_size=batch_size, loss_reduction="mean", generator=self.noise)
-        self.accountant = RDPAccountant()
+            expected_batch_size=batch_size, loss_reduction="mean")
 
     def sample(self, shard_size: int) -> torch.Tensor:
         """Poisson sampling: each index in with probability q (the batch size varies, may be 0): (n,)."""
-        return torch.nonzero(torch.rand(shard_size, generator=self.sampling) < self.site.sample_rate).flatten()
+        u = self.sampling.uniform(self.ledger.steps_taken, shard_size)
+        return torch.nonzero(u < self.site.sample_rate).flatten()
 
     def real_step(self, parameters: list[torch.nn.Parameter], per_sample_losses) -> None:
         """The real part's per-sample gradients clipped to C, summed, noised and divided by b, into .grad.
@@ -220,13 +265,10 @@ class PrivateSteps:
         for p in parameters:
             if p.grad is None:  # an empty Poisson sample: no gradient, the noise alone
                 p.grad = torch.zeros_like(p)
-        if parameters[0].device.type != "cpu":
-            self._noise_on_cpu()
-        else:
-            self.optimizer.pre_step()  # sum, add N(0, (sigma C)^2), divide by b
+        self._add_noise()  # sum, add N(0, (sigma C)^2), divide by b
         for p in parameters:  # the generated part's gradient is added to .grad from here on
             p.summed_grad = None
-        self.accountant.step(noise_multiplier=self.site.noise_multiplier, sample_rate=self.site.sample_rate)
+        self.ledger.count_step(self.site.noise_multiplier, self.site.sample_rate)
 
     def generated_step(self, parameters: list[torch.nn.Parameter], per_sample_losses) -> None:
         """The generated part's per-sample gradients clipped to C, summed and divided by b, added to .grad (which
@@ -258,37 +300,30 @@ class PrivateSteps:
         finally:
             self.module.disable_hooks()
 
-    def _noise_on_cpu(self) -> None:
-        """DPOptimizer's steps with the noise drawn on the CPU and moved (a CUDA D: same draws as on a CPU)."""
+    def _add_noise(self) -> None:
+        """DPOptimizer's accumulate, noise and scale, the noise drawn from the site's secret stream on the CPU (the
+        same numbers on any device) at the index of this step."""
         self.optimizer.accumulate()
+        params = self.optimizer.params
         sigma_c = self.site.noise_multiplier * self.site.max_grad_norm
-        for p in self.optimizer.params:
-            noise = torch.normal(0.0, sigma_c, size=p.summed_grad.shape, generator=self.noise)
-            p.grad = ((p.summed_grad + noise.to(p.device, p.dtype)) / self.batch_size).view_as(p)
+        noise = self.noise.normal(self.ledger.steps_taken, sum(p.numel() for p in params), sigma_c)  # (P,) float64
+        for p, drawn in zip(params, torch.split(noise, [p.numel() for p in params])):
+            drawn = drawn.to(p.summed_grad.dtype).view_as(p.summed_grad).to(p.device)
+            p.grad = ((p.summed_grad + drawn) / self.batch_size).view_as(p)
 
     def step(self) -> None:
         self.optimizer.original_optimizer.step()
 
     def epsilon(self) -> float:
-        """What the accountant's history spends at the site's delta (RDPAccountant.get_epsilon's number)."""
-        return spent_epsilon(self.accountant.history, self.site.delta)
+        """What the ledger's steps spend at the site's delta (RDPAccountant.get_epsilon's number)."""
+        return spent_epsilon(self.ledger.history(), self.site.delta)
 
     def epsilon_after(self, more_steps: int) -> float:
-        """The epsilon this site would have spent after `more_steps` more steps (--dp-max-epsilon)."""
+        """The epsilon this site would have spent after `more_steps` more steps (its budget's check)."""
         site = self.site
-        return spent_epsilon([*self.accountant.history, (site.noise_multiplier, site.sample_rate, more_steps)],
+        return spent_epsilon([*self.ledger.history(), (site.noise_multiplier, site.sample_rate, more_steps)],
                              site.delta)
 
     def epsilon_after_iteration(self) -> float:
         """The epsilon after one more MD-GAN iteration's L steps."""
         return self.epsilon_after(self.site.steps_per_iteration)
-
-    def state_dict(self) -> dict:
-        return {"accountant": [list(h) for h in self.accountant.history], "noise": self.noise.get_state(),
-                "sampling": self.sampling.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.accountant.history = [tuple(h) for h in state["accountant"]]
-        self.noise.set_state(state["noise"])
-        self.sampling.set_state(state["sampling"])
-

@@ -122,6 +122,12 @@ TRAINING_SETTINGS: tuple[Setting, ...] = (
             "samples are public). On with DP-SGD unless --no-dp-clip-generated (the generated part's mean gradient "
             "unclipped: D learns to call every real image fake; docs/PRIVACY.md)", PRIVACY, bool, optional=True,
             before=PrivacySpec.CLIP_GENERATED_BEFORE),
+    Setting("dp_fixed_noise", None,
+            "research and tests only: each site's DP noise and Poisson sampling come from this number and the "
+            "site's slot instead of a secret the site makes itself, so that two runs draw the same noise (mdgan "
+            "local == mdgan simulate). The guarantee then holds only against those who do not know the number; "
+            "the run's privacy record says it was set (docs/PRIVACY.md). Default: secret noise",
+            PRIVACY, int, optional=True, to_workers=False),
 )
 SETTINGS: dict[str, Setting] = {s.key: s for s in TRAINING_SETTINGS}
 TRAINING_KEYS = tuple(SETTINGS)
@@ -155,13 +161,13 @@ def before_values() -> dict[str, Any]:
 
 def privacy_spec(noise_multiplier: float | None, max_grad_norm: float, delta: float, target_epsilon: float | None,
                  mechanism: str = PrivacySpec.mechanism, discriminators: int = PrivacySpec.discriminators,
-                 clip_generated: bool = PrivacySpec.clip_generated) -> PrivacySpec:
+                 clip_generated: bool = PrivacySpec.clip_generated, fixed_noise: int | None = None) -> PrivacySpec:
     """The run's DP settings; a sigma or target given must be > 0 (leave the flag out for a run without DP)."""
     for flag, value in (("--dp-noise-multiplier", noise_multiplier), ("--dp-target-epsilon", target_epsilon)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value} (leave it out for a run without differential privacy)")
     return PrivacySpec(noise_multiplier or 0.0, max_grad_norm, delta, target_epsilon or 0.0, mechanism, discriminators,
-                       clip_generated)
+                       clip_generated, fixed_noise)
 
 
 def training_config(values: Mapping[str, Any], dataset: str | None = None, device: str = "cpu",
@@ -198,5 +204,5 @@ def training_config(values: Mapping[str, Any], dataset: str | None = None, devic
         wire_dtype=v["wire_dtype"], aggregation=v["aggregation"], trim_fraction=v["trim_fraction"],
         clip_norm=v["clip_norm"], sync=v["sync"], quorum=v["quorum"], max_staleness=v["max_staleness"],
         privacy=privacy_spec(v["dp_noise_multiplier"], v["dp_max_grad_norm"], v["dp_delta"], v["dp_target_epsilon"],
-                             v["dp_mechanism"], v["dp_discriminators"], v["dp_clip_generated"]),
+                             v["dp_mechanism"], v["dp_discriminators"], v["dp_clip_generated"], v["dp_fixed_noise"]),
     ).validate()

@@ -24,6 +24,7 @@ class StepResult:
     feedback_seconds: float = 0.0  # wall time of computing F_n
     epsilon: float = float("nan")  # DP: the epsilon this site has spent so far (nan: not private)
     delta: float = float("nan")  # DP: the delta it is spent at
+    fixed_noise: bool = False  # DP: the site's noise was fixed on purpose (--dp-fixed-noise), not secret
 
 
 STATS = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy")

@@ -93,7 +93,7 @@ NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_
              "trim_fraction",
              "clip_norm", "byzantine", "attack", "sync", "quorum", "max_staleness", "dp_noise_multiplier",
              "dp_target_epsilon", "dp_max_grad_norm", "dp_delta", "dp_mechanism", "dp_discriminators",
-             "dp_clip_generated", *(option_key(f) for f in OPTION_FIELDS), "gen_lr", "disc_lr",
+             "dp_clip_generated", "dp_fixed_noise", *(option_key(f) for f in OPTION_FIELDS), "gen_lr", "disc_lr",
              "beta1", "beta2", "seed")
 SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
          "swap_epochs": "E", "swap_optimizer_state": "swapstate", "crash": "crash", "architecture": "", "gan": "",
@@ -103,7 +103,7 @@ SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc
          "max_staleness": "S",
          "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C", "dp_delta": "delta",
          "dp_mechanism": "dp",
-         "dp_discriminators": "parts", "dp_clip_generated": "clipgen",
+         "dp_discriminators": "parts", "dp_clip_generated": "clipgen", "dp_fixed_noise": "fixednoise",
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS},
          "gen_lr": "lrG", "disc_lr": "lrD", "beta1": "beta1_", "beta2": "beta2_"}
 

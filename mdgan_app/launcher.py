@@ -376,6 +376,7 @@ class LocalCluster:
                 "--threads", str(a.threads), "--cpu-scheduling", a.cpu_scheduling, "--device", a.device,
                 "--server-timeout", str(a.step_timeout + 60),
                 "--state-dir", os.path.join(self.out, "workers", name),
+                *(["--dp-fixed-noise", str(a.dp_fixed_noise)] if a.dp_fixed_noise is not None else []),
                 *(["--attack", a.attack] if index in attacking else []),
                 *security[name], *self._metrics_flags(name, metrics_ports[name])]))
         self._spawn_workers(workers)

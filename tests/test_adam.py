@@ -173,8 +173,8 @@ def test_a_closure_is_refused():
 
 @pytest.mark.parametrize("algorithm, changes", [
     ("mdgan", {}), ("mdgan", {"swap_optimizer_state": True, "disc_steps": 2}), ("pwgan", {}), ("psgan", {}),
-    ("mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0)}),
-    ("mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0, mechanism="feedback", discriminators=2),
+    ("mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0, fixed_noise=1)}),
+    ("mdgan", {"privacy": PrivacySpec(noise_multiplier=1.0, mechanism="feedback", discriminators=2, fixed_noise=1),
                "swap_every": None})], ids=["mdgan", "swapped-moments", "pwgan", "psgan", "dp-sgd", "dp-feedback"])
 def test_a_run_with_every_adam_flat_ends_on_the_per_tensor_runs_generator(tmp_path, monkeypatch, algorithm, changes):
     """A whole CPU run with every Adam in the flat form (CUDA's; swaps, with and without the moments, clearing and

@@ -17,6 +17,8 @@ from conftest import REPO
 from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
 from mdgan.data import load_shard
 from mdgan.gan import DiscriminatorSide, GeneratorSide
+from mdgan.privacy_ledger import PrivacyLedger
+from mdgan.secret_noise import SiteSecret
 
 from procs import mdgan, read_json, read_jsonl, start_server, start_worker
 
@@ -33,11 +35,16 @@ def _batch(seed: int = 0):
 
 def test_a_private_step_clips_noises_and_accounts_and_is_repeatable():
     batch = _batch()
-    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.5)) for _ in range(2)]
+    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.5, fixed_noise=9)) for _ in range(2)]
     results = [[side.step(batch) for _ in range(5)] for side in sides]
-    # the same seeds, the same noise and Poisson draws: bit for bit
+    # the same fixed noise, the same noise and Poisson draws: bit for bit
     for a, b in zip(*(s.discriminator.state_dict().values() for s in sides)):
         assert torch.equal(a, b)
+    assert all(r.fixed_noise for r in results[0])
+    secret = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.5)) for _ in range(2)]
+    for side in secret:  # the same seed and settings, each with a secret of its own: different noise
+        assert not side.step(batch).fixed_noise
+    assert not all(torch.equal(a, b) for a, b in zip(*(s.discriminator.state_dict().values() for s in secret)))
     eps = [r.epsilon for r in results[0]]
     assert all(e2 > e1 > 0 for e1, e2 in zip(eps, eps[1:]))  # every step spends
     assert results[0][-1].delta == pytest.approx(min(1e-5, 1 / (10 * len(sides[0].sampler.shard))))
@@ -87,7 +94,7 @@ def test_the_collapse_bench_trains_the_run_simulate_trains(tmp_path):
     import subprocess
     import sys
 
-    flags = ["--dataset", "synthetic", "--iterations", "6", "--workers", "2", "--batch-size", "8"]
+    flags = ["--dataset", "synthetic", "--iterations", "6", "--workers", "2", "--batch-size", "8", "--dp-fixed-noise", "1"]
     looked = subprocess.run([sys.executable, "bench/dp_collapse.py", "--every", "2", "--json", str(tmp_path / "l.json"),
                              "--", *flags], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert len(read_json(str(tmp_path / "l.json"))["looks"]) == 3
@@ -105,7 +112,8 @@ def _private_steps(noise_multiplier: float, max_grad_norm: float):
     site = SitePrivacy(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, delta=1e-5, sample_rate=0.5,
                        planned_steps=1)
     optimizer = torch.optim.SGD(disc.parameters(), lr=0.0)
-    return disc, PrivateSteps(disc, optimizer, site, batch_size=4, sampling_seed=0, noise_seed=11)
+    return disc, PrivateSteps(disc, optimizer, site, batch_size=4,
+                              ledger=PrivacyLedger.open(None, "", 0, "sgd", fixed_noise=11))
 
 
 def _clipped_sum_over_b(disc, x: torch.Tensor, max_grad_norm: float, b: int) -> list[torch.Tensor]:
@@ -155,15 +163,16 @@ def test_clipping_the_generated_part_adds_each_generated_samples_clipped_gradien
     private.generated_step(parameters, lambda: disc(fake).pow(2).sum(dim=1))
     for p, r, e in zip(parameters, real_part, expected):
         torch.testing.assert_close(p.grad - r, e, rtol=1e-4, atol=1e-6)
-    assert len(private.accountant.history) == 1  # the generated part spends nothing
+    assert private.ledger.steps_taken == 1  # the generated part spends nothing
 
 
 def test_a_discriminator_step_with_the_generated_part_clipped_differs_and_is_repeatable():
     """The switch reaches the worker's DP-SGD step (its weights differ from the unclipped step's), two
-    sites given the same seeds end alike, and the epsilon spent is the same as without it."""
+    sites given the same seeds and fixed noise end alike, and the epsilon spent is the same as without it."""
     batch = _batch()
-    plain = _side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1, clip_generated=False))
-    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1)) for _ in range(2)]  # (clipped by default)
+    plain = _side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1, clip_generated=False, fixed_noise=1))
+    sides = [_side(PrivacySpec(noise_multiplier=1.1, max_grad_norm=0.1, fixed_noise=1))
+             for _ in range(2)]  # (clipped by default)
     results = [[side.step(batch) for _ in range(3)] for side in (plain, *sides)]
     for a, b in zip(*(s.discriminator.state_dict().values() for s in sides)):
         assert torch.equal(a, b)
@@ -256,13 +265,17 @@ def test_a_run_recorded_before_the_generated_part_was_clipped_by_default_goes_on
     assert _differing({k: v for k, v in plain.items() if k != "dp_clip_generated"}, plain) == []
 
 
-def test_an_empty_poisson_sample_is_the_noise_alone_drawn_from_the_sites_generator():
+def test_an_empty_poisson_sample_is_the_noise_alone_drawn_from_the_sites_secret():
     disc, private = _private_steps(noise_multiplier=2.0, max_grad_norm=0.5)
     parameters = list(disc.parameters())
     private.real_step(parameters, lambda: None)
-    draws = torch.Generator().manual_seed(11)
-    for p in parameters:  # N(0, (sigma C)^2) a coordinate, over b, in the parameters' order
-        torch.testing.assert_close(p.grad, torch.normal(0.0, 1.0, size=p.shape, generator=draws) / 4, rtol=0, atol=0)
+    # step 0's draw of the site's noise stream: N(0, (sigma C)^2) a coordinate, over b, in the parameters' order
+    draws = SiteSecret.from_fixed(11, 0).stream("dp-sgd/noise").normal(0, sum(p.numel() for p in parameters), 1.0)
+    for p, drawn in zip(parameters, torch.split(draws, [p.numel() for p in parameters])):
+        torch.testing.assert_close(p.grad, drawn.float().view_as(p) / 4, rtol=0, atol=0)
+    assert private.ledger.steps_taken == 1  # counted, so the next step draws the next noise
+    private.real_step(parameters, lambda: None)
+    assert not torch.equal(parameters[0].grad, draws[:parameters[0].numel()].float().view_as(parameters[0]) / 4)
 
 
 def test_the_noise_is_the_privacy_a_clipped_noiseless_step_would_not_have():
@@ -270,7 +283,8 @@ def test_the_noise_is_the_privacy_a_clipped_noiseless_step_would_not_have():
     reaches them (were it dropped, both steps would be the same)."""
     batch = _batch()
     before = _side(PrivacySpec(noise_multiplier=1e-6)).discriminator.state_dict()
-    quiet, loud = _side(PrivacySpec(noise_multiplier=1e-6)), _side(PrivacySpec(noise_multiplier=50.0))
+    quiet, loud = _side(PrivacySpec(noise_multiplier=1e-6, fixed_noise=2)), _side(PrivacySpec(noise_multiplier=50.0,
+                                                                                              fixed_noise=2))
     quiet.step(batch)
     loud.step(batch)
     moved = {name: float((loud.discriminator.state_dict()[name] - quiet.discriminator.state_dict()[name]).abs().max())
@@ -278,23 +292,39 @@ def test_the_noise_is_the_privacy_a_clipped_noiseless_step_would_not_have():
     assert max(moved.values()) > 0  # different noise, different weights (Adam normalises the size)
 
 
-def test_the_accountant_is_in_the_state_a_rejoin_or_resume_restores():
+def test_the_ledger_not_the_checkpoint_holds_what_a_site_spent(tmp_path):
+    """A checkpoint restored into a site winds back its D, never its ledger: the steps taken after the checkpoint
+    were released, and stay counted; the next step draws noise no step drew before."""
+    from mdgan.privacy_ledger import PrivacyLedger
+
     batch = _batch()
-    first = _side(PrivacySpec(noise_multiplier=1.0))
-    for _ in range(4):
+    spec = PrivacySpec(noise_multiplier=1.0)
+    config = TrainingConfig(workers=2, batch_size=8, iterations=100, privacy=spec).validate()
+    shard = load_shard(DataConfig("synthetic", num_shards=2), 0)
+    first = DiscriminatorSide(config, shard, PrivacyLedger.open(str(tmp_path), "run", 0, "sgd"))
+    for _ in range(2):
         first.step(batch)
     buffer = io.BytesIO()  # as a checkpoint on disk holds it (state_dict() shares the live tensors)
     torch.save(first.state_dict(), buffer)
-    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    for _ in range(2):
+        first.step(batch)
     spent = first.private.epsilon()
-    again = _side(PrivacySpec(noise_multiplier=1.0))
-    again.load_state_dict(saved)
-    assert again.private.epsilon() == spent  # continues from the saved budget, never from zero
-    a, b = first.step(batch), again.step(batch)
-    assert a.epsilon == b.epsilon > spent
-    assert torch.equal(a.feedback, b.feedback)  # and with the same noise and draws
+    again = DiscriminatorSide(config, shard, PrivacyLedger.open(str(tmp_path), "run", 0, "sgd"))  # a restart
+    again.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    assert again.private.ledger.steps_taken == 4 and again.private.epsilon() == spent  # never wound back
+    assert again.step(batch).epsilon > spent
     with pytest.raises(ValueError, match="without DP"):
         _side(PrivacySpec(noise_multiplier=1.0)).load_state_dict(_side(PrivacySpec()).state_dict())
+
+
+def test_a_checkpoint_from_before_ledgers_starts_the_ledger_from_its_accountant():
+    from mdgan.privacy_ledger import PrivacyLedger, adopt_old_accountant
+
+    ledger = PrivacyLedger.open(None, "run", 0, "sgd")
+    adopt_old_accountant(ledger, {"accountant": [[1.0, 0.008, 7]], "noise": None, "sampling": None})
+    assert ledger.steps_taken == 7
+    adopt_old_accountant(ledger, {"accountant": [[1.0, 0.008, 2]]})  # a ledger that counts is never wound back
+    assert ledger.steps_taken == 7
 
 
 def _files(folder) -> dict[str, bytes]:
@@ -433,7 +463,7 @@ def test_a_private_run_over_grpc_ends_where_simulate_ends_and_reports_each_sites
     workers through `mdgan local` too."""
     flags = ["--workers", "2", "--iterations", "12", "--swap-every", "4", "--seed", "5", "--batch-size", "8",
              "--dataset", "synthetic", "--dp-noise-multiplier", "1.3", "--dp-max-grad-norm", "0.7", "--no-progress",
-             "--algorithm", algorithm, "--device", device, *switch]
+             "--algorithm", algorithm, "--device", device, "--dp-fixed-noise", "3", *switch]
     runs = {}
     for mode in ("simulate", "local"):
         out = tmp_path / mode
@@ -462,9 +492,11 @@ def test_a_site_leaves_rather_than_spend_past_its_own_budget(tmp_path):
              "--min-workers", "1", "--insecure"]
     server, port = start_server(out, *flags)
     budget = 0.2  # (at sigma 2 and q = 8/1000 about the 35th step's: RDP spends 0.18 at the first)
-    workers = [start_worker(out, port, 0, 2, "--dataset", "synthetic", "--insecure"),
+    workers = [start_worker(out, port, 0, 2, "--dataset", "synthetic", "--insecure", "--privacy-dir",
+                            os.path.join(out, "site-0")),
                start_worker(out, port, 1, 2, "--dataset", "synthetic", "--insecure", "--dp-max-epsilon", str(budget),
-                            "--metrics-dump", os.path.join(out, "worker-1.prom"))]
+                            "--metrics-dump", os.path.join(out, "worker-1.prom"), "--privacy-dir",
+                            os.path.join(out, "site-1"))]
     try:
         assert workers[1].wait(180) == 0, workers[1].log()
         assert server.wait(180) == 0, server.log()
@@ -473,8 +505,8 @@ def test_a_site_leaves_rather_than_spend_past_its_own_budget(tmp_path):
         for p in [server, *workers]:
             p.kill()
     log = workers[1].log()
-    assert re.search(r"leaving the run: iteration \d+ would bring this site's epsilon to [\d.]+, past "
-                     r"--dp-max-epsilon 0.2", log), log
+    assert re.search(r"leaving the run: iteration \d+: privacy budget spent: the next step would bring this site's "
+                     r"epsilon to [\d.]+, past --dp-max-epsilon 0.2", log), log
     with open(os.path.join(out, "worker-1.prom")) as fh:
         spent = float(re.search(r"^mdgan_privacy_epsilon (\S+)$", fh.read(), re.M).group(1))
     assert 0 < spent <= budget  # it stopped before, not after, going past

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from mdgan.privacy_ledger import LedgerError, PrivacyLedger
 from mdgan import privacy
 from mdgan.algorithms.mdgan.private_feedback import FeedbackMechanism, PrivateFeedbackSide, split_parts
 from mdgan.config import ConfigError, DataConfig, PrivacySpec, TrainingConfig
@@ -41,6 +42,7 @@ def test_each_answer_depends_on_the_part_that_gave_it_and_on_no_other():
     config, shard = _config(), _shard()
     parts = split_parts(shard, 3, 0)  # disjoint, covering the shard, sizes within one
     assert sum(len(p) for p in parts) == len(shard) and max(map(len, parts)) - min(map(len, parts)) <= 1
+    config = dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, fixed_noise=4))  # same noise
     plain = PrivateFeedbackSide(config, shard)
     holder = 1
     first = plain.parts[holder].sampler.state_dict()["order"][0]  # the first image part 1 trains on
@@ -51,7 +53,7 @@ def test_each_answer_depends_on_the_part_that_gave_it_and_on_no_other():
     sides = [plain, PrivateFeedbackSide(config, changed)]
     same, differ = 0, 0
     for batch in _batches(12):
-        drawn = sides[0].private.schedule.peek()
+        drawn = sides[0].private.next_part()
         a, b = (side.step(batch) for side in sides)
         if drawn == holder:
             differ += not torch.equal(a.feedback, b.feedback)
@@ -65,7 +67,7 @@ def test_rows_are_clipped_to_c_and_noised_with_std_sigma_c():
     def mechanism(sigma):
         site = privacy.SitePrivacy(sigma, 0.5, 1e-5, 1.0, 10, mechanism="feedback", discriminators=1,
                                    accounted_noise_multiplier=sigma / 2)
-        return FeedbackMechanism(site, noise_seed=0, schedule_seed=0)
+        return FeedbackMechanism(site, PrivacyLedger.open(None, "", 0, "feedback"))
 
     rows = torch.zeros(4, 1, 28, 28)
     rows[0, 0, 0, :3] = torch.tensor([3.0, 4.0, 0.0])  # norm 5: clipped to 0.5
@@ -113,19 +115,24 @@ def test_no_discriminator_leaves_or_enters_a_private_feedback_site():
             action()
 
 
-def test_a_checkpointed_site_goes_on_bit_for_bit():
+def test_a_checkpointed_site_with_its_ledger_goes_on_bit_for_bit(tmp_path):
+    """A site restarted from its checkpoint and its ledger (fixed noise, to compare) answers as one that never
+    stopped; a checkpoint never winds the ledger back."""
     config, shard = _config(), _shard()
+    config = dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, fixed_noise=4))
     batches = _batches(10)
     straight = PrivateFeedbackSide(config, shard)
     expected = [straight.step(b).feedback for b in batches]
-    first = PrivateFeedbackSide(config, shard)
+    first = PrivateFeedbackSide(config, shard, PrivacyLedger.open(str(tmp_path), "run", 0, "feedback", 3, 4))
     for b in batches[:4]:
         first.step(b)
-    resumed = PrivateFeedbackSide(config, shard)
+    resumed = PrivateFeedbackSide(config, shard, PrivacyLedger.open(str(tmp_path), "run", 0, "feedback", 3, 4))
     resumed.load_state_dict(first.state_dict())
     for b, want in zip(batches[4:], expected[4:]):
         assert torch.equal(resumed.step(b).feedback, want)
     assert resumed.private.answers == straight.private.answers
+    with pytest.raises(LedgerError, match="3, this site has 2|counts 3 discriminators, this site has 2"):
+        PrivacyLedger.open(str(tmp_path), "run", 0, "feedback", 2, 4)
     other = PrivateFeedbackSide(_config(parts=2), shard)
     with pytest.raises(ValueError, match="3 discriminators, this site has 2"):
         other.load_state_dict(first.state_dict())

@@ -236,7 +236,7 @@ def test_a_private_feedback_site_takes_no_discriminator_in_even_from_a_member(tm
     out = str(tmp_path / "grpc")
     server, port = start_server(out, *flags, "--checkpoint-every", "50", *tls_flags(pki_dir, "mdgan-server"))
     workers = [start_worker(out, port, i, 2, "--dataset", "synthetic", "--state-dir", str(tmp_path / f"state-{i}"),
-                            *tls_flags(pki_dir, f"worker-{i}")) for i in range(2)]
+                            "--dp-fixed-noise", "2", *tls_flags(pki_dir, f"worker-{i}")) for i in range(2)]
     try:
         target = peer_port(workers[0].log_path)
         wait_for_iterations(server, out, 1)
@@ -258,7 +258,7 @@ def test_a_private_feedback_site_takes_no_discriminator_in_even_from_a_member(tm
     summary = read_json(os.path.join(out, "summary.json"))
     assert summary["swaps"] == 0 and summary["payload_bytes"]["worker_to_worker"] == 0
     assert main(["simulate", *flags, "--dataset", "synthetic", "--no-progress", "--eval-every", "-1",
-                 "--out", str(tmp_path / "sim")]) == 0
+                 "--dp-fixed-noise", "2", "--out", str(tmp_path / "sim")]) == 0  # (the same noise, to compare)
     simulated = read_json(tmp_path / "sim" / "summary.json")
     assert summary["generator_sha256"] == simulated["generator_sha256"]
     assert summary["privacy"]["sites"] == simulated["privacy"]["sites"]

@@ -17,11 +17,12 @@ from mdgan.settings import SETTINGS, TRAINING_KEYS, TRAINING_SETTINGS
 # a value other than the default, valid on its own with every other setting at its default
 ALTERNATIVES = {"workers": 6, "kappa": 2, "quorum": 2, "architecture": "cnn-mnist", "gen_lr": 1e-4, "disc_lr": 3e-4,
                 "dp_noise_multiplier": 1.5, "dp_target_epsilon": 3.0, "dp_delta": 1e-6, "swap_every": 7,
-                "dp_clip_generated": False}  # (on by default with DP-SGD, its companion)
+                "dp_clip_generated": False, "dp_fixed_noise": 7}  # (clip: on by default with DP-SGD, its companion)
 # the settings an alternative is valid only with (given by the same path)
 COMPANIONS = {"dp_mechanism": {"dp_noise_multiplier": 1.5},
               "dp_discriminators": {"dp_mechanism": "feedback", "dp_noise_multiplier": 1.5},
-              "dp_clip_generated": {"dp_noise_multiplier": 1.5}}
+              "dp_clip_generated": {"dp_noise_multiplier": 1.5},
+              "dp_fixed_noise": {"dp_noise_multiplier": 1.5}}
 
 
 def settings_of(config: TrainingConfig) -> dict:
@@ -41,7 +42,7 @@ def settings_of(config: TrainingConfig) -> dict:
             "quorum": config.quorum, "max_staleness": config.max_staleness, "clip_norm": config.clip_norm,
             "dp_noise_multiplier": p.noise_multiplier or None, "dp_target_epsilon": p.target_epsilon or None,
             "dp_max_grad_norm": p.max_grad_norm, "dp_delta": p.delta, "dp_mechanism": p.mechanism,
-            "dp_discriminators": p.discriminators,
+            "dp_discriminators": p.discriminators, "dp_fixed_noise": p.fixed_noise,
             "dp_clip_generated": None if p == dataclasses.replace(p, clip_generated=None) else p.clip_generated}
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from mdgan import privacy
 from mdgan.aggregation import fedavg
 from mdgan.algorithms.base import (RUN_FINISHED, Algorithm, InProcessRun, IterationRecord, RunResult, Traffic,
                                    ask_all, last_iteration, tell_to_stop, why_lost)
@@ -22,6 +23,7 @@ from mdgan.algorithms.traffic import discriminator_state_bytes, generator_state_
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import GeneratorSide, derive_seed
+from mdgan.privacy_ledger import PrivacyLedger
 
 
 @dataclass
@@ -51,9 +53,10 @@ class FederatedWorker(abc.ABC):
         """The run is over (or this worker is dropped from it)."""
 
 
-def make_flgan_worker_gan(config: TrainingConfig, shard: Shard) -> LocalGAN:
-    """An FL-GAN worker's G and D: both start from the run's initial weights; its noise is its own."""
-    gan = LocalGAN(config, shard, GeneratorSide(config, trace_as=f"G{shard.index}"))
+def make_flgan_worker_gan(config: TrainingConfig, shard: Shard, ledger: PrivacyLedger | None = None) -> LocalGAN:
+    """An FL-GAN worker's G and D: both start from the run's initial weights; its noise is its own (with DP, its
+    D's noise from the site's ledger's secret)."""
+    gan = LocalGAN(config, shard, GeneratorSide(config, trace_as=f"G{shard.index}"), ledger)
     gan.g._noise = torch.Generator().manual_seed(derive_seed(config.seed, "flgan-noise", shard.index))
     return gan
 
@@ -62,7 +65,7 @@ def train_local_round(gan: LocalGAN, generator: dict, discriminator: dict, itera
     """One FL-GAN round on a worker. Local Adam states stay with the worker across rounds."""
     gan.g.generator.load_state_dict(generator)
     gan.d.discriminator.load_state_dict(discriminator)
-    stats = [gan.step() for _ in range(iterations)]
+    stats = [privacy.released_stats(gan.step(), gan.config.privacy) for _ in range(iterations)]
     g_state = {k: v.detach().clone() for k, v in gan.g.generator.state_dict().items()}
     d_state = {k: v.detach().clone() for k, v in gan.d.discriminator.state_dict().items()}
     sent = sum(t.numel() * t.element_size() for t in [*g_state.values(), *d_state.values()])

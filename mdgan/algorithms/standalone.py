@@ -16,6 +16,7 @@ from mdgan.algorithms.base import Algorithm, InProcessRun, IterationRecord, RunR
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import DiscriminatorSide, GeneratorSide, discriminator_loss, generator_loss
+from mdgan.privacy_ledger import PrivacyLedger
 
 
 class LocalGAN:
@@ -25,11 +26,12 @@ class LocalGAN:
     in one shard it starts from MD-GAN's N = 1 weights, noise and real batches.
     """
 
-    def __init__(self, config: TrainingConfig, shard: Shard, generator: GeneratorSide | None = None):
+    def __init__(self, config: TrainingConfig, shard: Shard, generator: GeneratorSide | None = None,
+                 ledger: PrivacyLedger | None = None):
         self.config = config
         self.spec = config.model
         self.g = generator or GeneratorSide(config)
-        self.d = DiscriminatorSide(config, shard)
+        self.d = DiscriminatorSide(config, shard, ledger)
 
     def step(self) -> dict:
         spec, D = self.spec, self.d.discriminator
@@ -66,10 +68,10 @@ class LocalGAN:
         private = self.d.private
         return {"gen_loss": gen_loss.item(), "disc_loss": d_stats.loss.item(),
                 "real_accuracy": d_stats.real_accuracy.item(), "fake_accuracy": d_stats.fake_accuracy.item(),
-                "epsilon": private.epsilon(), "delta": private.site.delta}
+                "epsilon": private.epsilon(), "delta": private.site.delta, "fixed_noise": private.ledger.secret.fixed}
 
 
-PRIVACY_STATS = ("epsilon", "delta")  # a private step's spent budget: per site, never averaged
+PRIVACY_STATS = ("epsilon", "delta", "fixed_noise")  # a private step's spent budget: per site, never averaged
 
 
 def iteration_record(t: int, workers: int, answered: int, stats: list[dict], seconds: float,

@@ -89,7 +89,17 @@ def build_parser() -> EnvArgumentParser:
                              "on or off; a refused one is answered PERMISSION_DENIED and we keep our own")
     parser.add_argument("--dp-max-epsilon", type=float, default=0.0,
                         help="in a differentially private run (docs/PRIVACY.md): leave the run, saying so, rather "
-                             "than take a step that would spend more than this epsilon (0: no limit of this site's)")
+                             "than take a step that would spend more than this epsilon (0: no limit of this site's; "
+                             "the run's --dp-target-epsilon is a limit too)")
+    parser.add_argument("--privacy-dir", default=None,
+                        help="in a differentially private run: the folder of this site's privacy ledger, which counts "
+                             "every step or answer it releases before it leaves and holds the secret its noise comes "
+                             "from (docs/PRIVACY.md); keep it across restarts (default: --state-dir; a private run "
+                             "needs one of the two)")
+    parser.add_argument("--dp-fixed-noise", type=int, default=None,
+                        help="research and tests only: this site's DP noise and sampling come from this number and its "
+                             "slot instead of a secret it makes itself; the guarantee then holds only against those "
+                             "who do not know the number, and the server's privacy record says it was set")
     g = parser.add_argument_group("emulation, for experiments and tests only")
     g.add_argument("--attack", choices=ATTACKS, default=None,
                    help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), both (-10 F), "
@@ -185,6 +195,8 @@ async def serve(args) -> str:
     devices.deterministic(args.device)
     if not args.slow_factor >= 1:
         raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
+    if args.dp_fixed_noise is not None and args.dp_fixed_noise < 0:
+        raise ConfigError(f"--dp-fixed-noise must be a whole number >= 0, got {args.dp_fixed_noise}")
     index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
     if args.state_dir and index is None:
         # Replicas without an ordinal share one state volume: each locks a folder of its own in it,
@@ -224,8 +236,9 @@ async def serve(args) -> str:
         ServerLink(args.server, credentials, identity, args.tls_server_name, args.connect_timeout, args.server_timeout),
         WorkerData(**source), telemetry=telemetry, device=args.device,
         state=WorkerState(args.state_dir, args.keep_checkpoints, args.run_id),
-        policy=SitePolicy(None if args.swap_check == "run" else args.swap_check, args.dp_max_epsilon, args.attack,
-                          args.slow_factor))
+        policy=SitePolicy(None if args.swap_check == "run" else args.swap_check, args.dp_max_epsilon,
+                          os.path.abspath(args.privacy_dir) if args.privacy_dir else None, args.dp_fixed_noise,
+                          args.attack, args.slow_factor))
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)

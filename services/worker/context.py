@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from mdgan.checkpoint import CheckpointStore
+    from mdgan.config import TrainingConfig
+    from mdgan.privacy_ledger import PrivacyLedger
     from services.common.telemetry import Telemetry
     from services.common.tls import TLSConfig
     from services.common.proto import coordinator_pb2 as pb
@@ -30,6 +32,9 @@ class WorkerContext(Protocol):
 
     async def write(self, call, message: pb.WorkerMessage) -> None:
         """Send one message to the server on the stream `call` (counted on the wire counters)."""
+
+    def privacy_ledger(self, config: TrainingConfig) -> PrivacyLedger | None:
+        """With DP, this site's privacy ledger for the run (None without DP); ServerGone when it has no folder."""
 
     def store(self) -> CheckpointStore | None:
         """Where this run's checkpoints go (None: the worker keeps no state)."""

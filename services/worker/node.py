@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from mdgan import checkpoint
 from mdgan.checkpoint import CheckpointError, CheckpointStore
-from mdgan.config import ConfigError, DataConfig
+from mdgan.config import ConfigError, DataConfig, TrainingConfig
+from mdgan.privacy_ledger import PrivacyLedger
 from mdgan.data import Shard, take_shard
 from mdgan.images import NUMERIC_CLASSES, SiteData
 from mdgan.sites import map_labels
@@ -144,6 +145,8 @@ class SitePolicy:
 
     swap_check: str | None = None  # this site's own --swap-check on|off; None: as the run says
     dp_max_epsilon: float = 0.0  # > 0: leave the run rather than spend more (DP runs)
+    privacy_dir: str | None = None  # where the site keeps its privacy ledgers (None: its state dir)
+    dp_fixed_noise: int | None = None  # research and tests only: the site's noise from this number, not a secret
     attack: str | None = None  # a Byzantine worker
     slow_factor: float = 1.0  # a straggler
 
@@ -242,6 +245,23 @@ class WorkerNode:
         if self.state_dir and self.run_id:
             checkpoint.atomic_write_json(os.path.join(self.state_dir, "current.json"),
                                          {"run_id": self.run_id, "shard_index": self.shard.index})
+
+    def privacy_ledger(self, config: TrainingConfig) -> PrivacyLedger | None:
+        """This site's privacy ledger for the run it is in (mdgan/privacy_ledger.py), read back if it has one;
+        None in a run without DP. A private run needs a folder for it: the site cannot count what it spends
+        otherwise."""
+        if not config.privacy.enabled:
+            return None
+        folder = self.policy.privacy_dir or self.state_dir
+        if not folder:
+            raise ServerGone("this run is differentially private and this site has no folder for its privacy "
+                             "ledger, which counts every step it releases: give --privacy-dir DIR (or --state-dir)")
+        ledger = PrivacyLedger.open(folder, self.run_id or "unnamed-run", self.shard.index, config.privacy.mechanism,
+                                    config.privacy.discriminators, self.policy.dp_fixed_noise)
+        log.info("privacy ledger %s: %s noise, %d steps and %d answers counted before", ledger.path,
+                 "FIXED (--dp-fixed-noise: no guarantee against whoever knows it)" if ledger.secret.fixed
+                 else "secret", ledger.steps_taken, ledger.answers_given)
+        return ledger
 
     def store(self) -> CheckpointStore | None:
         """Where this worker keeps its states for the run it is in; None: it keeps none."""

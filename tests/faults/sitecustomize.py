@@ -6,7 +6,11 @@ MDGAN_TEST_FAULT is a JSON list of faults, each
      "worker": "worker-1" (optional: only in that worker; read from the method's self),
      "after": K (optional: the first K calls go through; default 0),
      "error": "RuntimeError" (optional: the exception class, a builtin),
-     "message": "..." (optional)}
+     "message": "..." (optional),
+     "kill": true (optional: instead of raising, the call goes through and then the process SIGKILLs itself),
+     "record": "PATH" (optional: instead of raising, every call goes through and its second argument, a protobuf
+                       message, is appended to PATH as a 4-byte length and its bytes; "{worker}" in PATH is the
+                       worker the call is for)}
 The target is replaced in its module before anything imports it by name, so every caller gets the
 faulty one. Nothing happens without the variable: the product never reads it."""
 
@@ -18,6 +22,7 @@ import importlib
 import inspect
 import json
 import os
+import signal
 
 
 def _worker_of(args) -> str | None:
@@ -34,7 +39,30 @@ def _worker_of(args) -> str | None:
     return None
 
 
+def _recording(function, path: str):
+    """Every call goes through; its second argument (a message) is appended to `path`, length-prefixed."""
+
+    def record(args) -> None:
+        data = args[1].SerializeToString()
+        with open(path.replace("{worker}", _worker_of(args) or "unknown"), "ab") as fh:
+            fh.write(len(data).to_bytes(4, "little") + data)
+
+    if inspect.iscoroutinefunction(function):
+        @functools.wraps(function)
+        async def wrapper(*args, **kwargs):
+            record(args)
+            return await function(*args, **kwargs)
+    else:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            record(args)
+            return function(*args, **kwargs)
+    return wrapper
+
+
 def faulty(function, fault: dict):
+    if fault.get("record"):
+        return _recording(function, fault["record"])
     error = getattr(builtins, fault.get("error", "RuntimeError"))
     message = fault.get("message", f"injected fault in {fault['target']}")
     after, worker = int(fault.get("after", 0)), fault.get("worker")
@@ -52,6 +80,13 @@ def faulty(function, fault: dict):
             if due(args):
                 raise error(message)
             return await function(*args, **kwargs)
+    elif fault.get("kill"):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            result = function(*args, **kwargs)
+            if due(args):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
     else:
         @functools.wraps(function)
         def wrapper(*args, **kwargs):

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from mdgan import compression, devices
+from mdgan import compression, devices, privacy
 from mdgan.algorithms.base import InProcessRun, RunResult, WorkerLost, crashing
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from mdgan.algorithms.mdgan.options import MDGANOptions
@@ -23,6 +23,7 @@ from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.cuda_lanes import Lanes
 from mdgan.gan import DiscriminatorSide, WorkerBatch
+from mdgan.privacy_ledger import PrivacyLedger
 from mdgan.roster import Roster
 from mdgan.step_results import StepResult
 
@@ -82,6 +83,12 @@ class InProcessWorker(WorkerHandle):
     async def step(self, iteration: int, batch: WorkerBatch) -> StepResult:
         if self.crashed:
             raise WorkerLost(f"{self.worker_id} crashed")
+        private = self.side.private
+        refusal = privacy.over_budget(private) if private is not None else None
+        if refusal is not None:  # the site stops answering; the run goes on without it as membership says
+            self.crashed = True
+            log.warning("%s: %s", self.worker_id, refusal)
+            raise WorkerLost(f"{self.worker_id}: {refusal}")
         # The same rounding at the same points as over gRPC: the batches, then the feedback.
         wire = self.side.config.wire_dtype
         with self.lane.step(iteration, [batch.generated, batch.generated_labels, batch.discriminated,
@@ -93,7 +100,7 @@ class InProcessWorker(WorkerHandle):
             result = dataclasses.replace(result, feedback=compression.round_trip(feedback, wire))
         self.lane.handover([result.feedback, result.disc_loss, result.gen_loss, result.real_accuracy,
                             result.fake_accuracy])
-        return result
+        return privacy.released(result, self.side.config.privacy)  # (what a private site's message carries)
 
     async def send_step(self, iteration: int, batch: WorkerBatch) -> asyncio.Future:
         """In one process the step is taken now, in the order sent, as a worker takes its batches."""
@@ -180,11 +187,24 @@ class InProcessWorker(WorkerHandle):
 
 
 
+def site_side(config: TrainingConfig, shard, sites_root: str | None, run_id: str):
+    """Site k's discriminator side; a private site's ledger in its own folder, sites_root/worker-k (read back if
+    the site has one: a rejoin, a resume), or in memory without a sites_root."""
+    ledger = None
+    if config.privacy.enabled:
+        folder = os.path.join(sites_root, f"worker-{shard.index}") if sites_root else None
+        ledger = PrivacyLedger.open(folder, run_id, shard.index, config.privacy.mechanism,
+                                    config.privacy.discriminators, config.privacy.fixed_noise)
+    return worker_side(config, shard, ledger)
+
+
 def build_in_process_workers(config: TrainingConfig, shards, state_root: str | None = None, keep: int = 3,
                              byzantine: int = 0, attack: str | None = None,
-                             swap_check: SwapCheck = SwapCheck()) -> list[InProcessWorker]:
-    """One in-process worker per shard; with state_root, worker k keeps its state in state_root/worker-k;
-    the last `byzantine` by rank replace their feedback (or the discriminator they push) by `attack`."""
+                             swap_check: SwapCheck = SwapCheck(), sites_root: str | None = None,
+                             run_id: str = "") -> list[InProcessWorker]:
+    """One in-process worker per shard; with state_root, worker k keeps its state in state_root/worker-k, with
+    sites_root a private site its ledger in sites_root/worker-k; the last `byzantine` by rank replace their
+    feedback (or the discriminator they push) by `attack`."""
     from mdgan.attacks import attackers, make_attacks
 
     bad = set(attackers(len(shards), byzantine)) if attack else set()
@@ -195,7 +215,7 @@ def build_in_process_workers(config: TrainingConfig, shards, state_root: str | N
         feedback_attack, discriminator_attack = make_attacks(attack if shard.index in bad else None, config.seed,
                                                              shard.index)
         workers.append(InProcessWorker(
-            worker_side(config, shard), board,
+            site_side(config, shard, sites_root, run_id), board,
             state=CheckpointStore(f"{state_root}/worker-{shard.index}", keep) if state_root else None,
             attack=feedback_attack, swap_check=swap_check, discriminator_attack=discriminator_attack, lanes=lanes))
     return workers
@@ -224,8 +244,9 @@ async def _run(run: InProcessRun) -> RunResult:
     state_root = os.path.join(run.out_dir, "workers", run.run.run_id)
     options = run.options or MDGANOptions()
     swap_check = options.as_check()
+    sites_root = os.path.join(run.out_dir, "sites")  # each site's own folder (its privacy ledger)
     workers = build_in_process_workers(config, shards, state_root, keep, run.emulation.byzantine,
-                                       run.emulation.attack, swap_check)
+                                       run.emulation.attack, swap_check, sites_root, run.run.run_id)
     by_slot = {w.shard_index: w for w in workers}
     roster = Roster(config.workers, pause_timeout=0, copies=not config.privacy.keeps_discriminators)
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
@@ -270,7 +291,7 @@ async def _run(run: InProcessRun) -> RunResult:
             if action == "leave":
                 leave(current, t, "churn")
             elif action == "join" and roster.slot_of(current) is None:
-                fresh = type(current)(worker_side(config, current.shard), current.board,
+                fresh = type(current)(site_side(config, current.shard, sites_root, run.run.run_id), current.board,
                                       current.swap_timeout, state=current.state, attack=current.attack,
                                       swap_check=current.swap_check, discriminator_attack=current.discriminator_attack,
                                       lanes=current.lanes)

@@ -6,7 +6,8 @@ and a batch X_g to answer on) is served by one part, drawn at random: a fresh ra
 parts every K requests, so each part answers once every K requests. That part's discriminator trains
 its L steps on its own data and X_d, without noise, and computes the feedback on X_g; each generated
 sample's feedback (the gradient of its own loss) is clipped to L2 norm C and Gaussian noise of std
-sigma x C is added to it before it is sent. No discriminator leaves the site: the server orders no
+sigma x C, drawn from the site's secret (mdgan/secret_noise.py), is added to it; the answer is counted in the
+site's ledger (mdgan/privacy_ledger.py) before it is sent. No discriminator leaves the site: the server orders no
 swaps and gives late joiners no copies (a site that refused one anyway would fail the run, not send it).
 
 The privacy of one image, replaced by another (the site's size is public; docs/PRIVACY.md, "Private
@@ -37,15 +38,18 @@ from mdgan import devices, privacy
 from mdgan.config import PrivacySpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.gan import DiscriminatorSide, WorkerBatch, derive_seed
+from mdgan.privacy_ledger import PrivacyLedger, adopt_old_accountant
+from mdgan.secret_noise import SecretStream
 from mdgan.step_results import StepResult
 
 
-def worker_side(config: TrainingConfig, shard: Shard) -> "DiscriminatorSide | PrivateFeedbackSide":
+def worker_side(config: TrainingConfig, shard: Shard,
+                ledger: PrivacyLedger | None = None) -> "DiscriminatorSide | PrivateFeedbackSide":
     """An MD-GAN worker's discriminator side for this run: K private-feedback parts, or one DiscriminatorSide
-    (DP-SGD or no DP)."""
+    (DP-SGD or no DP); `ledger`: a private site's (mdgan/privacy_ledger.py)."""
     if config.privacy.keeps_discriminators:
-        return PrivateFeedbackSide(config, shard)
-    return DiscriminatorSide(config, shard)
+        return PrivateFeedbackSide(config, shard, ledger)
+    return DiscriminatorSide(config, shard, ledger)
 
 
 def split_parts(shard: Shard, parts: int, seed: int) -> list[Shard]:
@@ -56,35 +60,21 @@ def split_parts(shard: Shard, parts: int, seed: int) -> list[Shard]:
 
 
 class AnswerSchedule:
-    """Which part answers each request: a fresh random order of the K parts every K requests (seeded), so
-    after t answers every part has given floor(t / K) or ceil(t / K). The next part is known in advance
-    (peek), for the budget check before a step."""
+    """Which part answers each request: a fresh random order of the K parts every K requests, drawn from the
+    site's secret (round r's order is draw r of its "feedback/schedule" stream), so after t answers every part has
+    given floor(t / K) or ceil(t / K). Answer t's part is known before it is given (the budget's check)."""
 
-    def __init__(self, parts: int, seed: int):
+    def __init__(self, parts: int, stream: SecretStream):
         self.parts = parts
-        self._generator = torch.Generator().manual_seed(seed)
-        self._order = self._draw()
-        self._position = 0
+        self._stream = stream
+        self._round: tuple[int, list[int]] = (-1, [])
 
-    def _draw(self) -> list[int]:
-        return torch.randperm(self.parts, generator=self._generator).tolist()
-
-    def peek(self) -> int:
-        return self._order[self._position]
-
-    def next(self) -> int:
-        part = self._order[self._position]
-        self._position += 1
-        if self._position == self.parts:
-            self._order, self._position = self._draw(), 0
-        return part
-
-    def state_dict(self) -> dict:
-        return {"generator": self._generator.get_state(), "order": list(self._order), "position": self._position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._generator.set_state(state["generator"])
-        self._order, self._position = [int(p) for p in state["order"]], int(state["position"])
+    def part(self, answer: int) -> int:
+        """The part that gives answer number `answer` (0, 1, ...) of the site."""
+        number, position = divmod(answer, self.parts)
+        if self._round[0] != number:
+            self._round = (number, torch.argsort(self._stream.uniform(number, self.parts)).tolist())
+        return self._round[1][position]
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,28 +85,38 @@ def _gaussian_epsilon(noise_multiplier: float, steps: int, delta: float) -> floa
 
 
 class FeedbackMechanism:
-    """The site's mechanism and accountant: each answer's rows clipped to C and noised, and how many answers
-    each part gave. Noise is drawn on the CPU from the site's seeded generator (the same on any device)."""
+    """The site's mechanism: each answer's rows clipped to C and noised, counted in the site's ledger before it
+    leaves. Noise is drawn on the CPU from the site's secret stream, at the index of the answer (the same numbers
+    on any device, never twice for two answers)."""
 
-    def __init__(self, site: privacy.SitePrivacy, noise_seed: int, schedule_seed: int):
+    def __init__(self, site: privacy.SitePrivacy, ledger: PrivacyLedger):
         self.site = site
-        self.answers = [0] * site.discriminators  # answers given, per part
-        self.schedule = AnswerSchedule(site.discriminators, schedule_seed)
-        self.noise = torch.Generator().manual_seed(noise_seed)
+        self.ledger = ledger
+        self.schedule = AnswerSchedule(site.discriminators, ledger.secret.stream("feedback/schedule"))
+        self.noise = ledger.secret.stream("feedback/noise")
+
+    @property
+    def answers(self) -> list[int]:
+        return list(self.ledger.answers)
+
+    def next_part(self) -> int:
+        return self.schedule.part(self.ledger.answers_given)
 
     def sanitize(self, per_sample: torch.Tensor) -> torch.Tensor:
-        """(b, *shape) gradients of each sample's own loss -> each row clipped to L2 norm C, plus N(0, (sigma C)^2)."""
+        """(b, *shape) gradients of each sample's own loss -> each row clipped to L2 norm C, plus N(0, (sigma C)^2),
+        the noise of the site's next answer."""
         rows = per_sample.reshape(len(per_sample), -1)  # (b, d)
         norms = rows.norm(dim=1, keepdim=True)  # (b, 1)
         clipped = rows * (self.site.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # Opacus's clip factor
-        noise = torch.normal(0.0, self.site.noise_multiplier * self.site.max_grad_norm, size=tuple(rows.shape),
-                             generator=self.noise)
+        noise = self.noise.normal(self.ledger.answers_given, rows.numel(),
+                                  self.site.noise_multiplier * self.site.max_grad_norm).view(rows.shape)
         return (clipped + noise.to(rows.device, rows.dtype)).view_as(per_sample)
 
     def answer(self, part: int, per_sample: torch.Tensor) -> torch.Tensor:
-        """Part `part`'s answer, sanitized, and counted against that part: (b, *shape)."""
+        """Part `part`'s answer, sanitized, and counted against that part (written) before it is returned:
+        (b, *shape)."""
         sanitized = self.sanitize(per_sample)
-        self.answers[part] += 1
+        self.ledger.count_answer(part)
         return sanitized
 
     def _epsilon(self, answers: list[int]) -> float:
@@ -124,31 +124,20 @@ class FeedbackMechanism:
         return _gaussian_epsilon(self.site.accounted_noise_multiplier, max(answers), self.site.delta)
 
     def epsilon(self) -> float:
-        return self._epsilon(self.answers)
+        return self._epsilon(self.ledger.answers)
 
     def epsilon_after_iteration(self) -> float:
-        """The epsilon after the next answer (--dp-max-epsilon)."""
-        answers = list(self.answers)
-        answers[self.schedule.peek()] += 1
+        """The epsilon after the next answer (the site's budget)."""
+        answers = list(self.ledger.answers)
+        answers[self.next_part()] += 1
         return self._epsilon(answers)
-
-    def state_dict(self) -> dict:
-        return {"answers": list(self.answers), "schedule": self.schedule.state_dict(), "noise": self.noise.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["answers"]) != len(self.answers):
-            raise ValueError(f"saved state of {len(state['answers'])} discriminators, this site has "
-                             f"{len(self.answers)}")
-        self.answers = [int(n) for n in state["answers"]]
-        self.schedule.load_state_dict(state["schedule"])
-        self.noise.set_state(state["noise"])
 
 
 class PrivateFeedbackSide:
     """A site's K discriminators (each a DiscriminatorSide over its own part, trained without noise) and the
     mechanism that sanitizes their answers. It has no state to export: its discriminators never leave."""
 
-    def __init__(self, config: TrainingConfig, shard: Shard):
+    def __init__(self, config: TrainingConfig, shard: Shard, ledger: PrivacyLedger | None = None):
         self.config = config
         self.spec = config.model
         self.device = devices.resolve(config.device)
@@ -162,8 +151,9 @@ class PrivateFeedbackSide:
             side.sampler = ShardSampler(side.sampler.shard, config.batch_size,
                                         derive_seed(config.seed, f"dp-feedback-sampling/{shard.index}", j))
             self.parts.append(side)
-        self.private = FeedbackMechanism(site, derive_seed(config.seed, "dp-feedback-noise", shard.index),
-                                         derive_seed(config.seed, "dp-feedback-schedule", shard.index))
+        if ledger is None:  # (kept in memory: a library user's own loop)
+            ledger = PrivacyLedger.open(None, "", shard.index, "feedback", k, config.privacy.fixed_noise)
+        self.private = FeedbackMechanism(site, ledger)
 
     @property
     def shard_index(self) -> int:
@@ -178,18 +168,19 @@ class PrivateFeedbackSide:
         """The drawn part trains and answers; its answer's rows are clipped and noised. The feedback sent is
         the gradient of the batch's mean loss, as without DP: each sample's own-loss gradient is b times it."""
         started = time.perf_counter()
-        part = self.private.schedule.next()
+        part = self.private.next_part()
         result = self.parts[part].step(batch)
         rows = len(result.feedback)
         feedback = self.private.answer(part, result.feedback * rows) / rows  # (b, *shape)
         return dataclasses.replace(result, feedback=feedback, epsilon=self.private.epsilon(),
+                                   fixed_noise=self.private.ledger.secret.fixed,
                                    delta=self.private.site.delta,
                                    feedback_seconds=time.perf_counter() - started - result.disc_seconds)
 
     # -- durable state (a checkpoint, kept on the worker) ------------------------------------------
     def state_dict(self) -> dict:
         return {"shard_index": self.shard_index, "parts": [side.state_dict() for side in self.parts],
-                "privacy": self.private.state_dict()}
+                "privacy": {"ledger": True}}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["shard_index"]) != self.shard_index:
@@ -200,7 +191,7 @@ class PrivateFeedbackSide:
             raise ValueError(f"saved state of {len(state['parts'])} discriminators, this site has {len(self.parts)}")
         for side, saved in zip(self.parts, state["parts"]):
             side.load_state_dict({**saved, "shard_index": side.shard_index})
-        self.private.load_state_dict(state["privacy"])
+        adopt_old_accountant(self.private.ledger, state["privacy"])
 
     # -- what a site with private feedback never does ------------------------------------------------
     def _refuse(self, *_args, **_kwargs):

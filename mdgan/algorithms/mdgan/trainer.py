@@ -164,7 +164,8 @@ class Trainer:
     def count_feedback(self, reply: StepResult, worker_id: str | None = None) -> None:
         self.traffic.payload_bytes["worker_to_server"] += _wire_nbytes(reply.feedback, self.config.wire_dtype)
         if worker_id is not None and math.isfinite(reply.epsilon):  # DP: what that site says it has spent
-            self.privacy[worker_id] = {"epsilon": reply.epsilon, "delta": reply.delta}
+            self.privacy[worker_id] = {"epsilon": reply.epsilon, "delta": reply.delta,
+                                       "noise": "fixed" if reply.fixed_noise else "secret"}
 
     # -- one iteration -----------------------------------------------------------------------
     async def iteration(self, t: int) -> IterationRecord:

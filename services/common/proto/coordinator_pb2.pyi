@@ -259,20 +259,22 @@ class Batches(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., generated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generated_labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., discriminated: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., discriminated_labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy", "epsilon", "delta")
+    __slots__ = ("disc_loss", "gen_loss", "real_accuracy", "fake_accuracy", "epsilon", "delta", "fixed_noise")
     DISC_LOSS_FIELD_NUMBER: _ClassVar[int]
     GEN_LOSS_FIELD_NUMBER: _ClassVar[int]
     REAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     FAKE_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    FIXED_NOISE_FIELD_NUMBER: _ClassVar[int]
     disc_loss: float
     gen_loss: float
     real_accuracy: float
     fake_accuracy: float
     epsilon: float
     delta: float
-    def __init__(self, disc_loss: _Optional[float] = ..., gen_loss: _Optional[float] = ..., real_accuracy: _Optional[float] = ..., fake_accuracy: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
+    fixed_noise: bool
+    def __init__(self, disc_loss: _Optional[float] = ..., gen_loss: _Optional[float] = ..., real_accuracy: _Optional[float] = ..., fake_accuracy: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., fixed_noise: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
     __slots__ = ("iteration", "gradient", "stats")

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from mdgan.algorithms.flgan import FederatedTrainer, FederatedWorker, LocalRoundResult
+from mdgan import privacy
 from mdgan.algorithms.base import InputRejected
+from mdgan.config import PrivacySpec
 from services.common import codec
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire
@@ -22,6 +24,7 @@ class FederatedRun:
     """What an FL-GAN run's handles share."""
 
     model_layouts: dict[str, dict]  # model -> the layout every returning state is checked against
+    privacy: PrivacySpec = PrivacySpec()  # what a private site's statistics withhold
 
 
 class GrpcFederatedWorker(StreamHandle, FederatedWorker):
@@ -33,6 +36,7 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
     def __init__(self, connection: WorkerConnection, run: FederatedRun, needs_copy: bool = False):
         super().__init__(connection)
         self.model_layouts = run.model_layouts
+        self.privacy = run.privacy
         self._rounds = connection.answers("round")  # round -> Future[LocalRoundResult]
         # the models coming back in the current round, checked against model_layouts
         self._returning: dict[tuple[int, str], codec.StateAssembler] = {}
@@ -40,7 +44,7 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
 
     @classmethod
     def run_state(cls, coordinator) -> FederatedRun:
-        return FederatedRun(coordinator.model_layouts or {})
+        return FederatedRun(coordinator.model_layouts or {}, coordinator.config.privacy)
 
     def receivers(self):
         return {"model_part": self._on_model_part, "local_round_done": self._on_local_round_done}
@@ -92,10 +96,13 @@ class GrpcFederatedWorker(StreamHandle, FederatedWorker):
         except (codec.InvalidTensor, KeyError) as exc:
             await self._fail_round(done.round, getattr(exc, "reason", "protocol"), f"models of round {done.round}: {exc}")
             return
-        stats = [{"gen_loss": s.gen_loss, "disc_loss": s.disc_loss, "real_accuracy": s.real_accuracy,
-                  "fake_accuracy": s.fake_accuracy,
-                  # DP: the budget the site says it spent (delta > 0 only from a private site)
-                  **({"epsilon": s.epsilon, "delta": s.delta} if s.delta > 0 else {})} for s in done.stats]
+        # a private site's withheld statistics are absent from its message (read as 0): NaN, as in one process
+        stats = [privacy.released_stats({
+            "gen_loss": s.gen_loss, "disc_loss": s.disc_loss, "real_accuracy": s.real_accuracy,
+            "fake_accuracy": s.fake_accuracy,
+            # DP: the budget the site says it spent (delta > 0 only from a private site)
+            **({"epsilon": s.epsilon, "delta": s.delta, "fixed_noise": s.fixed_noise} if s.delta > 0 else {})},
+            self.privacy) for s in done.stats]
         sent = sum(t.numel() * t.element_size() for state in states.values() for t in state.values())
         future.set_result(LocalRoundResult(states["generator"], states["discriminator"], stats, sent))
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.algorithms.base import InputRejected, IterationRecord
 from mdgan.config import TrainingConfig
+from mdgan import privacy
 from mdgan.gan import WorkerBatch
 from mdgan.step_results import StepResult
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
@@ -127,10 +128,12 @@ class GrpcWorker(StreamHandle, WorkerHandle):
             future.set_exception(InputRejected(exc.reason, str(exc)))
             return
         s = feedback.stats
-        private = self.config.privacy.enabled and s.delta > 0  # (a site's spent budget, by its own accountant)
-        future.set_result(StepResult(gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy,
-                                     epsilon=s.epsilon if private else float("nan"),
-                                     delta=s.delta if private else float("nan")))
+        private = self.config.privacy.enabled and s.delta > 0  # (a site's spent budget, by its own ledger)
+        # what a private site withholds is absent from its message (read as 0): NaN here, as in one process
+        future.set_result(privacy.released(StepResult(
+            gradient, s.disc_loss, s.gen_loss, s.real_accuracy, s.fake_accuracy,
+            epsilon=s.epsilon if private else float("nan"), delta=s.delta if private else float("nan"),
+            fixed_noise=private and s.fixed_noise), self.config.privacy))
 
     async def _on_swap_report(self, report: pb.SwapReport) -> None:
         future = self._swaps.get(report.round)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from mdgan import privacy
 from mdgan.algorithms.standalone import LocalGAN
 from mdgan.algorithms.flgan import make_flgan_worker_gan, train_local_round
 from mdgan.config import TrainingConfig
@@ -22,7 +23,7 @@ class FLGANWorker(WorkerAlgorithm):
 
     def __init__(self, node, config: TrainingConfig, shard: Shard):
         super().__init__(node, config, shard)
-        self.gan: LocalGAN = make_flgan_worker_gan(config, shard)
+        self.gan: LocalGAN = make_flgan_worker_gan(config, shard, node.privacy_ledger(config))
         self._incoming: dict[tuple[int, str], codec.StateAssembler] = {}
 
     def final_discriminator(self) -> dict:
@@ -52,13 +53,13 @@ class FLGANWorker(WorkerAlgorithm):
             raise ServerGone(f"round {order.round} came without valid models: {exc!r}") from exc
         self._incoming.clear()
         private = self.gan.d.private
-        budget = self.node.policy.dp_max_epsilon
-        if private is not None and budget > 0:  # leave rather than spend past this site's budget
+        if private is not None:  # leave rather than spend past this site's budget
+            cap = privacy.budget(private.site, self.node.policy.dp_max_epsilon)
             ahead = private.epsilon_after(order.iterations * self.gan.config.disc_steps)
-            if ahead > budget:
-                raise BudgetSpent(f"round {order.round} would bring this site's epsilon to {ahead:.3f}, past "
-                                  f"--dp-max-epsilon {budget:g} (spent: {private.epsilon():.3f}, "
-                                  f"delta {private.site.delta:g})")
+            if ahead > cap:
+                raise BudgetSpent(f"round {order.round}: privacy budget spent: the round would bring this site's "
+                                  f"epsilon to {ahead:.3f}, past its budget {cap:g} (spent: {private.epsilon():.3f}, "
+                                  f"delta {private.site.delta:g}); it answers no more")
         started = time.perf_counter()
         result = await asyncio.to_thread(train_local_round, self.gan, states["generator"], states["discriminator"],
                                          order.iterations)
@@ -67,7 +68,7 @@ class FLGANWorker(WorkerAlgorithm):
             for part in codec.model_parts(state, order.round, model):
                 await write(call, pb.WorkerMessage(model_part=part))
         await write(call, pb.WorkerMessage(local_round_done=pb.LocalRoundDone(
-            round=order.round, stats=[pb.StepStats(**s) for s in result.stats])))
+            round=order.round, stats=[pb.StepStats(**{k: v for k, v in s.items() if v == v}) for s in result.stats])))
         t = self.node.telemetry
         t.iterations.inc(order.iterations)
         t.iteration_seconds.observe((time.perf_counter() - started) / max(1, order.iterations))

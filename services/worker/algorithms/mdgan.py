@@ -21,7 +21,8 @@ from mdgan.config import ConfigError
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import WorkerBatch
-from mdgan.step_results import read_stats
+from mdgan import privacy
+from mdgan.step_results import STATS, read_stats
 from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire as wire_traffic
@@ -31,9 +32,13 @@ from services.worker.peer import REFUSED, CopyMailbox, PeerInbox, PushRefused, S
 log = logging.getLogger("mdgan.worker")
 
 
-def privacy_stats(result) -> dict:
-    """StepStats' epsilon and delta: what this site has spent (0, 0 when not private)."""
-    return {"epsilon": result.epsilon, "delta": result.delta} if math.isfinite(result.delta) else {}
+def wire_stats(result) -> pb.StepStats:
+    """What a step's StepStats carry: its released statistics (a withheld one, NaN, is left out: 0 on the wire), and
+    what the site has spent (epsilon, delta; 0 and 0 when not private) and whether its noise was fixed."""
+    stats = {name: value for name in STATS if math.isfinite(value := getattr(result, name))}
+    if math.isfinite(result.delta):
+        stats.update(epsilon=result.epsilon, delta=result.delta, fixed_noise=result.fixed_noise)
+    return pb.StepStats(**stats)
 
 
 @dataclass(frozen=True)
@@ -60,16 +65,15 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
 
     def __init__(self, node, config: TrainingConfig, shard: Shard):
         super().__init__(node, config, shard)
-        self.side = worker_side(config, shard)
+        self.side = worker_side(config, shard, node.privacy_ledger(config))
         if self.side.private is not None:
             site = self.side.private.site
-            log.info("differentially private (%s, %d discriminator%s): sigma %.4g, C %g, q %.4g, delta %g%s",
-                     site.mechanism, site.discriminators, "s" if site.discriminators > 1 else "",
-                     site.noise_multiplier, site.max_grad_norm, site.sample_rate, site.delta,
-                     f", budget {node.policy.dp_max_epsilon:g}" if node.policy.dp_max_epsilon else "")
-            if not node.state_dir:  # the accountant lives in the state: without one a restart forgets what was spent
-                log.warning("differentially private run without --state-dir: if this process restarts, its "
-                            "privacy accountant starts again from zero and undercounts what this site spent")
+            cap = privacy.budget(site, node.policy.dp_max_epsilon)
+            log.info("differentially private (%s, %d discriminator%s): sigma %.4g, C %g, q %.4g, delta %g, budget %s; "
+                     "spent so far %.4g; withheld from the server: %s", site.mechanism, site.discriminators,
+                     "s" if site.discriminators > 1 else "", site.noise_multiplier, site.max_grad_norm,
+                     site.sample_rate, site.delta, f"{cap:g}" if math.isfinite(cap) else "none",
+                     self.side.private.epsilon(), ", ".join(privacy.withheld_stats(config.privacy)))
         # Emulation for experiments (mdgan-worker --attack, --slow-factor): a Byzantine worker, a straggler.
         self.attack, self.discriminator_attack = make_attacks(node.policy.attack, config.seed, shard.index)
         if node.policy.attack:
@@ -162,13 +166,9 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         # depend on our D) or after this feedback (computed before the second yield).
         await asyncio.sleep(0)
         private = self.side.private
-        budget = self.node.policy.dp_max_epsilon
-        if private is not None and budget > 0:
-            ahead = private.epsilon_after_iteration()
-            if ahead > budget:
-                raise BudgetSpent(f"iteration {batches.iteration} would bring this site's epsilon to {ahead:.3f}, "
-                                  f"past --dp-max-epsilon {budget:g} (spent: {private.epsilon():.3f}, "
-                                  f"delta {private.site.delta:g})")
+        refusal = privacy.over_budget(private, self.node.policy.dp_max_epsilon) if private is not None else None
+        if refusal is not None:  # the site stops answering and leaves; the run goes on as membership says
+            raise BudgetSpent(f"iteration {batches.iteration}: {refusal}")
         started = time.perf_counter()
         # On the event loop's own thread: a step takes milliseconds, and a hop to a worker thread
         # and back (two thread wake-ups per iteration) cost a measurable share of them. Peers and
@@ -181,9 +181,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         await asyncio.sleep(0)  # the other workers' steps first (above)
         await self.node.write(call, pb.WorkerMessage(feedback=pb.Feedback(
             iteration=batches.iteration, gradient=codec.encode_packed(compression.pack(feedback, wire)),
-            stats=pb.StepStats(disc_loss=result.disc_loss, gen_loss=result.gen_loss,
-                               real_accuracy=result.real_accuracy, fake_accuracy=result.fake_accuracy,
-                               **privacy_stats(result)))))
+            stats=wire_stats(privacy.released(result, config.privacy)))))
         t = self.node.telemetry
         t.iterations.inc()
         t.iteration_seconds.observe(time.perf_counter() - started)
