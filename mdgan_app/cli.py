@@ -415,6 +415,8 @@ def cmd_sample(args) -> int:
 def cmd_audit(args) -> int:
     from mdgan.audit import AuditSettings, audit, table, write_report
 
+    if args.server_view:
+        return _server_view_audit(args)
     for flag in ("members", "nonmembers", "generated"):
         if getattr(args, flag) < 2:
             raise ConfigError(f"--{flag} must be at least 2, got {getattr(args, flag)}")
@@ -438,6 +440,21 @@ def cmd_audit(args) -> int:
         print("(no discriminators attacked: run `mdgan simulate --save-discriminators`, or give a site's audit its "
               "worker's --state-dir, for the D attacks)")
     print("wrote " + ", ".join(written))
+    return 0
+
+
+def _server_view_audit(args) -> int:
+    """`mdgan audit RUN --server-view`: the one-run canary audit of each site's noise (mdgan/privacy_audit.py)."""
+    from mdgan import checkpoint, privacy_audit
+
+    if args.site_data or args.held_out or args.state_dir:
+        raise ConfigError("--server-view audits what the server holds: not with a site's own audit (--site-data, "
+                          "--held-out, --state-dir)")
+    report = privacy_audit.audit_run(args.run, args.canaries, args.guesses, args.seed)
+    path = os.path.join(args.out or os.path.join(args.run, "audit"), "server_view.json")
+    checkpoint.atomic_write_json(path, report)
+    print(privacy_audit.table(report))
+    print(f"wrote {path}")
     return 0
 
 
@@ -703,6 +720,13 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (0: none)")
     audit.add_argument("--seed", type=int, default=0, help="which images and noise the audit draws")
     audit.add_argument("--out", default=None, help="where audit.json and roc.png go (default: RUN/audit)")
+    server = audit.add_argument_group("the server's view of a private run (docs/PRIVACY.md): canaries through each "
+                                      "site's mechanism, one run, an empirical lower bound on epsilon")
+    server.add_argument("--server-view", action="store_true",
+                        help="audit each site's noise as an attacker holding what the server holds (its answers, the "
+                             "settings and seed, a recorded --dp-fixed-noise): server_view.json")
+    server.add_argument("--canaries", type=int, default=1000, help="canaries a site, each in with probability 1/2")
+    server.add_argument("--guesses", type=int, default=200, help="the attacker's guesses ('in'), its surest")
     audit.set_defaults(func=cmd_audit)
     return parser
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -369,3 +370,59 @@ def test_a_site_killed_between_its_ledger_and_its_send_and_restarted_without_sta
     assert summary["privacy"]["sites"]["worker-1"]["epsilon"] == pytest.approx(
         _site_epsilon(ledger, summary, "worker-1"), rel=1e-9)
     assert summary["privacy"]["noise"] == "fixed"
+
+
+# -- the audit: the server's view, one run, a lower bound on epsilon -------------------------------------------
+
+def test_the_one_run_bound_holds_for_randomized_response_and_finds_a_weaker_one():
+    """Canaries through epsilon-randomized response (its guesses right with probability e^eps / (1 + e^eps)
+    exactly): over 60 audits the bound at 95% passes the true epsilon about 5% of the time, no more; the guesses of
+    a mechanism three times weaker reject epsilon 1; chance rejects nothing."""
+    from mdgan.privacy_audit import epsilon_lower_bound
+
+    generator = torch.Generator().manual_seed(0)
+
+    def audit(epsilon: float) -> float:
+        right = int((torch.rand(400, generator=generator) < 1 / (1 + math.exp(-epsilon))).sum())
+        return epsilon_lower_bound(800, 400, right, delta=1e-5)
+
+    passed = sum(audit(1.0) > 1.0 for _ in range(60))
+    assert passed <= 8  # (Binomial(60, 0.05) reaches 8 with probability 1.1%)
+    assert audit(3.0) > 1.0
+    assert epsilon_lower_bound(1000, 200, 100, delta=1e-5) == 0.0
+    assert epsilon_lower_bound(1000, 200, 200, 1e-5) > epsilon_lower_bound(1000, 200, 190, 1e-5) > 0
+
+
+@pytest.mark.parametrize("mechanism, flags", [
+    ("feedback", ["--dp-mechanism", "feedback", "--dp-noise-multiplier", "60", "--iterations", "5"]),
+    ("sgd", ["--dp-noise-multiplier", "2", "--iterations", "200"])])
+def test_the_servers_view_audit_stays_at_chance_on_secret_noise_and_finds_a_fixed_one(tmp_path, mechanism, flags):
+    """`mdgan audit RUN --server-view`: on a run with secret noise the attacker, holding the seed and the settings,
+    guesses at chance and the bound is 0, at or below the accountant's; on a run whose noise the server can take
+    off (--dp-fixed-noise, which it stores), every guess is right and the bound is far above the accountant's."""
+    base = ["--workers", "2", "--batch-size", "8", "--dp-max-grad-norm", str(C), "--dataset", "synthetic",
+            "--eval-every", "-1", "--no-progress", *flags]
+    for fixed in ([], ["--dp-fixed-noise", "3"]):
+        out = tmp_path / ("fixed" if fixed else "secret")
+        mdgan("simulate", *base, *fixed, "--out", str(out))
+        done = mdgan("audit", str(out), "--server-view", "--guesses", "300")
+        report = read_json(out / "audit" / "server_view.json")
+        assert "epsilon >=" in done.stdout and report["mechanism"] == mechanism
+        for site in report["sites"]:
+            if fixed:
+                assert site["noise_known"] and site["correct"] == site["guesses"] == 300
+                assert site["epsilon_lower_bound"] > 4 * max(site["canary_epsilon"], site["run_epsilon"])
+            else:
+                assert not site["noise_known"] and site["correct"] < 0.6 * site["guesses"]
+                assert site["epsilon_lower_bound"] <= min(site["canary_epsilon"], site["run_epsilon"])
+
+
+def test_the_servers_view_audit_refuses_what_it_cannot_audit(tmp_path):
+    plain = tmp_path / "plain"
+    mdgan("simulate", "--workers", "2", "--iterations", "2", "--dataset", "synthetic", "--eval-every", "-1",
+          "--no-progress", "--out", str(plain))
+    for flags, message in ((["--server-view"], "not a differentially private run"),
+                           (["--server-view", "--site-data", "x", "--held-out", "y"], "not with a site's own audit")):
+        done = mdgan("audit", str(plain), *flags, check=False)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (plain / "audit").exists()
