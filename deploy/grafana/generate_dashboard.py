@@ -188,17 +188,23 @@ def build() -> dict:
     lay.row("Model")
     lay.add(timeseries(
         "Generator loss",
-        "J_gen on the generated batches: the server's mean over the answering workers, and each worker's own.",
+        "J_gen on the generated batches: the server's mean over the answering workers, and each worker's own. "
+        "Under private feedback the sites withhold it from the server (their discriminators are not private): "
+        "each site's own endpoint keeps it.",
         [target("A", f"mdgan_generator_loss{{{SERVER}}}", "server (mean)"),
          target("B", f"mdgan_generator_loss{{{WORKERS}}}", "{{instance}}")]), 8, 8)
     lay.add(timeseries(
         "Discriminator loss",
-        "J_disc of the last discriminator step: the server's mean, and each worker's.",
+        "J_disc of the last discriminator step: the server's mean, and each worker's. Computed on a site's real "
+        "images, so under DP the sites withhold it from the server (its series is empty): each site's own "
+        "endpoint keeps it.",
         [target("A", f"mdgan_discriminator_loss{{{SERVER}}}", "server (mean)"),
          target("B", f"mdgan_discriminator_loss{{{WORKERS}}}", "{{instance}}")]), 8, 8)
     lay.add(timeseries(
         "Discriminator accuracy",
-        "Share of samples the discriminators classify right, on real and on generated data.",
+        "Share of samples the discriminators classify right, on real and on generated data. Under DP the sites "
+        "withhold the real accuracy from the server (DP-SGD), or both (private feedback); each site's own "
+        "endpoint keeps them.",
         [target("A", f"mdgan_discriminator_accuracy{{{SERVER}}}", "server {{data}}"),
          target("B", f"mdgan_discriminator_accuracy{{{WORKERS}}}", "{{instance}} {{data}}")],
         "percentunit", min_value=0, max_value=1), 8, 8)
@@ -245,8 +251,9 @@ def build() -> dict:
     lay.row("Privacy and integrity")
     lay.add(timeseries(
         "Privacy spent (epsilon) per site",
-        "Differentially private runs: the epsilon each site has spent so far, by its own RDP accountant at "
-        "its delta (mdgan_privacy_epsilon). A site with --dp-max-epsilon leaves before going past it.",
+        "Differentially private runs: the epsilon each site has spent so far, by the RDP accountant over its "
+        "own ledger at its delta (mdgan_privacy_epsilon). The run's --dp-target-epsilon and a site's "
+        "--dp-max-epsilon are caps: a site leaves before going past them.",
         [target("A", "max by (instance) (mdgan_privacy_epsilon)", "{{instance}}")], "none", min_value=0), 12, 7)
     lay.add(timeseries(
         "Discriminators refused at swaps",
