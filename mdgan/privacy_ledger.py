@@ -31,7 +31,7 @@ class LedgerError(CheckpointError):
 
 
 def ledger_path(folder: str, run_id: str, site: int) -> str:
-    if not _RUN_ID.match(run_id or ""):
+    if not _RUN_ID.match(run_id or "") or set(run_id) == {"."}:
         raise LedgerError(f"run id {run_id!r} cannot name a privacy ledger")
     return os.path.join(folder, "privacy", run_id, f"site-{int(site)}.json")
 

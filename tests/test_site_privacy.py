@@ -232,7 +232,10 @@ def test_a_resumed_run_counts_the_steps_it_takes_again_and_a_site_stops_at_its_b
         else:
             assert steps == 20 and reported <= target  # the planned 20 steps spend the target: no more
     if target is not None:
-        assert summary["workers_alive"] == 0 and "no workers left" in summary["stopped_early"]
+        assert summary["workers_alive"] == 0
+        last = 10 + (20 - 13)  # the resumed iterations a site's 20 planned steps leave it after the 13 it took
+        assert summary["stopped_early"] == (f"no workers left after iteration {last + 1}: worker-0, worker-1 stopped "
+                                            "at their privacy budget")  # (iteration last + 1 found them spent)
     assert len(drawn) == len(set(drawn))
 
 
@@ -248,8 +251,9 @@ def test_a_damaged_or_foreign_ledger_is_refused_in_one_line_and_the_run_left_as_
     done = mdgan("simulate", *flags, "--resume", str(out), check=False)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "site-1.json is unreadable" in lines[0], done.stderr
-    with pytest.raises(LedgerError, match="cannot name a privacy ledger"):
-        PrivacyLedger.open(str(tmp_path), "../escape", 0, "sgd")
+    for escape in ("../escape", "..", "."):
+        with pytest.raises(LedgerError, match="cannot name a privacy ledger"):
+            PrivacyLedger.open(str(tmp_path), escape, 0, "sgd")
     # a site that began with a fixed noise cannot go on with a secret one, nor the other way round
     PrivacyLedger.open(str(tmp_path), "r", 0, "sgd", fixed_noise=3)
     for fixed in (None, 4):
@@ -274,7 +278,8 @@ def test_a_fixed_noise_without_dp_or_below_zero_is_refused(tmp_path, flags, mess
 
 # -- over gRPC: what the server receives ----------------------------------------------------------------------
 
-def _recorded(path: str):
+def _recorded(path: str, kind: str = "Feedback"):
+    """The messages of type `kind` recorded, in order."""
     from services.common.proto import coordinator_pb2 as pb
 
     messages = []
@@ -282,7 +287,7 @@ def _recorded(path: str):
         data = fh.read()
     while data:
         size = int.from_bytes(data[:4], "little")
-        messages.append(pb.Feedback.FromString(data[4:4 + size]))
+        messages.append(getattr(pb, kind).FromString(data[4:4 + size]))
         data = data[4 + size:]
     return messages
 
@@ -296,34 +301,44 @@ RECORD = "services.server.algorithms.mdgan:GrpcWorker._on_feedback"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mechanism, sent", [("feedback", set()), ("sgd", {"gen_loss", "fake_accuracy"})])
-def test_over_grpc_the_server_receives_no_real_data_statistic_and_cannot_take_the_noise_off(tmp_path, mechanism, sent):
-    """Every feedback message the server received (recorded in the server process, as it read them): under DP-SGD
-    only what the private D says of generated samples, under private feedback nothing but the noised answer and
-    the site's (epsilon, delta); and the seed-derived noise taken off the answers gives no clipped row."""
+@pytest.mark.parametrize("algorithm, mechanism, sent", [("mdgan", "feedback", set()),
+                                                        ("mdgan", "sgd", {"gen_loss", "fake_accuracy"}),
+                                                        ("flgan", "sgd", {"gen_loss", "fake_accuracy"})])
+def test_over_grpc_the_server_receives_no_real_data_statistic_and_cannot_take_the_noise_off(tmp_path, algorithm,
+                                                                                           mechanism, sent):
+    """Every message with statistics the server received (recorded in the server process, as it read them): under
+    DP-SGD only what the private D says of generated samples, under private feedback nothing but the noised answer
+    and the site's (epsilon, delta); and the seed-derived noise taken off the answers gives no clipped row."""
     from services.common import codec
 
-    record = str(tmp_path / "feedback-{worker}.bin")
+    record = str(tmp_path / "received-{worker}.bin")
     flags = ["--workers", "2", "--iterations", "8", "--batch-size", "8", "--seed", "3", "--dataset", "synthetic",
              "--dp-noise-multiplier", "1.0", "--dp-max-grad-norm", str(C), "--dp-mechanism", mechanism,
-             "--eval-every", "-1", "--no-progress", "--insecure", "--out", str(tmp_path / "run")]
+             "--eval-every", "-1", "--no-progress", "--insecure", "--algorithm", algorithm,
+             "--out", str(tmp_path / "run")]
     if mechanism == "sgd":
         flags += ["--swap-every", "4"]
-    mdgan("local", *flags, env=_env(tmp_path, {"target": RECORD, "record": record}))
+    target = RECORD if algorithm == "mdgan" else "services.server.algorithms.flgan:GrpcFederatedWorker." \
+                                                    "_on_local_round_done"
+    mdgan("local", *flags, env=_env(tmp_path, {"target": target, "record": record}))
     summary = read_json(tmp_path / "run" / "summary.json")
     assert set(summary["privacy"]["withheld"]) == {"disc_loss", "gen_loss", "real_accuracy", "fake_accuracy"} - sent
     for site in (0, 1):
-        messages = _recorded(record.format(worker=f"worker-{site}"))
-        assert len(messages) == 8
-        for answer, message in enumerate(messages):
-            carried = {field.name for field, _ in message.stats.ListFields()}
+        messages = _recorded(record.format(worker=f"worker-{site}"),
+                             "Feedback" if algorithm == "mdgan" else "LocalRoundDone")
+        stats = [m.stats for m in messages] if algorithm == "mdgan" else [s for m in messages for s in m.stats]
+        assert len(stats) == 8
+        for each in stats:
+            carried = {field.name for field, _ in each.ListFields()}
             assert carried <= sent | {"epsilon", "delta"} and {"epsilon", "delta"} <= carried, carried
-            if mechanism == "feedback":
+        if mechanism == "feedback":
+            for answer, message in enumerate(messages):
                 feedback = codec.decode_packed(message.gradient, shape=(8, 784), wire_dtype="float32")
                 by_seed = _rows_without(feedback, _seed_feedback_noise(3, site, answer, (8, 784), C))
                 assert (by_seed > 2 * C).all()
     history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     assert all(row["disc_loss"] is None and row["real_accuracy"] is None for row in history)
+    assert {s["noise"] for s in summary["privacy"]["sites"].values()} == {"secret"}
 
 
 @pytest.mark.slow
@@ -426,3 +441,26 @@ def test_the_servers_view_audit_refuses_what_it_cannot_audit(tmp_path):
         done = mdgan("audit", str(plain), *flags, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (plain / "audit").exists()
+
+
+@pytest.mark.slow
+def test_a_private_worker_without_a_folder_for_its_ledger_or_with_a_damaged_one_leaves_saying_why(tmp_path):
+    out = str(tmp_path / "run")
+    server, port = start_server(out, "--workers", "2", "--iterations", "5", "--dp-noise-multiplier", "1",
+                                "--insecure", "--run-id", "r1")
+    damaged = tmp_path / "site-1" / "privacy" / "r1" / "site-1.json"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text("{not json")
+    workers = [start_worker(out, port, 0, 2, "--dataset", "synthetic", "--insecure"),
+               start_worker(out, port, 1, 2, "--dataset", "synthetic", "--insecure", "--privacy-dir",
+                            str(tmp_path / "site-1"))]
+    try:
+        codes = [w.wait(120) for w in workers]
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    assert codes == [2, 2], [w.log() for w in workers]
+    assert "has no folder for its privacy ledger, which counts every step it releases: give --privacy-dir" \
+        in workers[0].log()
+    assert "cannot keep this site's privacy ledger: the privacy ledger" in workers[1].log()
+    assert damaged.read_text() == "{not json"  # left as it was

@@ -18,7 +18,7 @@ from mdgan import privacy
 from mdgan.aggregation import fedavg
 from mdgan.algorithms.base import (RUN_FINISHED, Algorithm, InProcessRun, IterationRecord, RunResult, Traffic,
                                    ask_all, last_iteration, tell_to_stop, why_lost)
-from mdgan.algorithms.standalone import PRIVACY_STATS, LocalGAN, iteration_record
+from mdgan.algorithms.standalone import LocalGAN, iteration_record, site_privacy
 from mdgan.algorithms.traffic import discriminator_state_bytes, generator_state_bytes
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
@@ -133,7 +133,7 @@ class FederatedTrainer:
             for worker, reply in replies.good:
                 self.last_sent[f"worker-{worker.shard_index}"] = reply.discriminator
                 if reply.stats and "epsilon" in reply.stats[-1]:
-                    self.privacy[f"worker-{worker.shard_index}"] = {k: reply.stats[-1][k] for k in PRIVACY_STATS}
+                    self.privacy[f"worker-{worker.shard_index}"] = site_privacy(reply.stats[-1])
             self.rejections += len(replies.rejected)  # this round goes on without them, as in MD-GAN
             for worker, error in replies.lost:
                 self.active.remove(worker)

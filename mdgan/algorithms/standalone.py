@@ -74,6 +74,12 @@ class LocalGAN:
 PRIVACY_STATS = ("epsilon", "delta", "fixed_noise")  # a private step's spent budget: per site, never averaged
 
 
+def site_privacy(stats: dict) -> dict:
+    """A site's privacy record from its last step's stats, as MD-GAN's sites report it."""
+    return {"epsilon": stats["epsilon"], "delta": stats["delta"],
+            "noise": "fixed" if stats.get("fixed_noise") else "secret"}
+
+
 def iteration_record(t: int, workers: int, answered: int, stats: list[dict], seconds: float,
             averaged: int | None, privacy: dict | None = None) -> IterationRecord:
     mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0] if k not in PRIVACY_STATS}
@@ -89,7 +95,7 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
     for t in range(1, until + 1):
         started = time.perf_counter()
         stats = gan.step()
-        privacy = {"worker-0": {k: stats[k] for k in PRIVACY_STATS}} if "epsilon" in stats else None
+        privacy = {"worker-0": site_privacy(stats)} if "epsilon" in stats else None
         last = iteration_record(t, 1, 1, [stats], time.perf_counter() - started, None, privacy)
         if on_iteration:
             on_iteration(last)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from mdgan import checkpoint
 from mdgan.checkpoint import CheckpointError, CheckpointStore
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
-from mdgan.privacy_ledger import PrivacyLedger
+from mdgan.privacy_ledger import LedgerError, PrivacyLedger
 from mdgan.data import Shard, take_shard
 from mdgan.images import NUMERIC_CLASSES, SiteData
 from mdgan.sites import map_labels
@@ -256,8 +256,12 @@ class WorkerNode:
         if not folder:
             raise ServerGone("this run is differentially private and this site has no folder for its privacy "
                              "ledger, which counts every step it releases: give --privacy-dir DIR (or --state-dir)")
-        ledger = PrivacyLedger.open(folder, self.run_id or "unnamed-run", self.shard.index, config.privacy.mechanism,
-                                    config.privacy.discriminators, self.policy.dp_fixed_noise)
+        try:
+            ledger = PrivacyLedger.open(folder, self.run_id or "unnamed-run", self.shard.index,
+                                        config.privacy.mechanism, config.privacy.discriminators,
+                                        self.policy.dp_fixed_noise)
+        except (LedgerError, OSError) as exc:  # (a site's own problem: it leaves, saying why, exit 2)
+            raise ServerGone(f"cannot keep this site's privacy ledger: {exc}") from None
         log.info("privacy ledger %s: %s noise, %d steps and %d answers counted before", ledger.path,
                  "FIXED (--dp-fixed-noise: no guarantee against whoever knows it)" if ledger.secret.fixed
                  else "secret", ledger.steps_taken, ledger.answers_given)

@@ -75,6 +75,7 @@ class InProcessWorker(WorkerHandle):
         self.crashed = False
         self.state = state  # where this worker saves its checkpoints (its own state dir)
         self._sent: dict[int, int] = {}  # swap round -> payload bytes sent, until the round is installed
+        self.on_budget_spent: Callable[[str], None] | None = None  # told why, when the site stops at its budget
 
     def crash(self) -> None:
         """Emulate the paper's crash experiment: the worker and its data leave the run."""
@@ -88,6 +89,8 @@ class InProcessWorker(WorkerHandle):
         if refusal is not None:  # the site stops answering; the run goes on without it as membership says
             self.crashed = True
             log.warning("%s: %s", self.worker_id, refusal)
+            if self.on_budget_spent is not None:
+                self.on_budget_spent(refusal)
             raise WorkerLost(f"{self.worker_id}: {refusal}")
         # The same rounding at the same points as over gRPC: the batches, then the feedback.
         wire = self.side.config.wire_dtype
@@ -262,6 +265,8 @@ async def _run(run: InProcessRun) -> RunResult:
         if plan.restore:
             worker.side.load_state_dict(worker.state.load(plan.restore, "worker"))
         worker.needs_copy = plan.copy
+        worker.on_budget_spent = lambda _why: roster.fault(worker.shard_index, worker.worker_id,
+                                                           "stopped at their privacy budget")
         roster.arrive(worker.shard_index, worker.worker_id, worker)
 
     alive_at_start = roster.expected if roster.expected is not None else set(by_slot)
