@@ -21,6 +21,7 @@ of which v are right, delta included), the largest epsilon the guesses reject at
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -183,6 +184,9 @@ def audit_run(run_dir: str, canaries: int = 1000, guesses: int = 200, seed: int 
                           "test (run with --dp-noise-multiplier or --dp-target-epsilon)")
     if not 2 <= guesses <= canaries:
         raise ConfigError(f"--guesses must be in 2..--canaries ({canaries}), got {guesses}")
+    if config.privacy.fixed_noise is not None and (summary.get("privacy") or {}).get("noise") != "fixed":
+        # the server was given a number its sites did not use (they report secret noise): nothing to take off
+        config = dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, fixed_noise=None))
     sizes = {int(worker.rsplit("-", 1)[1]): int(size) for worker, size in (summary.get("worker_sizes") or {}).items()}
     if not sizes:
         raise ConfigError(f"{run_dir}/summary.json records no site sizes (worker_sizes): nothing to audit")

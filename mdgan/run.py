@@ -404,9 +404,9 @@ def privacy_summary(config: TrainingConfig, spent: dict, worker_sizes: dict) -> 
                "target_epsilon": config.privacy.target_epsilon or None, "max_grad_norm": config.privacy.max_grad_norm,
                **privacy.mechanism_summary(config.privacy),
                # secret: each site's noise from a secret of its own; fixed: some site's from --dp-fixed-noise, and
-               # the guarantee holds only against those who do not know that number
-               "noise": "fixed" if config.privacy.fixed_noise is not None or any(
-                   p.get("noise") == "fixed" for p in spent.values()) else "secret",
+               # the guarantee holds only against those who do not know that number (as the sites report it)
+               "noise": "fixed" if any(p.get("noise") == "fixed" for p in spent.values()) or (
+                   not spent and config.privacy.fixed_noise is not None) else "secret",
                "withheld": list(privacy.withheld_stats(config.privacy))}
     if config.privacy.mechanism == "feedback":  # what each site's accountant composes (mdgan/privacy.py)
         summary["accounted_noise_multipliers"] = {w: site.accounted_noise_multiplier for w, site in sites.items()}
