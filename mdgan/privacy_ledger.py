@@ -130,6 +130,16 @@ class PrivacyLedger:
             "answers": self.answers})
 
 
+def site_ledger(spec, site: int, sites_root: str | None, run_id: str) -> PrivacyLedger | None:
+    """An in-process site's ledger for a run with DP settings `spec` (a PrivacySpec): in its own folder
+    sites_root/worker-K (read back if it has one: a rejoin, a resume), or in memory without a sites_root; None
+    without DP."""
+    if not spec.enabled:
+        return None
+    folder = os.path.join(sites_root, f"worker-{site}") if sites_root else None
+    return PrivacyLedger.open(folder, run_id, site, spec.mechanism, spec.discriminators, spec.fixed_noise)
+
+
 def adopt_old_accountant(ledger: PrivacyLedger, saved: dict) -> None:
     """A checkpoint written before sites kept ledgers held the accountant itself: a new ledger starts from what it
     counted, so a resumed old run undercounts nothing. A ledger that already counts steps is never wound back."""

@@ -191,6 +191,25 @@ def test_a_site_that_leaves_and_rejoins_without_checkpoints_counts_every_step_an
     assert len(drawn) == len(set(drawn))  # no draw of any stream of any site made twice
 
 
+@pytest.mark.parametrize("algorithm", ["flgan", "standalone"])
+def test_the_baselines_sites_keep_ledgers_too(tmp_path, algorithm):
+    """FL-GAN's sites and the standalone GAN's one site count their DP-SGD steps in ledgers of their own, and
+    report the epsilon Opacus computes over them; two runs of one seed draw different noise."""
+    config = TrainingConfig(workers=2, iterations=6, batch_size=8, swap_every=3, seed=2,
+                            privacy=PrivacySpec(noise_multiplier=1.0)).validate()
+    hashes = []
+    for name in ("a", "b"):
+        summary = simulate(config, DataConfig("synthetic"), str(tmp_path / name), progress=False, algorithm=algorithm,
+                           evaluation=EvaluationOptions(every=-1))
+        hashes.append(summary["generator_sha256"])
+        for worker in summary["privacy"]["sites"]:
+            ledger = _ledger(tmp_path / name, int(worker.rsplit("-", 1)[1]))
+            assert sum(s[2] for s in ledger["steps"]) == 6
+            assert summary["privacy"]["sites"][worker]["epsilon"] == pytest.approx(
+                _site_epsilon(ledger, summary, worker), rel=1e-9)
+    assert hashes[0] != hashes[1]
+
+
 def _crash_at(monkeypatch, iteration: int):
     from mdgan.algorithms.mdgan import trainer
 

@@ -10,6 +10,9 @@ transport (Flower's `fit_clients` / `_handle_finished_future_after_fit` do the s
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import asyncio
 import dataclasses
 import logging
@@ -235,6 +238,17 @@ class InProcessRun:
     discriminators: dict | None = None
     # train only the run's first this many iterations (experiments/replay.py); None: all of config.iterations
     stop_after: int | None = None
+
+    # the id the sites' ledgers are kept under when the run has none (an algorithm that does not resume)
+    start_id: str = field(default_factory=lambda: f"start-{uuid.uuid4().hex[:12]}")
+
+    def sites_root(self) -> str:
+        """Where each in-process site keeps its own folder (worker-K: its privacy ledger)."""
+        return os.path.join(self.out_dir, "sites")
+
+    def ledger_run_id(self) -> str:
+        """The run the sites' ledgers count for: the run's id, or this start's for a run without one."""
+        return self.run.run_id or self.start_id
 
 
 def last_iteration(config: TrainingConfig, stop_after: int | None) -> int:

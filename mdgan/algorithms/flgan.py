@@ -23,7 +23,7 @@ from mdgan.algorithms.traffic import discriminator_state_bytes, generator_state_
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import GeneratorSide, derive_seed
-from mdgan.privacy_ledger import PrivacyLedger
+from mdgan.privacy_ledger import PrivacyLedger, site_ledger
 
 
 @dataclass
@@ -73,8 +73,8 @@ def train_local_round(gan: LocalGAN, generator: dict, discriminator: dict, itera
 
 
 class InProcessFederatedWorker(FederatedWorker):
-    def __init__(self, config: TrainingConfig, shard: Shard):
-        self.gan = make_flgan_worker_gan(config, shard)
+    def __init__(self, config: TrainingConfig, shard: Shard, ledger: PrivacyLedger | None = None):
+        self.gan = make_flgan_worker_gan(config, shard, ledger)
         self.worker_id = f"worker-{shard.index}"
         self.shard_index = shard.index
         self.shard_size = len(shard)
@@ -169,10 +169,11 @@ class FederatedTrainer:
 def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard],
               on_iteration: Callable[[IterationRecord], None] | None = None,
               on_round: Callable[[dict], None] | None = None, discriminators: dict | None = None,
-              stop_after: int | None = None) -> RunResult:
+              stop_after: int | None = None, sites_root: str | None = None, run_id: str = "") -> RunResult:
     """FL-GAN in one process; `server` ends with the federation's averaged G (stop_after: with the G the
-    whole run holds after that many iterations)."""
-    workers = [InProcessFederatedWorker(config, shard) for shard in shards]
+    whole run holds after that many iterations); with DP each site's ledger in sites_root/worker-K."""
+    workers = [InProcessFederatedWorker(config, shard, site_ledger(config.privacy, shard.index, sites_root, run_id))
+               for shard in shards]
     initial = workers[0].gan.d.discriminator.state_dict()
     trainer = FederatedTrainer(config, server, workers, initial, on_iteration=on_iteration, on_round=on_round,
                                stop_after=stop_after)
@@ -185,7 +186,8 @@ def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard]
 def run_in_process(run: InProcessRun) -> RunResult:
     """FL-GAN in `mdgan simulate`: its rounds are the run's swaps.jsonl lines."""
     return run_flgan(run.config, run.generator, run.shards, on_iteration=run.recorder, on_round=run.recorder.swap,
-                     discriminators=run.discriminators, stop_after=run.stop_after)
+                     discriminators=run.discriminators, stop_after=run.stop_after, sites_root=run.sites_root(),
+                     run_id=run.ledger_run_id())
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:

@@ -16,7 +16,7 @@ from mdgan.algorithms.base import Algorithm, InProcessRun, IterationRecord, RunR
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import DiscriminatorSide, GeneratorSide, discriminator_loss, generator_loss
-from mdgan.privacy_ledger import PrivacyLedger
+from mdgan.privacy_ledger import PrivacyLedger, site_ledger
 
 
 class LocalGAN:
@@ -89,8 +89,9 @@ def iteration_record(t: int, workers: int, answered: int, stats: list[dict], sec
 
 def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
                    on_iteration: Callable[[IterationRecord], None] | None = None,
-                   discriminators: dict | None = None, stop_after: int | None = None) -> RunResult:
-    gan = LocalGAN(config, dataset, generator)
+                   discriminators: dict | None = None, stop_after: int | None = None,
+                   ledger: PrivacyLedger | None = None) -> RunResult:
+    gan = LocalGAN(config, dataset, generator, ledger)
     last, until = None, last_iteration(config, stop_after)
     for t in range(1, until + 1):
         started = time.perf_counter()
@@ -109,7 +110,8 @@ def run_in_process(run: InProcessRun) -> RunResult:
     """The standalone GAN (`mdgan simulate --algorithm standalone`): run.config has one worker, whose
     shard is the whole dataset."""
     return run_standalone(run.config, run.generator, run.shards[0], on_iteration=run.recorder,
-                          discriminators=run.discriminators, stop_after=run.stop_after)
+                          discriminators=run.discriminators, stop_after=run.stop_after,
+                          ledger=site_ledger(run.config.privacy, 0, run.sites_root(), run.ledger_run_id()))
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:

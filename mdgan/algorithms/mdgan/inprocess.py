@@ -23,7 +23,7 @@ from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.cuda_lanes import Lanes
 from mdgan.gan import DiscriminatorSide, WorkerBatch
-from mdgan.privacy_ledger import PrivacyLedger
+from mdgan.privacy_ledger import site_ledger
 from mdgan.roster import Roster
 from mdgan.step_results import StepResult
 
@@ -193,12 +193,7 @@ class InProcessWorker(WorkerHandle):
 def site_side(config: TrainingConfig, shard, sites_root: str | None, run_id: str):
     """Site k's discriminator side; a private site's ledger in its own folder, sites_root/worker-k (read back if
     the site has one: a rejoin, a resume), or in memory without a sites_root."""
-    ledger = None
-    if config.privacy.enabled:
-        folder = os.path.join(sites_root, f"worker-{shard.index}") if sites_root else None
-        ledger = PrivacyLedger.open(folder, run_id, shard.index, config.privacy.mechanism,
-                                    config.privacy.discriminators, config.privacy.fixed_noise)
-    return worker_side(config, shard, ledger)
+    return worker_side(config, shard, site_ledger(config.privacy, shard.index, sites_root, run_id))
 
 
 def build_in_process_workers(config: TrainingConfig, shards, state_root: str | None = None, keep: int = 3,
@@ -247,9 +242,9 @@ async def _run(run: InProcessRun) -> RunResult:
     state_root = os.path.join(run.out_dir, "workers", run.run.run_id)
     options = run.options or MDGANOptions()
     swap_check = options.as_check()
-    sites_root = os.path.join(run.out_dir, "sites")  # each site's own folder (its privacy ledger)
+    sites_root = run.sites_root()
     workers = build_in_process_workers(config, shards, state_root, keep, run.emulation.byzantine,
-                                       run.emulation.attack, swap_check, sites_root, run.run.run_id)
+                                       run.emulation.attack, swap_check, sites_root, run.ledger_run_id())
     by_slot = {w.shard_index: w for w in workers}
     roster = Roster(config.workers, pause_timeout=0, copies=not config.privacy.keeps_discriminators)
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
@@ -296,7 +291,7 @@ async def _run(run: InProcessRun) -> RunResult:
             if action == "leave":
                 leave(current, t, "churn")
             elif action == "join" and roster.slot_of(current) is None:
-                fresh = type(current)(site_side(config, current.shard, sites_root, run.run.run_id), current.board,
+                fresh = type(current)(site_side(config, current.shard, sites_root, run.ledger_run_id()), current.board,
                                       current.swap_timeout, state=current.state, attack=current.attack,
                                       swap_check=current.swap_check, discriminator_attack=current.discriminator_attack,
                                       lanes=current.lanes)
