@@ -1,7 +1,9 @@
 """CPU against CUDA, in one run: `mdgan simulate` on the CPU and on CUDA and `mdgan local` on CUDA (CNN
 MNIST, b = 10, k = 1, no evaluation) at N = 10 and 50, each as seconds an iteration (the median of its
 history after the first iterations), as a ratio to the CPU's, and with the share of its wall time the GPU
-was busy (NVML's utilization, sampled by `nvidia-smi` every 100 ms while it trains).
+was busy (NVML's utilization, sampled by `nvidia-smi` every 100 ms while it trains). Each row is printed as
+its run ends, with the run's generator hash: at one N the CUDA runs (simulate, local, eager) train the same
+iterations and must end on the same generator, which a last line per N says.
 
     python bench/gpu.py                      # N = 10 and 50, MNIST under ../shared/data
     python bench/gpu.py --workers 10 --cpu-iterations 20 --gpu-iterations 300
@@ -80,8 +82,10 @@ def time_run(command: str, device: str, workers: int, iterations: int, data_root
             raise SystemExit(f"bench/gpu.py: {' '.join(argv[2:5])} failed:\n{done.stderr[-2000:]}")
         with open(os.path.join(out, "history.jsonl"), encoding="utf-8") as fh:
             seconds = [json.loads(line)["seconds"] for line in fh if line.strip()]
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
+            generator = json.load(fh)["generator_sha256"]
     timed = seconds[WARMUP:] or seconds
-    return {"seconds": statistics.median(timed), "wall": wall, "busy": sampler.busy()}
+    return {"seconds": statistics.median(timed), "wall": wall, "busy": sampler.busy(), "generator": generator}
 
 
 def main() -> int:
@@ -101,23 +105,30 @@ def main() -> int:
     card = torch.cuda.get_device_name(args.device) if cuda else "no CUDA device here"
     print(f"bench/gpu.py: CNN MNIST, b = 10, k = 1; CPU {cores} cores (simulate with {cores} threads, local one a "
           f"process); GPU {card}")
-    print(f"{'N':>4}  {'run':<28} {'s/iteration':>12} {'x CPU simulate':>15} {'GPU busy':>9}")
+    print(f"{'N':>4}  {'run':<28} {'s/iteration':>12} {'x CPU simulate':>15} {'GPU busy':>9}  generator sha256",
+          flush=True)
     for workers in args.workers:
-        cpu = time_run("simulate", "cpu", workers, args.cpu_iterations, args.data_root, cores)
-        rows = [("simulate, CPU", cpu)]
+        cpu = None
+        hashes = {}
+        runs = [("simulate, CPU", "simulate", "cpu", args.cpu_iterations, cores, False)]
         if cuda:
-            rows.append(("simulate, " + args.device, time_run("simulate", args.device, workers, args.gpu_iterations,
-                                                            args.data_root, 1)))
-            rows.append(("local, " + args.device, time_run("local", args.device, workers, args.gpu_iterations,
-                                                         args.data_root, 1)))
+            runs += [(f"{command}, {args.device}", command, args.device, args.gpu_iterations, 1, False)
+                     for command in ("simulate", "local")]
             if args.eager:
-                for command in ("simulate", "local"):
-                    rows.append((f"{command}, {args.device}, eager", time_run(
-                        command, args.device, workers, args.gpu_iterations, args.data_root, 1, eager=True)))
-        for name, row in rows:
+                runs += [(f"{command}, {args.device}, eager", command, args.device, args.gpu_iterations, 1, True)
+                         for command in ("simulate", "local")]
+        for name, command, device, iterations, threads, eager in runs:
+            row = time_run(command, device, workers, iterations, args.data_root, threads, eager=eager)
+            cpu = cpu or row
             busy = "n/a" if row["busy"] is None else f"{row['busy']:.0%}"
             print(f"{workers:>4}  {name:<28} {row['seconds']:>12.4f} {cpu['seconds'] / row['seconds']:>14.2f}x "
-                  f"{busy:>9}")
+                  f"{busy:>9}  {row['generator'][:16]}", flush=True)
+            if device != "cpu":
+                hashes[name] = row["generator"]
+        if hashes:
+            same = len(set(hashes.values())) == 1
+            print(f"{workers:>4}  CUDA runs {'on ONE generator' if same else 'on DIFFERENT generators'}: "
+                  + ", ".join(f"{name} {sha[:16]}" for name, sha in hashes.items()), flush=True)
     if not cuda:
         print("no CUDA device: only the CPU was timed")
     return 0

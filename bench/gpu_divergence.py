@@ -61,20 +61,23 @@ def main() -> int:
     parser.add_argument("flags", nargs="+", help="the runs' flags, after --")
     args = parser.parse_args()
     names = (("simulate", "simulate"), ("simulate again", "simulate"), ("local", "local"), ("local again", "local"))
+    print(f"flags: {' '.join(args.flags)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="mdgan-divergence-") as tmp:
         traces = {name: os.path.join(tmp, f"trace-{i}") if args.trace else None for i, (name, _) in enumerate(names)}
-        runs = {name: run(command, args.flags, os.path.join(tmp, name), traces[name]) for name, command in names}
+        runs = {}
+        for name, command in names:  # each run's line as it ends
+            summary, history, warnings = runs[name] = run(command, args.flags, os.path.join(tmp, name), traces[name])
+            print(f"  {name:<15} {summary['generator_sha256'][:16]}  {first_difference(runs['simulate'][1], history)}",
+                  flush=True)
+            for line in warnings:
+                print(f"      {line[:200]}", flush=True)
         records = {name: tensor_trace.read(trace) for name, trace in traces.items() if trace}
-    reference = runs["simulate"][1]
-    print(f"flags: {' '.join(args.flags)}")
-    for name, (summary, history, warnings) in runs.items():
-        print(f"  {name:<15} {summary['generator_sha256'][:16]}  {first_difference(reference, history)}")
-        for line in warnings:
-            print(f"      {line[:200]}")
-        if name in records:
-            for network, where in tensor_trace.first_differences(records["simulate"], records[name]).items():
-                print(f"      {network:<4} {where or 'every record agrees'} "
-                      f"({len(records[name].get(network, []))} records)")
+    if records:
+        print("where each network's records part from the first simulate's:")
+    for name in records:
+        for network, where in tensor_trace.first_differences(records["simulate"], records[name]).items():
+            print(f"  {name:<15} {network:<4} {where or 'every record agrees'} "
+                  f"({len(records[name].get(network, []))} records)")
     return 0
 
 

@@ -1,55 +1,96 @@
 #!/usr/bin/env bash
-# What a short GPU loan is spent on, as two commands of at most 10 minutes (each step's output under $OUT, a file a
-# step; a step that runs past its limit is stopped and the next one starts):
-#   checks: every CUDA test (pytest -m cuda: CPU == CUDA, local == simulate on CUDA, graphs and lanes == eager);
-#           bench/gpu.py --eager at N = 10 and 50 (with and without graphs, lanes and the flat Adam);
-#           bench/gpu_divergence.py for P-WGAN (simulate twice, local twice) as its CUDA test runs it, then again
-#           traced tensor by tensor (--trace: the module, gradient or step where local computes otherwise; a
-#           trace reads every tensor to the host, so a divergence that needs two streams racing would not show)
-#   figure3: Figure 3 with the CNN at 5,000 iterations (experiments/figure3-mnist-cnn-5k.yaml), its five runs
-#           sharing the card, kept in $OUT/figure3-mnist-cnn-5k
+# What a GPU loan is spent on, as commands of at most 10 minutes each. Every step prints as it goes and writes its
+# output to a file; after every step all of them are packed again into ONE archive at the top of $OUT
+# ($OUT/gpu-session-<command>.tar.gz), so a command the device tool cuts off still brings back what it had done.
+#   checks [SECONDS=270]: the CUDA tests, a line a test as each ends (pytest -m cuda -v, each test at most 60 s);
+#           bench/gpu.py --eager at N = 10 and 50, a row and each run's generator hash as each run is timed (at one
+#           N the CUDA simulate, local and eager runs must have the same hash); one P-WGAN divergence, traced
+#           tensor by tensor (bench/gpu_divergence.py --trace)
+#   figure3 SECONDS: Figure 3 with the CNN to 5,000 iterations (experiments/figure3-mnist-cnn-5k.yaml), its five runs
+#           sharing the card, in the SECONDS given (what is left of the loan), the kept runs in the archive
 #
-#   OUT=/tmp/out bash bench/gpu_session.sh checks|figure3 [SECONDS]   # SECONDS: the command's whole time (570)
+#   OUT=/tmp/out bash bench/gpu_session.sh checks            # then: OUT=/tmp/out bash bench/gpu_session.sh figure3 300
+#   MDGAN_GPU=cpu OUT=/tmp/out bash bench/gpu_session.sh checks   # a dry run on this CPU, tiny (tests/test_gpu_session.py)
 #
 # From the project's root, after the line ../shared/tools/gpu_prepare.sh prints (MDGAN_DATA_ROOT set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the outputs}
 what=${1:-}
-case "$what" in checks|figure3) ;; *) echo "usage: OUT=DIR bash bench/gpu_session.sh checks|figure3 [SECONDS]" >&2; exit 2;; esac
-budget=${2:-570}
+case "$what" in
+  checks) budget=${2:-270} ;;
+  figure3) budget=${2:?figure3 needs the seconds it may take (what is left of the loan)} ;;
+  *) echo "usage: OUT=DIR bash bench/gpu_session.sh checks [SECONDS] | figure3 SECONDS" >&2; exit 2 ;;
+esac
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_session: SECONDS must be a whole number, got $budget" >&2; exit 2; }
 started=$(date +%s)
 PY=${PYTHON:-python3}
+device=cuda
+dry=${MDGAN_GPU:-}
+[ "$dry" = cpu ] && device=cpu
 mkdir -p "$OUT"
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-session.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+records=$work/gpu-session/$what
+mkdir -p "$records"
+archive=$OUT/gpu-session-$what.tar.gz
+ARCHIVE_S=15  # kept for the last packing
 
 left() { echo $(( budget - ($(date +%s) - started) )); }
 
-# step NAME LIMIT COMMAND...: runs it with at most LIMIT seconds (and never past the budget), output in $OUT/NAME.txt
-step() {
-  local name=$1 limit=$2; shift 2
-  local room; room=$(left)
-  (( room < limit )) && limit=$room
-  if (( limit < 20 )); then echo "skip   $name (no time left)"; return; fi
-  local t0; t0=$(date +%s)
-  timeout -k 5 "$limit" "$@" >"$OUT/$name.txt" 2>&1
-  local rc=$?
-  echo "$([ $rc -eq 0 ] && echo done || echo "FAILED (exit $rc)") $name in $(( $(date +%s) - t0 )) s (limit $limit s)"
+pack() {  # all the records so far, into the one archive (written beside, then renamed: never half an archive)
+  tar -czf "$archive.part" -C "$work" gpu-session && mv "$archive.part" "$archive"
 }
 
-"$PY" -c "import torch; print(torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/card.txt"
+# step NAME LIMIT COMMAND...: at most LIMIT seconds (never past the budget less the packing), printed as it goes and
+# kept in NAME.txt; one line in steps.txt and on the terminal says how it ended
+step() {
+  local name=$1 limit=$2; shift 2
+  local room=$(( $(left) - ARCHIVE_S ))
+  (( room < limit )) && limit=$room
+  if (( limit < 10 )); then echo "skip $name (no time left)" | tee -a "$records/steps.txt"; pack; return; fi
+  echo "start $name (limit $limit s)"
+  local t0; t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$records/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  local said="done"
+  (( rc == 124 || rc == 137 )) && said="CUT OFF at its limit"
+  (( rc != 0 && rc != 124 && rc != 137 )) && said="FAILED (exit $rc)"
+  echo "$said $name in $(( $(date +%s) - t0 )) s (limit $limit s)" | tee -a "$records/steps.txt"
+  pack
+}
+
+"$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device (MDGAN_GPU=cpu: a dry run)', 'torch', torch.__version__)" \
+  | tee "$records/card.txt"
+git log -1 --format='commit %H %s' > "$records/commit.txt" 2>/dev/null || true
+pack
+
 if [ "$what" = figure3 ]; then
-  config=$OUT/figure3-mnist-cnn-5k.yaml  # (the data where gpu_prepare.sh's line put it)
-  sed "s#^base_from: #base_from: $PWD/experiments/#; s#^out: .*#out: ${TMPDIR:-/tmp}/mdgan-figure3-runs#
+  config=$records/figure3-mnist-cnn-5k.yaml  # (the data where gpu_prepare.sh's line put it)
+  sed "s#^base_from: #base_from: $PWD/experiments/#; s#^out: .*#out: $work/figure3-runs#
        s#^base: {#base: {data_root: ${MDGAN_DATA_ROOT:-$PWD/../shared/data}, #" experiments/figure3-mnist-cnn-5k.yaml \
     > "$config"
-  step figure3 "$(left)" "$PY" -m mdgan_app.cli experiment "$config" --device cuda --jobs 5 \
-    --keep "$OUT/figure3-mnist-cnn-5k"
+  if [ -n "$dry" ]; then  # a few iterations, unscored: what comes back, not what it measures
+    sed -i 's#^base: {\(.*\)iterations: 5000, eval_every: 500}#base: {\1iterations: 2, eval_every: -1}#' "$config"
+  fi
+  step figure3 "$(left)" "$PY" -m mdgan_app.cli experiment "$config" --device "$device" --jobs 5 \
+    --keep "$records/figure3-mnist-cnn-5k"
+  echo "gpu_session: $(( $(date +%s) - started )) s; $archive"
   exit 0
 fi
-step cuda_tests 200 "$PY" -m pytest -q -m cuda -n 8 -p no:cacheprovider -rf tests
-step bench 150 "$PY" bench/gpu.py --eager --workers 10 50 --cpu-iterations 4 --gpu-iterations 40
+
+tests=(tests) timeout_flag=() processes=8 tests_s=150 bench_s=80 divergence_s=40  # 270 s with the packing
+"$PY" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 60)
+bench=(--eager --workers 10 50 --cpu-iterations 4 --gpu-iterations 40)
 pwgan=(--algorithm pwgan --workers 3 --iterations 8 --batch-size 10 --disc-steps 2 --potential-rounds 3
-       --potential-lr 0.5 --seed 4 --dataset synthetic --device cuda)
-step divergence_pwgan 60 "$PY" bench/gpu_divergence.py -- "${pwgan[@]}" --gradient-penalty 5
-step divergence_pwgan_traced 60 "$PY" bench/gpu_divergence.py --trace -- "${pwgan[@]}" --gradient-penalty 5
-echo "gpu_session: $(( $(date +%s) - started )) s"
+       --potential-lr 0.5 --seed 4 --dataset synthetic --device "$device" --gradient-penalty 5)
+if [ -n "$dry" ]; then  # the same steps, tiny: one test file, N = 2, two iterations
+  tests=(tests/test_adam.py) processes=2 divergence_s=120  # (a CPU's processes start slower)
+  bench=(--device cpu --workers 2 --cpu-iterations 2)
+  pwgan=(--algorithm pwgan --workers 2 --iterations 1 --batch-size 10 --potential-rounds 1 --seed 4
+         --dataset synthetic --device cpu)
+fi
+step cuda_tests "$tests_s" "$PY" -m pytest -m cuda -v -n "$processes" -p no:cacheprovider "${timeout_flag[@]}" -rf "${tests[@]}"
+step bench "$bench_s" "$PY" -u bench/gpu.py "${bench[@]}"
+step divergence_pwgan_traced "$divergence_s" "$PY" -u bench/gpu_divergence.py --trace -- "${pwgan[@]}"
+echo "gpu_session: $(( $(date +%s) - started )) s; $archive"

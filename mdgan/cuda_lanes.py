@@ -61,9 +61,11 @@ class Lane:
         for t in inputs:
             if t is not None and t.is_cuda:
                 t.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):
-            yield
-        main.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # the main stream waits for whatever the lane queued, even when the block raised
+            main.wait_stream(self.stream)
 
     def handover(self, outputs: list) -> None:
         """Tensors the lane made that the main stream uses next (the feedback, the stats): their memory is not
