@@ -23,7 +23,7 @@ from mdgan.step_results import DiscriminatorStats
 log = logging.getLogger(__name__)
 
 ENVIRONMENT = "MDGAN_CUDA_GRAPHS"
-WARMUP = 2  # eager passes on a side stream before capture (cuDNN's and cuBLAS's handles and workspaces)
+WARMUP = 2  # eager passes on the capture stream before capture (cuDNN's and cuBLAS's handles and workspaces)
 
 
 def wanted(device: torch.device) -> bool:
@@ -96,25 +96,29 @@ class GraphedStep:
         return feedback, loss.detach()
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # (gradients computed and dropped: no weight changes)
+        # Warmed up and captured on a stream of this graph's own: cuBLAS keys its workspace by stream, so the
+        # workspace these graphs use is made at the warm-up, outside any graph's memory pool, and is theirs alone.
+        # Two workers' graphs replayed at once on their lanes never share one, and freeing one worker's graphs (a
+        # churn join) frees none another uses.
+        self.capture_stream = torch.cuda.Stream(self.device)
+        self.capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.capture_stream):  # (gradients computed and dropped: no weight changes)
             for _ in range(WARMUP):
                 self._disc_pass()
                 self._feedback_pass()
                 for p in self.parameters:
                     p.grad = None
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.capture_stream)
         self.disc_graph, self.feedback_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self._disc_stats = self._record(self.disc_graph, self._disc_pass)
         self._grads = [p.grad for p in self.parameters]  # the graph writes D's gradients into these
         self._feedback, self._gen_loss_out = self._record(self.feedback_graph, self._feedback_pass,
                                                           pool=self.disc_graph.pool())
 
-    @staticmethod
-    def _record(graph, work, pool=None):
-        """work() captured into graph (its kernels, not run now): its outputs, which each replay rewrites."""
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    def _record(self, graph, work, pool=None):
+        """work() captured into graph (its kernels, not run now) on the graph's own stream: its outputs, which each
+        replay rewrites."""
+        with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream, capture_error_mode="thread_local"):
             return work()
 
     def fits(self, inputs: StepInputs) -> bool:

@@ -164,8 +164,7 @@ def test_a_graphed_step_is_the_eager_step_with_graphs_emulated_on_the_cpu(tmp_pa
     data = DataConfig("synthetic", num_shards=3)
     eager = simulate(config, data, str(tmp_path / "eager"), progress=False)["generator_sha256"]
     monkeypatch.setattr(cuda_graphs, "wanted", lambda device: True)
-    monkeypatch.setattr(cuda_graphs.GraphedStep, "_record",
-                        staticmethod(lambda graph, work, pool=None: graph.capture(work)))
+    monkeypatch.setattr(cuda_graphs.GraphedStep, "_record", lambda self, graph, work, pool=None: graph.capture(work))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
     stream = type("Stream", (), {"__init__": lambda self, device=None: None, "wait_stream": lambda self, other: None})
     monkeypatch.setattr(torch.cuda, "Stream", stream)
