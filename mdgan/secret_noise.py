@@ -67,23 +67,40 @@ class SecretStream:
     def __repr__(self) -> str:
         return "SecretStream(...)"
 
-    def _bytes(self, index: int, n: int) -> bytes:
+    def _bytes(self, index: int, n: int) -> bytearray:
+        """Draw `index`'s first n bytes of keystream, in a buffer of its own."""
         if not 0 <= index < 2 ** 96:
             raise ValueError(f"draw index {index} out of range")
         nonce = (0).to_bytes(4, "little") + int(index).to_bytes(12, "little")  # block counter 0, then the index
-        return Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor().update(bytes(n))
+        out = bytearray(n)
+        Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor().update_into(_zeros(n), out)
+        return out
 
     def uniform(self, index: int, n: int) -> torch.Tensor:
         """n uniforms in (0, 1), float64, 53 random bits each: (n,)."""
-        words = torch.frombuffer(bytearray(self._bytes(index, 8 * n)), dtype=torch.int64) if n else \
-            torch.zeros(0, dtype=torch.int64)
-        bits = (words >> 11) & ((1 << 53) - 1)  # (an arithmetic shift: masked to the 53 low bits)
-        return (bits.to(torch.float64) + 0.5) / float(1 << 53)
+        if not n:
+            return torch.zeros(0, dtype=torch.float64)
+        words = torch.frombuffer(self._bytes(index, 8 * n), dtype=torch.int64)
+        return (words & ((1 << 53) - 1)).to(torch.float64).add_(0.5).mul_(1.0 / (1 << 53))
 
     def normal(self, index: int, n: int, std: float = 1.0) -> torch.Tensor:
         """n draws of N(0, std^2), float64, by Box-Muller over `uniform`: (n,)."""
         pairs = (n + 1) // 2
-        u = self.uniform(index, 2 * pairs).view(2, pairs)
-        radius = torch.sqrt(-2.0 * torch.log(u[0]))
-        angle = _TWO_PI * u[1]
-        return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:n] * std
+        u = self.uniform(index, 2 * pairs)
+        radius = u[:pairs].log_().mul_(-2.0).sqrt_()  # sqrt(-2 ln u1)
+        angle = u[pairs:].mul_(_TWO_PI)
+        out = torch.empty(2 * pairs, dtype=torch.float64)
+        torch.mul(radius, torch.cos(angle), out=out[:pairs])
+        torch.mul(radius, angle.sin_(), out=out[pairs:])
+        return out[:n].mul_(std)
+
+
+_ZEROS = bytearray()
+
+
+def _zeros(n: int) -> memoryview:
+    """n zero bytes, the keystream's plaintext (one buffer, grown as needed and never written)."""
+    global _ZEROS
+    if len(_ZEROS) < n:
+        _ZEROS = bytearray(n)
+    return memoryview(_ZEROS)[:n]
