@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import math
 import secrets
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -67,20 +68,16 @@ class SecretStream:
     def __repr__(self) -> str:
         return "SecretStream(...)"
 
-    def _bytes(self, index: int, n: int) -> bytearray:
-        """Draw `index`'s first n bytes of keystream, in a buffer of its own."""
-        if not 0 <= index < 2 ** 96:
-            raise ValueError(f"draw index {index} out of range")
-        nonce = (0).to_bytes(4, "little") + int(index).to_bytes(12, "little")  # block counter 0, then the index
-        out = bytearray(n)
-        Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor().update_into(_zeros(n), out)
-        return out
-
     def uniform(self, index: int, n: int) -> torch.Tensor:
         """n uniforms in (0, 1), float64, 53 random bits each: (n,)."""
+        if not 0 <= index < 2 ** 96:
+            raise ValueError(f"draw index {index} out of range")
         if not n:
             return torch.zeros(0, dtype=torch.float64)
-        words = torch.frombuffer(self._bytes(index, 8 * n), dtype=torch.int64)
+        nonce = (0).to_bytes(4, "little") + int(index).to_bytes(12, "little")  # block counter 0, then the index
+        keystream = _scratch(8 * n)  # (this thread's: read into a new tensor before the next draw)
+        Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor().update_into(_zeros(8 * n), keystream)
+        words = torch.frombuffer(keystream, dtype=torch.int64, count=n)
         return (words & ((1 << 53) - 1)).to(torch.float64).add_(0.5).mul_(1.0 / (1 << 53))
 
     def normal(self, index: int, n: int, std: float = 1.0) -> torch.Tensor:
@@ -96,6 +93,15 @@ class SecretStream:
 
 
 _ZEROS = bytearray()
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """This thread's buffer for a keystream of n bytes (kept: a fresh one costs its page faults every draw)."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or len(buffer) < n:
+        buffer = _SCRATCH.buffer = bytearray(n)
+    return memoryview(buffer)[:n]
 
 
 def _zeros(n: int) -> memoryview:
