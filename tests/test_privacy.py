@@ -513,6 +513,9 @@ def test_a_site_leaves_rather_than_spend_past_its_own_budget(tmp_path):
     summary = read_json(os.path.join(out, "summary.json"))
     assert summary["iterations"] == 60 and summary["workers_alive"] == 1
     assert summary["privacy"]["sites"]["worker-1"]["epsilon"] <= budget
+    # the server was told why (and does not wait for it to come back)
+    assert re.search(r"worker-1 failed while answering batches: iteration \d+: privacy budget spent", server.log()), \
+        server.log()
 
 
 # -- the audit ----------------------------------------------------------------------------------------

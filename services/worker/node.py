@@ -528,6 +528,9 @@ class WorkerNode:
             if receive is not None:
                 try:
                     await receive(call, getattr(message, body))
+                except BudgetSpent as spent:  # told to the server, which names it where the run ends
+                    await self._say_budget_spent(call, f"answering {body}", spent)
+                    raise
                 except (*ENDINGS, grpc.aio.AioRpcError):
                     raise
                 except Exception as exc:  # our own error answering the server
@@ -550,6 +553,19 @@ class WorkerNode:
             else:  # another algorithm's message, or one that has no place after the welcome
                 raise ServerGone(f"the server sent a {body!r} message, which a {self.algorithm.name} worker does "
                                  "not take")
+
+    async def _say_budget_spent(self, call, where: str, spent: BudgetSpent) -> None:
+        """This site leaves at its privacy budget: a Fault (RESOURCE_EXHAUSTED) tells the server why, so that it
+        does not wait for the site to come back (best effort: the site leaves all the same)."""
+        trained = self.algorithm.trained_iteration if self.algorithm is not None else 0
+        try:
+            async with asyncio.timeout(5):
+                await self.write(call, pb.WorkerMessage(fault=pb.Fault(
+                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message=rpc.bounded(str(spent)), where=where,
+                    iteration=trained)))
+                await call.done_writing()
+        except Exception as exc:  # (the stream is gone)
+            log.debug("the end of our budget was not told: %r", exc)
 
     async def _heartbeats(self, call, interval: float) -> None:
         while True:
