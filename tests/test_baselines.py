@@ -90,3 +90,30 @@ def test_flgan_records_see_the_server_generator_of_their_iteration():
     assert not same(g[3], initial)  # its average lands at iteration 3
     assert same(g[4], g[3]) and same(g[5], g[3]) and not same(g[6], g[3])
     assert same(g[6], list(server.generator.parameters()))
+
+
+@pytest.mark.parametrize("algorithm", ["standalone", "flgan"])
+def test_a_local_gan_step_reads_its_statistics_to_the_host_once(tmp_path, monkeypatch, algorithm):
+    """The standalone GAN's and FL-GAN's local steps leave their losses and accuracies on D's device and read them
+    in one transfer a step (on CUDA each read waits for the device): no .item() of theirs, one .tolist() a step."""
+    import traceback
+
+    from mdgan.config import DataConfig, TrainingConfig
+    from mdgan.run import EvaluationOptions
+    from mdgan.simulation import simulate
+
+    reads = {"item": 0, "tolist": 0}
+    for name in reads:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            if traceback.extract_stack(limit=2)[0].filename.endswith("standalone.py"):
+                reads[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    config = TrainingConfig(workers=2, iterations=6, batch_size=8, swap_every=3, disc_steps=2).validate()
+    simulate(config, DataConfig("synthetic"), str(tmp_path), progress=False, algorithm=algorithm,
+             evaluation=EvaluationOptions(every=-1))
+    steps = 6 * (1 if algorithm == "standalone" else 2)
+    assert reads == {"item": 0, "tolist": steps}

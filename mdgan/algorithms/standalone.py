@@ -19,6 +19,16 @@ from mdgan.gan import DiscriminatorSide, GeneratorSide, discriminator_loss, gene
 from mdgan.privacy_ledger import PrivacyLedger, site_ledger
 
 
+def read_once(stats: dict) -> dict:
+    """A step's statistics with its 0-dim tensors read to the host at once (one transfer, not one a value): the
+    floats .item() would give, exactly (float32 values widen to float64 without change)."""
+    names = [name for name, value in stats.items() if isinstance(value, torch.Tensor)]
+    if not names:
+        return stats
+    values = torch.stack([stats[name].detach().reshape(()).double() for name in names]).tolist()
+    return {**stats, **dict(zip(names, values))}
+
+
 class LocalGAN:
     """One G and one D trained together on one shard: the standalone GAN, and an FL-GAN worker.
 
@@ -47,14 +57,14 @@ class LocalGAN:
             self.d.optimizer.zero_grad(set_to_none=True)
             disc_loss.backward()
             self.d.optimizer.step()
-            real_acc = (real_logits[:, 0] > 0).float().mean().item()
-            fake_acc = (fake_logits[:, 0] <= 0).float().mean().item()
+            real_acc = (real_logits[:, 0] > 0).float().mean()  # (0-dim, left on D's device)
+            fake_acc = (fake_logits[:, 0] <= 0).float().mean()
         gen_loss = generator_loss(spec, D(fake), labels)
         self.g.optimizer.zero_grad(set_to_none=True)
         gen_loss.backward()  # through D into G; D's gradients are dropped before its next step
         self.g.optimizer.step()
-        return {"gen_loss": gen_loss.item(), "disc_loss": disc_loss.item(), "real_accuracy": real_acc,
-                "fake_accuracy": fake_acc}
+        return read_once({"gen_loss": gen_loss, "disc_loss": disc_loss, "real_accuracy": real_acc,
+                          "fake_accuracy": fake_acc})
 
     def _private_step(self, fake: torch.Tensor, labels: torch.Tensor | None) -> dict:
         """The same step with D trained by DP-SGD; G's step is post-processing of the private D. The
@@ -66,9 +76,9 @@ class LocalGAN:
         gen_loss.backward()  # (D's .grad from this is cleared by its next private step)
         self.g.optimizer.step()
         private = self.d.private
-        return {"gen_loss": gen_loss.item(), "disc_loss": d_stats.loss.item(),
-                "real_accuracy": d_stats.real_accuracy.item(), "fake_accuracy": d_stats.fake_accuracy.item(),
-                "epsilon": private.epsilon(), "delta": private.site.delta, "fixed_noise": private.ledger.secret.fixed}
+        return read_once({"gen_loss": gen_loss, "disc_loss": d_stats.loss, "real_accuracy": d_stats.real_accuracy,
+                          "fake_accuracy": d_stats.fake_accuracy, "epsilon": private.epsilon(),
+                          "delta": private.site.delta, "fixed_noise": private.ledger.secret.fixed})
 
 
 PRIVACY_STATS = ("epsilon", "delta", "fixed_noise")  # a private step's spent budget: per site, never averaged
