@@ -27,7 +27,7 @@ from mdgan import devices, tensor_trace
 from mdgan.devices import to_device
 from mdgan.step_results import DiscriminatorStats, StepResult
 from mdgan.models import build_discriminator, build_generator
-from mdgan.privacy_ledger import PrivacyLedger, adopt_old_accountant
+from mdgan.privacy_ledger import PrivacyLedger, adopt_old_accountant, site_ledger
 
 
 def derive_seed(seed: int, role: str, index: int = 0) -> int:
@@ -223,8 +223,7 @@ class DiscriminatorSide:
 
             privacy.check_module(self.discriminator, self.spec.architecture)
             site = privacy.resolve(config.privacy, len(shard), config.batch_size, config.iterations, config.disc_steps)
-            if ledger is None:
-                ledger = PrivacyLedger.open(None, "", shard.index, "sgd", fixed_noise=config.privacy.fixed_noise)
+            ledger = ledger or site_ledger(config.privacy, shard.index, None, "")  # (None: in memory)
             self.private = privacy.PrivateSteps(self.discriminator, self.optimizer, site, config.batch_size, ledger)
 
     def check_module(self) -> torch.nn.Module:

@@ -111,12 +111,13 @@ def budget(site: SitePrivacy, site_max_epsilon: float = 0.0) -> float:
     return min(caps) if caps else math.inf
 
 
-def over_budget(private, site_max_epsilon: float = 0.0) -> str | None:
-    """Why a private site must not take its next iteration's step (its epsilon would pass its budget), or None."""
+def over_budget(private, site_max_epsilon: float = 0.0, steps: int | None = None) -> str | None:
+    """Why a private site must not take its next iteration's step (`steps`: its next this many DP-SGD steps, an
+    FL-GAN round's) because its epsilon would pass its budget, or None."""
     cap = budget(private.site, site_max_epsilon)
     if not math.isfinite(cap):
         return None
-    ahead = private.epsilon_after_iteration()
+    ahead = private.epsilon_after_iteration() if steps is None else private.epsilon_after(steps)
     if ahead <= cap:
         return None
     which = "the run's --dp-target-epsilon" if cap == (private.site.target_epsilon or 0.0) else "--dp-max-epsilon"

@@ -16,7 +16,8 @@ lower bound on epsilon at 95% confidence, printed beside the accountant's.
 The attacker's estimate of the noise: the draws of the number's stream when the run recorded a --dp-fixed-noise
 (the server stores it: the noise comes off), else the draws a generator seeded by the run's seed gives (what the
 server could compute when the noise followed the seed). The bound is Steinke et al.'s (their p-value for r guesses
-of which v are right, delta included), the largest epsilon the guesses reject at the confidence.
+of which v are right, delta included), the largest epsilon the guesses reject at the confidence. Everything here is
+on the CPU, where a site draws its noise on any device.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def audit_feedback_site(config: TrainingConfig, site: int, shard_size: int, cana
     b, d = config.batch_size, math.prod(config.model.sample_shape)
     draws = torch.Generator().manual_seed(derive_seed(seed, "one-run-audit", site))
     truth = torch.rand(canaries, generator=draws) < 0.5  # (m,): in or out
+    # the attacker's estimate of a secret noise: what the seed gave when the noise followed it (its best guess)
     seeded = torch.Generator().manual_seed(derive_seed(config.seed, "dp-feedback-noise", site))
     fixed_stream = secret.stream("feedback/noise")
     std = resolved.noise_multiplier * resolved.max_grad_norm
@@ -141,6 +143,7 @@ def audit_sgd_site(config: TrainingConfig, site: int, shard_size: int, canaries:
     noise, sampling = secret.stream("dp-sgd/noise"), secret.stream("dp-sgd/sampling")
     draws = torch.Generator().manual_seed(derive_seed(seed, "one-run-audit", site))
     truth = torch.rand(canaries, generator=draws) < 0.5  # (m,)
+    # the attacker's estimate of a secret noise: what the seed gave when the noise followed it (its best guess)
     seeded = torch.Generator().manual_seed(derive_seed(config.seed, "dp-noise", site))
     std = resolved.noise_multiplier * resolved.max_grad_norm
     scores = torch.zeros(canaries, dtype=torch.float64)
@@ -160,10 +163,12 @@ def audit_sgd_site(config: TrainingConfig, site: int, shard_size: int, canaries:
 def audit_server_view(config: TrainingConfig, shard_sizes: dict[int, int], canaries: int = 1000,
                       guesses: int = 200, seed: int = 0) -> list[OneRunAudit]:
     """Every private site's one-run audit as the server sees it: (slot -> shard size) of the run's sites."""
+    from mdgan.config import ConfigError
+
     if not config.privacy.enabled:
-        raise ValueError("the run is not differentially private: there is no noise to audit")
+        raise ConfigError("the run is not differentially private: there is no noise to audit")
     if not 2 <= guesses <= canaries:
-        raise ValueError(f"guesses must be in 2..canaries ({canaries}), got {guesses}")
+        raise ConfigError(f"the guesses must be 2 to the canaries ({canaries}), got {guesses}")
     run = audit_feedback_site if config.privacy.mechanism == "feedback" else audit_sgd_site
     return [run(config, site, size, canaries, guesses, seed) for site, size in sorted(shard_sizes.items())]
 
@@ -182,8 +187,6 @@ def audit_run(run_dir: str, canaries: int = 1000, guesses: int = 200, seed: int 
     if not config.privacy.enabled:
         raise ConfigError(f"{run_dir} is not a differentially private run: the server's-view audit has no noise to "
                           "test (run with --dp-noise-multiplier or --dp-target-epsilon)")
-    if not 2 <= guesses <= canaries:
-        raise ConfigError(f"--guesses must be in 2..--canaries ({canaries}), got {guesses}")
     if config.privacy.fixed_noise is not None and (summary.get("privacy") or {}).get("noise") != "fixed":
         # the server was given a number its sites did not use (they report secret noise): nothing to take off
         config = dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, fixed_noise=None))

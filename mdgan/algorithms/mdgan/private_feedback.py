@@ -38,7 +38,7 @@ from mdgan import devices, privacy
 from mdgan.config import PrivacySpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.gan import DiscriminatorSide, WorkerBatch, derive_seed
-from mdgan.privacy_ledger import PrivacyLedger, adopt_old_accountant
+from mdgan.privacy_ledger import PrivacyLedger, adopt_old_accountant, site_ledger
 from mdgan.secret_noise import SecretStream
 from mdgan.step_results import StepResult
 
@@ -151,8 +151,7 @@ class PrivateFeedbackSide:
             side.sampler = ShardSampler(side.sampler.shard, config.batch_size,
                                         derive_seed(config.seed, f"dp-feedback-sampling/{shard.index}", j))
             self.parts.append(side)
-        if ledger is None:  # (kept in memory: a library user's own loop)
-            ledger = PrivacyLedger.open(None, "", shard.index, "feedback", k, config.privacy.fixed_noise)
+        ledger = ledger or site_ledger(config.privacy, shard.index, None, "")  # (None: in memory)
         self.private = FeedbackMechanism(site, ledger)
 
     @property

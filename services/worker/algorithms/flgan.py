@@ -53,13 +53,10 @@ class FLGANWorker(WorkerAlgorithm):
             raise ServerGone(f"round {order.round} came without valid models: {exc!r}") from exc
         self._incoming.clear()
         private = self.gan.d.private
-        if private is not None:  # leave rather than spend past this site's budget
-            cap = privacy.budget(private.site, self.node.policy.dp_max_epsilon)
-            ahead = private.epsilon_after(order.iterations * self.gan.config.disc_steps)
-            if ahead > cap:
-                raise BudgetSpent(f"round {order.round}: privacy budget spent: the round would bring this site's "
-                                  f"epsilon to {ahead:.3f}, past its budget {cap:g} (spent: {private.epsilon():.3f}, "
-                                  f"delta {private.site.delta:g}); it answers no more")
+        refusal = privacy.over_budget(private, self.node.policy.dp_max_epsilon,
+                                      order.iterations * self.gan.config.disc_steps) if private is not None else None
+        if refusal is not None:  # leave rather than spend past this site's budget
+            raise BudgetSpent(f"round {order.round}: {refusal}")
         started = time.perf_counter()
         result = await asyncio.to_thread(train_local_round, self.gan, states["generator"], states["discriminator"],
                                          order.iterations)
