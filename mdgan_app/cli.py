@@ -50,7 +50,9 @@ def _print_summary(summary: dict, out: str) -> None:
 
 def cmd_simulate(args) -> int:
     from mdgan.algorithms.mdgan.inprocess import parse_churn
-    from mdgan.simulation import Durability, Emulation, Outputs, SiteFolders, simulate
+    from mdgan.algorithms.base import Emulation
+    from mdgan.run_spec import Durability, Outputs, RunSpec, SiteFolders
+    from mdgan.simulation import train
     from services.common.settings import (algorithm_options, class_names, configure_compute, data_config,
                                           evaluation_options, training_config)
     from mdgan_app.launcher import _eval_root
@@ -70,18 +72,18 @@ def cmd_simulate(args) -> int:
             check_out_dir(args.out, resume, args.overwrite)  # (again, now that no other command can write there)
             save_launch_settings(args)
 
-        summary = simulate(config, data_config(args, config.workers), args.out, progress=show_progress(args),
-                           evaluation=evaluation_options(args, _eval_root(args)), algorithm=args.algorithm,
-                           options=algorithm_options(args.algorithm, args), before_writing=accepted,
-                           emulation=Emulation(churn=parse_churn(args.churn), byzantine=args.byzantine,
-                                               attack=args.attack),
-                           durability=Durability(checkpoint_every=args.checkpoint_every,
-                                                 keep_checkpoints=args.keep_checkpoints, resume=resume,
-                                                 run_id=args.run_id, overwrite=args.overwrite),
-                           sites=SiteFolders(site_dirs=args.site_dirs, bad_images=args.bad_images,
-                                             classes=class_names(args)),
-                           outputs=Outputs(tensorboard=args.tensorboard, mlflow=args.mlflow,
-                                           save_discriminators=args.save_discriminators))
+        spec = RunSpec(config, data_config(args, config.workers), args.algorithm,
+                       algorithm_options(args.algorithm, args), evaluation_options(args, _eval_root(args)),
+                       durability=Durability(checkpoint_every=args.checkpoint_every,
+                                             keep_checkpoints=args.keep_checkpoints, resume=resume,
+                                             run_id=args.run_id, overwrite=args.overwrite),
+                       emulation=Emulation(churn=parse_churn(args.churn), byzantine=args.byzantine,
+                                           attack=args.attack),
+                       sites=SiteFolders(site_dirs=args.site_dirs, bad_images=args.bad_images,
+                                         classes=class_names(args)),
+                       outputs=Outputs(tensorboard=args.tensorboard, mlflow=args.mlflow,
+                                       save_discriminators=args.save_discriminators))
+        summary = train(spec, args.out, progress=show_progress(args), before_writing=accepted)
     _print_summary(summary, args.out)
     return 0
 
@@ -116,14 +118,14 @@ def _check_site_privacy(args, config) -> None:
     if not config.privacy.enabled:
         return
     from mdgan import privacy
-    from mdgan.data import SYNTHETIC_SIZE, shard_sizes
+    from mdgan.config import DataConfig
+    from mdgan.run_spec import known_shard_sizes
 
-    size = {"mnist": 60000, "cifar10": 50000, "synthetic": SYNTHETIC_SIZE}.get(args.dataset)
-    if getattr(args, "site_dirs", None) or args.split != "iid" or not size:
+    if getattr(args, "site_dirs", None):
         privacy.check_run(config, [])  # the layers only: the sites' sizes are theirs to check
         return
-    size = min(size, args.max_samples or size)
-    privacy.check_run(config, [min(shard_sizes(size, config.workers))])
+    data = DataConfig(args.dataset, split=args.split, max_samples=args.max_samples or 0)
+    privacy.check_run(config, known_shard_sizes(data, config.workers)[-1:])  # (the smallest shard)
 
 
 def cmd_local(args) -> int:

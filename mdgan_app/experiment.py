@@ -68,7 +68,8 @@ from mdgan import algorithms
 from mdgan.algorithms import ALGORITHMS
 from mdgan.algorithms.base import option_key
 from mdgan import settings
-from mdgan.config import ConfigError, DataConfig, TrainingConfig
+from mdgan.config import ConfigError, TrainingConfig
+from mdgan.run_spec import RunSpec
 
 # An experiment's keys: every training setting (mdgan/settings.py) with its default, and these of its own
 DEFAULTS = {
@@ -286,25 +287,24 @@ def _check_types(run: dict) -> None:
             raise ConfigError(f"{key} must be one of {', '.join(map(str, takes.choices))}, not {value!r}")
 
 
+def run_spec(run: dict, first: int | None = None, score_first: bool = False) -> RunSpec:
+    """A run's RunSpec (mdgan/run_spec.py), validated: what it trains and everything it would refuse."""
+    return RunSpec.from_values(run, first, score_first).validate()
+
+
 def training_config(run: dict) -> TrainingConfig:
-    """A run's TrainingConfig (mdgan.settings.training_config), with an experiment's own spellings:
-    swap_every "never" (one more than the run's iterations)."""
-    if not isinstance(run["swap_optimizer_state"], bool):
-        raise ConfigError(f"swap_optimizer_state must be true or false, not {run['swap_optimizer_state']!r}")
-    values = dict(run)
-    if values["swap_every"] == "never":
-        values["swap_every"] = run["iterations"] + 1
-    return settings.training_config(values, dataset=run["dataset"], device=run["device"])
+    """A run's TrainingConfig as it trains."""
+    return RunSpec.from_values(run).config
 
 
-def crash_period(run: dict) -> int | None:
-    if run["crash"] is None:
-        return None
-    if run["crash"] != "every I/N":
-        raise ConfigError(f"crash: only 'every I/N' is known, got {run['crash']!r}")
-    period = max(1, run["iterations"] // run["workers"])
-    algorithms.refuse(algorithms.get(run["algorithm"]), crash_every=period)
-    return period
+def validate_runs(runs: list[dict]) -> None:
+    """Every run's spec, validated before the experiment writes anything: one line naming the run and its
+    setting for the first that would be refused."""
+    for run in runs:
+        try:
+            run_spec(run)
+        except ConfigError as exc:
+            raise ConfigError(f"run {run['name']}: {exc}") from None
 
 
 def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, score_first: bool = False) -> dict:
@@ -312,28 +312,11 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, s
     (its rounds and crash schedule are the whole run's), without checkpoints or saved discriminators, and
     unscored unless score_first: what experiments/replay.py and experiments/first_evaluation.py compare
     with a kept run."""
-    from mdgan.run import EvaluationOptions
-    from mdgan.simulation import Durability, Emulation, Outputs, simulate
+    from mdgan.simulation import train
 
-    config = training_config(run)
-    data = DataConfig(run["dataset"], run["data_root"], config.workers, 0, split=run["split"],
-                      dirichlet_alpha=run["dirichlet_alpha"])
-    evaluation = EvaluationOptions(data_root=run["data_root"] if run["dataset"] == "mnist" else None,
-                                   every=run["eval_every"] if first is None or score_first else -1,
-                                   samples=run["eval_samples"],
-                                   reference=run["eval_reference"], large_every=run["eval_large_every"],
-                                   large_samples=run["eval_large_samples"])
-    # (the algorithms that cannot checkpoint run through: a stop restarts them)
-    durable = first is None and run["checkpoint_every"] > 0 and algorithms.get(run["algorithm"]).durable
-    summary = simulate(config, data, out_dir, progress=progress, evaluation=evaluation, algorithm=run["algorithm"],
-                       options=algorithms.get(run["algorithm"]).options_from(run), stop_after=first,
-                       durability=Durability(checkpoint_every=run["checkpoint_every"] if durable else 0,
-                                             resume="auto" if durable else "no"),
-                       emulation=Emulation(crash_every=crash_period(run),
-                                           byzantine=run["byzantine"] if run["attack"] else 0,
-                                           attack=run["attack"] if run["byzantine"] else None),
-                       outputs=Outputs(save_discriminators=first is None and bool(run["save_discriminators"])))
-    if run.get("eval_downstream") and first is None:  # (a run.json kept before the key: none)
+    spec = run_spec(run, first, score_first)
+    summary = train(spec, out_dir, progress=progress)
+    if spec.downstream:
         summary = _score_downstream(run, out_dir, summary)
     return summary
 
@@ -345,8 +328,6 @@ def _score_downstream(run: dict, out_dir: str, summary: dict) -> dict:
     from mdgan.downstream import downstream_accuracy
     from mdgan.sampling import load_generator
 
-    if run["dataset"] != "mnist":
-        raise ConfigError(f"eval_downstream: downstream accuracy is measured on MNIST, not {run['dataset']}")
     result = downstream_accuracy(load_generator(out_dir, run["device"]), run["data_root"],
                                  samples=int(run["eval_downstream"]), device=run["device"])
     summary["scores"] = {**(summary.get("scores") or {}), "downstream_accuracy": result.accuracy,
@@ -680,8 +661,7 @@ def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
     config = load_config(path)
     runs = _on_device(expand(config), device)
-    for run in runs:
-        training_config(run)  # every run's settings checked before the first probe
+    validate_runs(runs)  # every run's settings checked before the first probe
     report = {"experiment": config["name"], "machine": device_name(runs[0]["device"] if runs else "cpu"),
               "probe_iterations": probe, "jobs": jobs}
     if on_start is not None:
@@ -767,6 +747,7 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
     config = load_config(path)
     runs = _on_device(expand(config), device)
+    validate_runs(runs)
     out = config["out"]
     for what, folder in ((f"{path}: out", out), ("--keep", keep)):
         if folder and os.path.exists(folder) and not os.path.isdir(folder):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mdgan.config import ModelSpec, TrainingConfig
-from services.common import codec
+from services.common import codec, training_spec
 from services.common.proto import peer_pb2, tensor_pb2
 
 from conftest import REPO
@@ -200,10 +200,39 @@ def test_state_stream_errors():
 def test_training_spec_roundtrip():
     config = TrainingConfig(workers=5, kappa=2, batch_size=12, disc_steps=3, seed=77, swap_optimizer_state=True,
                             model=ModelSpec(gan="gan", loss="saturating")).validate()
-    back = codec.config_from_spec(codec.spec_from_config(config))
+    back = training_spec.config_from_spec(training_spec.spec_from_config(config))
     assert back.model == config.model and back.discriminator_optimizer == config.discriminator_optimizer
     for field in ("workers", "kappa", "batch_size", "disc_steps", "seed", "swap_optimizer_state"):
         assert getattr(back, field) == getattr(config, field)
+
+
+def test_an_explicit_zero_stays_zero_on_the_wire_and_an_absent_field_means_what_it_meant_before():
+    from mdgan.config import OptimizerSpec
+
+    zero = OptimizerSpec(1e-3, 0.0, 0.0)
+    config = TrainingConfig(workers=3, seed=0, generator_optimizer=zero, discriminator_optimizer=zero).validate()
+    spec = training_spec.spec_from_config(config)
+    assert spec.HasField("gen_beta2") and spec.gen_beta2 == 0.0
+    back = training_spec.config_from_spec(spec)
+    assert back.generator_optimizer == zero and back.discriminator_optimizer == zero
+    # a spec from a sender before presence left its zeros out: gen_lr and gen_beta2 then meant the defaults
+    old = training_spec.spec_from_config(config)
+    for name in ("gen_lr", "gen_beta2", "disc_width", "dp_mechanism"):
+        old.ClearField(name)
+    before = training_spec.config_from_spec(old)
+    assert (before.generator_optimizer.lr, before.generator_optimizer.beta2) == (OptimizerSpec.lr, OptimizerSpec.beta2)
+    assert before.model.disc_width == ModelSpec.disc_width and before.privacy.mechanism == "sgd"
+
+
+def test_every_setting_declared_for_the_workers_has_its_field_and_no_other_does():
+    from mdgan import settings
+
+    carried = {f.setting for f in training_spec.TRAINING_SPEC_FIELDS if f.setting}
+    assert carried == {s.key for s in settings.TRAINING_SETTINGS if s.to_workers}
+    names = {f.field for f in training_spec.TRAINING_SPEC_FIELDS}
+    message = {f.name for f in training_spec.spec_from_config(TrainingConfig().validate()).DESCRIPTOR.fields}
+    assert names <= message and message - names == {"sample_shape", "class_names", "algorithm", "mdgan", "pwgan",
+                                                    "psgan"}
 
 
 def test_generated_code_is_not_stale():

@@ -8,7 +8,7 @@ import torch
 from mdgan import compression
 from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.models import build_discriminator
-from services.common import codec
+from services.common import codec, training_spec
 from services.common.proto import tensor_pb2
 
 SHAPE = (10, 784)
@@ -174,5 +174,5 @@ def test_compressed_states_stream_and_reassemble():
 
 def test_training_spec_carries_the_wire_dtype():
     config = TrainingConfig(wire_dtype="bfloat16").validate()
-    assert codec.config_from_spec(codec.spec_from_config(config)).wire_dtype == "bfloat16"
-    assert codec.config_from_spec(codec.spec_from_config(TrainingConfig())).wire_dtype == "float32"
+    assert training_spec.config_from_spec(training_spec.spec_from_config(config)).wire_dtype == "bfloat16"
+    assert training_spec.config_from_spec(training_spec.spec_from_config(TrainingConfig())).wire_dtype == "float32"

@@ -506,3 +506,22 @@ def test_an_out_or_keep_that_is_a_file_is_refused_before_any_run(tmp_path, where
     with pytest.raises(ConfigError, match=f"{where} {afile} is a file: give a folder"):
         run_experiment(path, progress=False, keep=str(afile) if where == "--keep" else None)
     assert sorted(os.listdir(tmp_path)) == ["afile", "exp.yaml"] and afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"eval_samples": 1}, "run .*eval_samples must be at least 2"),
+    ({"eval_downstream": 100}, "eval_downstream: downstream accuracy is measured on MNIST, not synthetic"),
+    ({"dp_noise_multiplier": 1.0, "dp_delta": 0.5}, "run .*delta"),
+    ({"byzantine": 3, "attack": "sign-flip"}, "run .*byzantine"),
+    ({"kappa": 5}, "run .*kappa"),
+])
+def test_a_bad_fifth_run_is_refused_before_the_experiment_writes_or_trains_anything(tmp_path, bad, message):
+    """Before, ranges and consistency were checked inside each run: with --jobs 1 a bad fifth run failed after four
+    had trained, and experiment.json and every run.json were written first."""
+    out = tmp_path / "out"
+    runs = [{"seed": s} for s in range(4)] + [{"seed": 4, **bad}]
+    path = _write(tmp_path, {"out": str(out), "base": {"dataset": "synthetic", "iterations": 2, "workers": 2,
+                                                       "eval_every": -1}, "runs": runs})
+    with pytest.raises(ConfigError, match=message):
+        run_experiment(path, progress=False)
+    assert not out.exists()

@@ -191,12 +191,12 @@ def test_a_private_feedback_setting_it_cannot_have_is_one_line_and_writes_nothin
 
 
 def test_the_settings_travel_to_the_workers():
-    from services.common import codec
+    from services.common import codec, training_spec
 
     config = _config(parts=4)
-    spec = codec.spec_from_config(config)
+    spec = training_spec.spec_from_config(config)
     assert (spec.dp_mechanism, spec.dp_discriminators) == ("feedback", 4)
-    assert codec.config_from_spec(spec).privacy == config.privacy
+    assert training_spec.config_from_spec(spec).privacy == config.privacy
     with pytest.raises(ConfigError, match="--dp-mechanism must be one of"):
         spec.dp_mechanism = "laplace"
-        codec.config_from_spec(spec)
+        training_spec.config_from_spec(spec)

@@ -13,7 +13,7 @@ import torch
 
 from mdgan.config import TrainingConfig
 from procs import mdgan, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
-from services.common import codec, pki
+from services.common import codec, pki, training_spec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, pwgan_pb2
 from mdgan_app.traffic import read_exposition, traffic_report
@@ -198,7 +198,7 @@ class _HostileCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
 @pytest.mark.parametrize("case", ["zero_rounds", "potentials_shape", "late_round"])
 def test_a_worker_refuses_a_server_that_breaks_the_protocol(tmp_path, case):
-    spec = codec.spec_from_config(TrainingConfig(workers=2, batch_size=10).validate(), "pwgan")
+    spec = training_spec.spec_from_config(TrainingConfig(workers=2, batch_size=10).validate(), "pwgan")
     spec.pwgan.potential_rounds = 0 if case == "zero_rounds" else 2
     spec.pwgan.potential_lr, spec.pwgan.gradient_penalty = 1.0, 10.0
     phi = codec.encode_tensor(torch.zeros(10 if case != "potentials_shape" else 11))

@@ -106,7 +106,7 @@ def test_every_setting_has_a_flag_in_every_command_that_trains_and_one_default()
 def test_a_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeypatch):
     from mdgan_app.experiment import DEFAULTS, training_config as experiment_config
     from mdgan_app.launcher import _forwarded_training_flags
-    from services.common import codec
+    from services.common import training_spec
     from services.common.settings import settings_toml
 
     setting = SETTINGS[key]
@@ -139,7 +139,7 @@ def test_a_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeyp
     for path, config in configs.items():
         assert config == by_flag, f"{key} by {path}"
 
-    worker = codec.config_from_spec(codec.spec_from_config(by_flag))  # the worker's view of the run
+    worker = training_spec.config_from_spec(training_spec.spec_from_config(by_flag))  # the worker's view of the run
     expected = value if setting.to_workers else setting.default
     assert settings_of(worker)[key] == expected, f"{key} on the wire"
 

@@ -368,43 +368,7 @@ class StateAssembler:
 
 
 # ---------------------------------------------------------------------------------------------
-# run configuration <-> TrainingSpec (what a worker learns when it joins)
-
-
-def spec_from_config(config, algorithm: str = "mdgan") -> "coordinator_pb2.TrainingSpec":
-    from services.common.proto import coordinator_pb2
-
-    m, opt = config.model, config.discriminator_optimizer
-    return coordinator_pb2.TrainingSpec(
-        architecture=m.architecture, gan=m.gan, loss=m.loss, latent_dim=m.latent_dim, num_classes=m.num_classes,
-        sample_shape=list(m.sample_shape), disc_width=m.disc_width, batch_size=config.batch_size,
-        disc_steps=config.disc_steps,
-        disc_lr=opt.lr, disc_beta1=opt.beta1, disc_beta2=opt.beta2, seed=config.seed,
-        swap_optimizer_state=config.swap_optimizer_state, kappa=config.kappa, workers=config.workers,
-        algorithm=algorithm, gen_lr=config.generator_optimizer.lr, gen_beta1=config.generator_optimizer.beta1,
-        gen_beta2=config.generator_optimizer.beta2, wire_dtype=config.wire_dtype,
-        dp_noise_multiplier=config.privacy.noise_multiplier, dp_max_grad_norm=config.privacy.max_grad_norm,
-        dp_delta=config.privacy.delta, dp_target_epsilon=config.privacy.target_epsilon, iterations=config.iterations,
-        dp_mechanism=config.privacy.mechanism, dp_discriminators=config.privacy.discriminators,
-        dp_clip_generated=config.privacy.clip_generated)
-
-
-def config_from_spec(spec) -> "TrainingConfig":
-    """The worker's view of the run; raises mdgan.config.ConfigError on nonsense."""
-    from mdgan.config import ModelSpec, OptimizerSpec, PrivacySpec, TrainingConfig
-
-    model = ModelSpec(architecture=spec.architecture, gan=spec.gan, loss=spec.loss, latent_dim=spec.latent_dim,
-                      num_classes=spec.num_classes, sample_shape=tuple(spec.sample_shape),
-                      disc_width=spec.disc_width or ModelSpec.disc_width)
-    privacy = PrivacySpec(spec.dp_noise_multiplier, spec.dp_max_grad_norm or PrivacySpec.max_grad_norm, spec.dp_delta,
-                          spec.dp_target_epsilon, spec.dp_mechanism or PrivacySpec.mechanism,
-                          spec.dp_discriminators or PrivacySpec.discriminators, spec.dp_clip_generated)
-    return TrainingConfig(workers=spec.workers, batch_size=spec.batch_size, kappa=spec.kappa, privacy=privacy,
-                          iterations=spec.iterations or TrainingConfig.iterations,
-                          disc_steps=spec.disc_steps, seed=spec.seed, swap_optimizer_state=spec.swap_optimizer_state,
-                          model=model, wire_dtype=spec.wire_dtype or "float32",
-                          generator_optimizer=OptimizerSpec(spec.gen_lr or 2e-4, spec.gen_beta1, spec.gen_beta2 or 0.999),
-                          discriminator_optimizer=OptimizerSpec(spec.disc_lr, spec.disc_beta1, spec.disc_beta2)).validate()
+# an algorithm's options <-> its message in the TrainingSpec (the rest: services/common/training_spec.py)
 
 
 def describe_options(spec, algorithm: str, options) -> None:

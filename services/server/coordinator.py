@@ -22,7 +22,7 @@ from mdgan.data import shard_sizes
 from mdgan.sites import RunClasses
 from mdgan.images import check_class_names, model_image_shape, resizable
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
-from services.common import codec, pki
+from services.common import pki, training_spec
 from services.common.rpc import FINISHED_RUN_KEY, RateLimitedWarnings
 from services.common.telemetry import Telemetry
 from services.common import tls as tls_
@@ -326,7 +326,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                  context.peer(), "its own data" if join.own_data else "a shard", admitted.size, join.peer_address,
                  f": restores its state of iteration {plan.restore}" if plan.restore
                  else ": takes a copy of a peer's discriminator" if plan.copy else "")
-        spec = codec.spec_from_config(self.config, self.algorithm)
+        spec = training_spec.spec_from_config(self.config, self.algorithm)
         spec.class_names.extend(self.classes.names or ())
         if self.describe_run is not None:
             self.describe_run(spec)

@@ -26,7 +26,7 @@ from mdgan.data import Shard, take_shard
 from mdgan.images import NUMERIC_CLASSES, SiteData
 from mdgan.sites import map_labels
 from mdgan.algorithms.base import RUN_FAILED, RUN_FINISHED
-from services.common import codec, rpc, tls as tls_
+from services.common import rpc, tls as tls_, training_spec
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
 from services.common.telemetry import Telemetry
@@ -473,7 +473,7 @@ class WorkerNode:
                               f"{self.pinned_run!r} only (--run-id)")
         if self.run_id and welcome.run_id and welcome.run_id != self.run_id:
             raise JoinRefused(f"the server runs run {welcome.run_id!r}, this worker was in run {self.run_id!r}")
-        config = replace(codec.config_from_spec(welcome.spec), device=self.device).validate()
+        config = replace(training_spec.config_from_spec(welcome.spec), device=self.device).validate()
         if welcome.run_id:
             self.run_id = welcome.run_id
         name = welcome.spec.algorithm or "mdgan"
