@@ -142,6 +142,11 @@ def cmd_local(args) -> int:
     _check_site_privacy(args, config)
     if bool(args.byzantine) != bool(args.attack):
         raise ConfigError("--byzantine K and --attack go together")
+    if not 0 <= args.relayed <= args.workers:
+        raise ConfigError(f"--relayed must be in 0..{args.workers} (the workers), not {args.relayed}")
+    if args.relayed and args.insecure:
+        raise ConfigError("--relayed needs mutual TLS (relayed discriminators are sealed between the sites' "
+                          "certificates): leave out --insecure")
     if args.byzantine:
         from mdgan.attacks import attackers
 
@@ -590,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
     local.add_argument("--swap-timeout", type=positive_seconds, default=120.0, help="deadline for a discriminator swap (s)")
     local.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
+    local.add_argument("--relayed", type=int, default=0, metavar="K",
+                       help="the last K workers take no inbound connection (mdgan-worker --swaps relay): their "
+                            "discriminators come through the server's relay, sealed end to end (needs mutual TLS)")
     local.add_argument("--insecure", action="store_true",
                        help="plaintext gRPC between the processes (default: mutual TLS with a throwaway CA made in "
                             "OUT/tls/)")

@@ -378,6 +378,7 @@ class LocalCluster:
                 "--state-dir", os.path.join(self.out, "workers", name),
                 *(["--dp-fixed-noise", str(a.dp_fixed_noise)] if a.dp_fixed_noise is not None else []),
                 *(["--attack", a.attack] if index in attacking else []),
+                *(["--swaps", "relay"] if index >= a.workers - getattr(a, "relayed", 0) else []),
                 *security[name], *self._metrics_flags(name, metrics_ports[name])]))
         self._spawn_workers(workers)
         return server

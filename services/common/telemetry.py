@@ -77,6 +77,13 @@ class Telemetry:
         self.swaps = Counter("mdgan_swaps_total",
                              "Discriminator swap rounds (server) or swaps taken part in (worker), by outcome",
                              ["outcome"], registry=r)
+        self.relayed_bytes = Counter("mdgan_relayed_bytes_total",
+                                     "Sealed discriminator bytes the relay forwarded, by sending and receiving site",
+                                     ["sender", "receiver"], registry=r)
+        self.relayed_pushes = Counter("mdgan_relayed_pushes_total", "Discriminator pushes through the relay, by outcome "
+                                      "(the receiver's status code name)", ["outcome"], registry=r)
+        self.swap_paths = Counter("mdgan_swap_paths_total", "Discriminators pushed (worker: by this worker), by path",
+                                  ["path"], registry=r)
         self.rejected = Counter("mdgan_rejected_inputs_total", "Inputs refused by validation, by reason",
                                 ["reason"], registry=r)
         self.late_feedback = Counter("mdgan_late_feedback_total",

@@ -127,6 +127,12 @@ def peer_certificate(context: grpc.aio.ServicerContext) -> tuple[str | None, str
     return _identity_of_pem(pem)
 
 
+def peer_certificate_pem(context: grpc.aio.ServicerContext) -> bytes | None:
+    """The verified client certificate of this call, PEM (None without one)."""
+    pem = ((context.auth_context() or {}).get("x509_pem_cert") or [None])[0]
+    return pem or None
+
+
 def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
     """The SAN/CN of the client certificate under mTLS (gRPC has verified it against the CA)."""
     return peer_certificate(context)[0]

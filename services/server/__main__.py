@@ -28,11 +28,12 @@ from services.common.settings import (add_version, EnvArgumentParser, add_affini
                                       log_level, port_number, positive_seconds,
                                       training_config)
 from services.common import codec, rpc, tls
-from services.common.proto import coordinator_pb2, coordinator_pb2_grpc
+from services.common.proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
 from services.common.telemetry import Telemetry, counter_total
 from services.server.algorithms import ALGORITHMS
 from services.server.context import ServerContext
 from services.server.coordinator import Admission, Coordinator, Deadlines, PeerProbe
+from services.server.relay import RelayServicer
 
 log = logging.getLogger("mdgan.server")
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -166,6 +167,7 @@ async def serve(args) -> dict:
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    peer_pb2_grpc.add_RelayServicer_to_server(RelayServicer(telemetry, authenticated=credentials is not None), server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
     port = tls.add_port(server, args.listen, credentials)
     await server.start()

@@ -75,12 +75,13 @@ class WorkerConnection:
 
     def __init__(self, shard_index: int, shard_size: int, join: pb.Join, context: grpc.aio.ServicerContext,
                  telemetry: Telemetry, liveness_timeout: float, identity: str = "",
-                 on_fault: Callable[[str], None] | None = None):
+                 on_fault: Callable[[str], None] | None = None, relayed_certificate: bytes | None = None):
         self.worker_id = f"worker-{shard_index}"
         self.identity = identity or self.worker_id  # who holds the shard (certificate name under mTLS)
         self.shard_index = shard_index
         self.shard_size = shard_size
         self.peer_address = join.peer_address
+        self.relayed_certificate = relayed_certificate  # its swaps come through the relay, sealed for this (PEM)
         # an emulated worker's split of the shared dataset (DataConfig's fields but data_root); None: a site
         self.split = ({f.name: getattr(join.split, f.name) for f in join.split.DESCRIPTOR.fields}
                       if join.HasField("split") else None)

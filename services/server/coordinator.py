@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from services.common import pki, training_spec
 from services.common.rpc import FINISHED_RUN_KEY, RateLimitedWarnings
 from services.common.telemetry import Telemetry
 from services.common import tls as tls_
-from services.common.tls import TLSConfig, peer_certificate
+from services.common.tls import TLSConfig, peer_certificate, peer_certificate_pem
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc
 from services.server.algorithms import ALGORITHMS
@@ -99,6 +100,15 @@ class AdmittedWorker:
     size: int
     identity: str
     plan: RejoinPlan
+    relay: Relayed | None = None  # its discriminators come through the relay (None: pushed to its peer_address)
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """A worker whose swaps go through the relay: why, and its certificate (PEM), which senders seal for."""
+
+    reason: str
+    certificate: bytes
 
 
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -213,7 +223,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 or join.shard_size > MAX_SAMPLES or join.dataset_size > MAX_SAMPLES:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "absurd join: address, shape or sizes out of bounds")
         self._check_data(join)
-        if cfg.workers > 1 and not join.peer_address:
+        if cfg.workers > 1 and not join.peer_address and not join.relayed:
             raise JoinRefused(grpc.StatusCode.INVALID_ARGUMENT, "a peer address is needed for the discriminator swap")
         if join.HasField("shard_index"):
             index, size = join.shard_index, join.shard_size
@@ -259,18 +269,32 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                                        join.trained_iteration if same_run else 0)
         return AdmittedWorker(join, index, size, identity, plan)
 
-    async def _check_peer_address(self, join: pb.Join, identity: str | None) -> None:
-        """Refuses a worker whose advertised Peer address this server cannot reach (the other workers,
-        which push their discriminators there, could not either)."""
-        if self.peer_probe is None or not self.handle_class.peer_to_peer or self.config.workers < 2 \
-                or not join.peer_address or len(join.peer_address) > MAX_ADDRESS_CHARS:
-            return  # (no address, or an absurd one: _admit says why)
+    async def _swap_path(self, join: pb.Join, identity: str | None, context) -> Relayed | None:
+        """How the worker gets its discriminators: through the relay when it asks (it takes no inbound
+        connection) or when this server cannot reach its advertised Peer address (the other workers, which
+        would push there, could not either); pushed to its address otherwise. Without mutual TLS there is no
+        relay (its pushes are sealed between the sites' certificates): an unreachable worker is refused."""
+        if not self.handle_class.peer_to_peer or self.config.workers < 2:
+            return None
+        certificate = peer_certificate_pem(context) if self.authenticated else None
+        if join.relayed:
+            if certificate is None:
+                raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
+                    "this worker asks for relayed swaps, which need mutual TLS (they are sealed between the sites' "
+                    "certificates): give it and the server certificates, or serve its Peer service (--swaps direct)"))
+            return Relayed("it takes no inbound connection (--swaps relay)", certificate)
+        if self.peer_probe is None or not join.peer_address or len(join.peer_address) > MAX_ADDRESS_CHARS:
+            return None  # (no address, or an absurd one: _admit says why)
         why = await self.peer_probe.unreachable(join.peer_address, identity)
+        if why and certificate is not None and join.relay_fallback:
+            return Relayed(f"the server cannot reach its Peer service at {join.peer_address} ({why})", certificate)
         if why:
             raise JoinRefused(grpc.StatusCode.FAILED_PRECONDITION, (
                 f"this worker's Peer service cannot be reached at {join.peer_address!r} ({why}), where the other "
                 f"workers would push their discriminators: set --advertise-address (MDGAN_ADVERTISE_ADDRESS) to the "
-                f"HOST:PORT the other machines reach it at, and open that port to them"))
+                f"HOST:PORT the other machines reach it at, or let its swaps go through the server's relay "
+                f"(mdgan-worker --swaps auto or relay, under mutual TLS)"))
+        return None
 
     def _check_data(self, join: pb.Join) -> None:
         """The worker's samples fit the model: the same flat shape, or images it can resize to the model's."""
@@ -316,14 +340,17 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         join, index, plan = admitted.join, admitted.index, admitted.plan
         connection = WorkerConnection(index, admitted.size, join, context, self.telemetry, self.liveness_timeout,
                                       admitted.identity,
-                                      on_fault=lambda cause: self.roster.fault(index, admitted.identity, cause))
+                                      on_fault=lambda cause: self.roster.fault(index, admitted.identity, cause),
+                                      relayed_certificate=admitted.relay.certificate if admitted.relay else None)
         worker = self.handle_class(connection, self.run_state, needs_copy=plan.copy)
         self.workers[index] = worker
         self.roster.arrive(index, admitted.identity, worker)  # takes part from the next iteration boundary
         self.telemetry.joins.inc()
         self.telemetry.workers_alive.set(len(self._live()))
-        log.info("%s joined as %r from %s (%s of %d samples, peer %s)%s", worker.worker_id, worker.identity,
-                 context.peer(), "its own data" if join.own_data else "a shard", admitted.size, join.peer_address,
+        relay = admitted.relay
+        log.info("%s joined as %r from %s (%s of %d samples; swaps %s)%s", worker.worker_id, worker.identity,
+                 context.peer(), "its own data" if join.own_data else "a shard", admitted.size,
+                 f"through the relay: {relay.reason}" if relay else f"direct, at {join.peer_address or '-'}",
                  f": restores its state of iteration {plan.restore}" if plan.restore
                  else ": takes a copy of a peer's discriminator" if plan.copy else "")
         spec = training_spec.spec_from_config(self.config, self.algorithm)
@@ -337,7 +364,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 worker_id=worker.worker_id, shard_index=index, spec=spec,
                 heartbeat_interval_ms=int(self.heartbeat_interval * 1000), swap_timeout_ms=int(self.swap_timeout * 1000),
                 run_id=self.run_id, swap_round=self.swap_round(), restore_iteration=plan.restore, copy=plan.copy,
-                identity=worker.identity, members=members)))
+                identity=worker.identity, members=members, relayed=relay is not None,
+                relay_reason=relay.reason if relay else "")))
         except WorkerLost:
             self.roster.depart(worker)
             return
@@ -368,8 +396,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         join = first.join
         try:
             identity = self.identify(join, context)
-            await self._check_peer_address(join, identity)
-            admitted = self._admit(join, identity)
+            relay = await self._swap_path(join, identity, context)
+            admitted = dataclasses.replace(self._admit(join, identity), relay=relay)
         except JoinRefused as refused:
             self.warnings.warn(refused.code.name, "join refused (%s, %s): %s", context.peer(), refused.code.name,
                                refused.detail)

@@ -36,6 +36,7 @@ from services.worker.algorithms.base import RunFailed, WorkerFailed
 from services.worker.node import (FINAL_REFUSALS, JoinRefused, ServerGone, ServerLink, SitePolicy, WorkerData,
                                   WorkerNode, WorkerState)
 from services.worker.peer import PEER_SERVICE, PeerServicer
+from services.worker.node import SWAP_PATHS
 
 log = logging.getLogger("mdgan.worker")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -49,6 +50,11 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--advertise-address", default=None,
                         help="HOST or HOST:PORT peers use to reach this worker (default: this host's name; the port "
                              "defaults to the bound one)")
+    parser.add_argument("--swaps", choices=SWAP_PATHS, default="auto",
+                        help="how discriminators reach this site: direct (peers push to its Peer service at "
+                             "--advertise-address, which they must be able to dial), relay (through the server's relay, "
+                             "over this site's own outbound connection: no port to open; needs mutual TLS), auto "
+                             "(direct when the server can dial it at join, else relayed; the default)")
     parser.add_argument("--shard-index", default="auto",
                         help="this worker's slot (rank), and with --num-shards N > 1 the shard of the shared data it "
                              "keeps: a number; 'auto', the trailing number of the host name (a StatefulSet pod's "
@@ -239,7 +245,18 @@ async def serve(args) -> str:
         policy=SitePolicy(None if args.swap_check == "run" else args.swap_check, args.dp_max_epsilon,
                           os.path.abspath(args.privacy_dir) if args.privacy_dir else None, args.dp_fixed_noise,
                           args.attack, args.slow_factor))
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
+    node.peer_servicer = PeerServicer(node)
+    node.swaps = args.swaps
+    if args.swaps == "relay":  # no port: every discriminator comes down this site's own connection to the server
+        if credentials is None:
+            raise ConfigError("--swaps relay needs mutual TLS (relayed discriminators are sealed between the sites' "
+                              "certificates): give --tls-ca, --tls-cert and --tls-key, or --swaps direct")
+        log.info("serving no Peer service (--swaps relay): discriminators come through the server's relay")
+        try:
+            return await node.run()
+        finally:
+            telemetry.dump(args.metrics_dump)
+    peer_pb2_grpc.add_PeerServicer_to_server(node.peer_servicer, server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)
     await server.start()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import grpc
+
     from mdgan.checkpoint import CheckpointStore
     from mdgan.config import TrainingConfig
     from mdgan.privacy_ledger import PrivacyLedger
@@ -29,6 +31,7 @@ class WorkerContext(Protocol):
     swap_timeout: float  # the server's swap deadline, from the welcome (s)
     state_dir: str | None  # where it keeps its durable state (None: it keeps none)
     policy: SitePolicy  # the site's own limits (--swap-check, --dp-max-epsilon) and emulations (--attack, ...)
+    server_channel: grpc.aio.Channel | None  # the session's channel to the server (relayed pushes go over it)
 
     async def write(self, call, message: pb.WorkerMessage) -> None:
         """Send one message to the server on the stream `call` (counted on the wire counters)."""

@@ -151,6 +151,9 @@ class SitePolicy:
     slow_factor: float = 1.0  # a straggler
 
 
+SWAP_PATHS = ("auto", "direct", "relay")
+
+
 class WorkerNode:
     """One worker's session with its server: what it trains on (WorkerData), how it reaches the server
     (ServerLink), its durable state (WorkerState) and its site's policy (SitePolicy)."""
@@ -189,6 +192,9 @@ class WorkerNode:
         self.faults = FaultReport(lambda: self.worker_id or self.identity or "this worker", self.write)
         self._task: asyncio.Task | None = None  # the task running run(): a fault ends it
         self._call = None  # the Train stream of the session under way (None: between sessions)
+        self.swaps = "direct"  # SWAP_PATHS: how discriminators reach this site
+        self.peer_servicer = None  # the Peer service's receiving code, which relayed pushes go to as well
+        self.server_channel: grpc.aio.Channel | None = None  # the session's channel (relayed pushes go over it)
 
     def peer_inbox(self):
         """The run's receiving side of pushed discriminators (the Peer service's; None: not an MD-GAN run)."""
@@ -336,7 +342,9 @@ class WorkerNode:
             join.split.CopyFrom(pb.EmulatedSplit(dataset=d.dataset, split=d.split, split_seed=d.split_seed,
                                                  dirichlet_alpha=d.dirichlet_alpha, max_samples=d.max_samples,
                                                  num_shards=d.num_shards))
-        join.peer_address = self.advertise_address
+        join.peer_address = "" if self.swaps == "relay" else self.advertise_address
+        join.relayed = self.swaps == "relay"
+        join.relay_fallback = self.swaps == "auto" and self.tls is not None
         join.name = self.identity
         if self.run_id:
             join.run_id = self.run_id
@@ -440,8 +448,9 @@ class WorkerNode:
                 raise
             if welcome.WhichOneof("body") != "welcome":
                 raise ServerGone(f"expected a welcome, got {welcome.WhichOneof('body')}")
-            beats = None
+            beats = relay = None
             self._call = call
+            self.server_channel = channel
             try:
                 try:
                     await self._on_welcome(welcome.welcome)
@@ -451,6 +460,8 @@ class WorkerNode:
                     raise self.fail("setting up the run", exc) from None
                 self._contact = time.monotonic()
                 beats = asyncio.create_task(self._heartbeats(call, welcome.welcome.heartbeat_interval_ms / 1000))
+                if welcome.welcome.relayed:
+                    relay = asyncio.create_task(self._attach_to_relay(channel, welcome.welcome.relay_reason))
                 return await self._serve(call)
             except asyncio.CancelledError:
                 if self.fault is None:  # a signal
@@ -462,10 +473,28 @@ class WorkerNode:
                 raise
             finally:
                 self._call = None
-                if beats is not None:
-                    beats.cancel()
+                self.server_channel = None
+                for task in (beats, relay):
+                    if task is not None:
+                        task.cancel()
                 if self.algorithm is not None:
                     await self.algorithm.end_session()
+
+    async def _attach_to_relay(self, channel: grpc.aio.Channel, reason: str) -> None:
+        """This session's attachment to the server's relay, attached again (with backoff) if it breaks."""
+        from services.worker.relay import RelayInbox
+
+        log.info("swaps through the server's relay: %s", reason)
+        delays = backoff_delays()
+        while True:
+            inbox = RelayInbox(self.peer_servicer, self.tls, self.identity, self.swap_timeout)
+            try:
+                await inbox.run(channel)
+            except grpc.aio.AioRpcError as exc:
+                delay = next(delays)
+                log.warning("the relay stream ended (%s: %s); attaching again in %.1f s", exc.code().name,
+                            exc.details(), delay)
+                await asyncio.sleep(delay)
 
     async def _on_welcome(self, welcome: pb.Welcome) -> None:
         if self.pinned_run and welcome.run_id != self.pinned_run:

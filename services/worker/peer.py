@@ -196,6 +196,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.warnings = rpc.RateLimitedWarnings(log)
 
     def sender_identity(self, context: grpc.aio.ServicerContext, header: peer_pb2.DiscriminatorHeader) -> str:
+        relayed = getattr(context, "sender_identity", None)  # a relayed push: its seal's certificate (relay.py)
+        if relayed is not None:
+            return relayed
         if self.host.tls is not None:
             return peer_identity(context) or ""
         return header.sender_identity or header.sender_worker
@@ -214,6 +217,24 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except Exception as exc:  # our own error (the check, unpacking): the pusher hears one line, we fail
             self.host.fail("receiving a discriminator", exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"the receiver failed: {rpc.one_line(exc)}")
+        finally:
+            self.active -= 1
+
+    async def receive(self, chunks, context) -> peer_pb2.PushAck:
+        """A push that came through the relay (services/worker/relay.py RelayedCall): received as a direct
+        one; a refusal is raised as the context's abort raises it."""
+        from services.worker.relay import RelayedRefusal
+
+        if self.active >= MAX_CONCURRENT_PUSHES:
+            raise RelayedRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many discriminator pushes at once")
+        self.active += 1
+        try:
+            return await self._receive(chunks, context)
+        except (RelayedRefusal, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # our own error (the check, unpacking): the pusher hears one line, we fail
+            self.host.fail("receiving a relayed discriminator", exc)
+            raise RelayedRefusal(grpc.StatusCode.INTERNAL, f"the receiver failed: {rpc.one_line(exc)}") from None
         finally:
             self.active -= 1
 

@@ -8,6 +8,8 @@ MDGAN_TEST_FAULT is a JSON list of faults, each
      "error": "RuntimeError" (optional: the exception class, a builtin),
      "message": "..." (optional),
      "kill": true (optional: instead of raising, the call goes through and then the process SIGKILLs itself),
+     "wrap": "module:factory" (optional: the target is replaced by factory(target), a module importable from
+                               this folder: an attack on what the target handles, say),
      "record": "PATH" (optional: instead of raising, every call goes through and its second argument, a protobuf
                        message, is appended to PATH as a 4-byte length and its bytes; "{worker}" in PATH is the
                        worker the call is for)}
@@ -61,6 +63,9 @@ def _recording(function, path: str):
 
 
 def faulty(function, fault: dict):
+    if fault.get("wrap"):
+        module, _, factory = fault["wrap"].partition(":")
+        return getattr(importlib.import_module(module), factory)(function)
     if fault.get("record"):
         return _recording(function, fault["record"])
     error = getattr(builtins, fault.get("error", "RuntimeError"))

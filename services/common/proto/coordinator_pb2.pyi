@@ -69,7 +69,7 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., swap_order: _Optional[_Union[SwapOrder, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., model_part: _Optional[_Union[ModelPart, _Mapping]] = ..., local_round: _Optional[_Union[LocalRound, _Mapping]] = ..., swap_cancel: _Optional[_Union[SwapCancel, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointOrder, _Mapping]] = ..., swap_install: _Optional[_Union[SwapInstall, _Mapping]] = ..., potential_round: _Optional[_Union[_pwgan_pb2.PotentialRound, _Mapping]] = ..., replica_part: _Optional[_Union[_psgan_pb2.ReplicaPart, _Mapping]] = ..., replica_round: _Optional[_Union[_psgan_pb2.ReplicaRound, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name", "run_id", "checkpoints", "trained_iteration", "own_data", "class_names", "image_shape", "split")
+    __slots__ = ("shard_index", "shard_size", "peer_address", "sample_shape", "num_classes", "dataset_size", "name", "run_id", "checkpoints", "trained_iteration", "own_data", "class_names", "image_shape", "split", "relayed", "relay_fallback")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class Join(_message.Message):
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_size: int
     peer_address: str
@@ -98,7 +100,9 @@ class Join(_message.Message):
     class_names: _containers.RepeatedScalarFieldContainer[str]
     image_shape: _containers.RepeatedScalarFieldContainer[int]
     split: EmulatedSplit
-    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[int]] = ..., trained_iteration: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ..., split: _Optional[_Union[EmulatedSplit, _Mapping]] = ...) -> None: ...
+    relayed: bool
+    relay_fallback: bool
+    def __init__(self, shard_index: _Optional[int] = ..., shard_size: _Optional[int] = ..., peer_address: _Optional[str] = ..., sample_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., dataset_size: _Optional[int] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoints: _Optional[_Iterable[int]] = ..., trained_iteration: _Optional[int] = ..., own_data: _Optional[bool] = ..., class_names: _Optional[_Iterable[str]] = ..., image_shape: _Optional[_Iterable[int]] = ..., split: _Optional[_Union[EmulatedSplit, _Mapping]] = ..., relayed: _Optional[bool] = ..., relay_fallback: _Optional[bool] = ...) -> None: ...
 
 class EmulatedSplit(_message.Message):
     __slots__ = ("dataset", "split", "split_seed", "dirichlet_alpha", "max_samples", "num_shards")
@@ -219,7 +223,7 @@ class PSGANSpec(_message.Message):
     def __init__(self, threshold: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members", "run_id", "swap_round", "restore_iteration", "copy")
+    __slots__ = ("worker_id", "spec", "heartbeat_interval_ms", "swap_timeout_ms", "shard_index", "identity", "members", "run_id", "swap_round", "restore_iteration", "copy", "relayed", "relay_reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +235,8 @@ class Welcome(_message.Message):
     SWAP_ROUND_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ITERATION_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     spec: TrainingSpec
     heartbeat_interval_ms: int
@@ -242,7 +248,9 @@ class Welcome(_message.Message):
     swap_round: int
     restore_iteration: int
     copy: bool
-    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ..., shard_index: _Optional[int] = ..., identity: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., swap_round: _Optional[int] = ..., restore_iteration: _Optional[int] = ..., copy: _Optional[bool] = ...) -> None: ...
+    relayed: bool
+    relay_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., spec: _Optional[_Union[TrainingSpec, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., swap_timeout_ms: _Optional[int] = ..., shard_index: _Optional[int] = ..., identity: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., swap_round: _Optional[int] = ..., restore_iteration: _Optional[int] = ..., copy: _Optional[bool] = ..., relayed: _Optional[bool] = ..., relay_reason: _Optional[str] = ...) -> None: ...
 
 class Batches(_message.Message):
     __slots__ = ("iteration", "generated", "generated_labels", "discriminated", "discriminated_labels")
@@ -287,7 +295,7 @@ class Feedback(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., gradient: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
 
 class SwapOrder(_message.Message):
-    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker", "receive_from_identity", "send_to_identity", "kind", "deferred")
+    __slots__ = ("round", "send_to_worker", "send_to_address", "receive_from_worker", "receive_from_identity", "send_to_identity", "kind", "deferred", "send_via_relay", "send_to_certificate")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_WORKER_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +304,8 @@ class SwapOrder(_message.Message):
     SEND_TO_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    SEND_VIA_RELAY_FIELD_NUMBER: _ClassVar[int]
+    SEND_TO_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     round: int
     send_to_worker: str
     send_to_address: str
@@ -304,7 +314,9 @@ class SwapOrder(_message.Message):
     send_to_identity: str
     kind: str
     deferred: bool
-    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ..., receive_from_identity: _Optional[str] = ..., send_to_identity: _Optional[str] = ..., kind: _Optional[str] = ..., deferred: _Optional[bool] = ...) -> None: ...
+    send_via_relay: bool
+    send_to_certificate: bytes
+    def __init__(self, round: _Optional[int] = ..., send_to_worker: _Optional[str] = ..., send_to_address: _Optional[str] = ..., receive_from_worker: _Optional[str] = ..., receive_from_identity: _Optional[str] = ..., send_to_identity: _Optional[str] = ..., kind: _Optional[str] = ..., deferred: _Optional[bool] = ..., send_via_relay: _Optional[bool] = ..., send_to_certificate: _Optional[bytes] = ...) -> None: ...
 
 class SwapInstall(_message.Message):
     __slots__ = ("round",)

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as mdgan_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mdgan/v1/peer.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"\x9e\x01\n\x13\x44iscriminatorHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fsender_identity\x18\x05 \x01(\t\x12\x0c\n\x04\x63opy\x18\x07 \x01(\x08\"]\n\x12\x44iscriminatorChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.mdgan.v1.DiscriminatorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"!\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x32N\n\x04Peer\x12\x46\n\x11PushDiscriminator\x12\x1c.mdgan.v1.DiscriminatorChunk\x1a\x11.mdgan.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mdgan/v1/peer.proto\x12\x08mdgan.v1\x1a\x15mdgan/v1/tensor.proto\"\x9e\x01\n\x13\x44iscriminatorHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rsender_worker\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.mdgan.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fsender_identity\x18\x05 \x01(\t\x12\x0c\n\x04\x63opy\x18\x07 \x01(\x08\"]\n\x12\x44iscriminatorChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.mdgan.v1.DiscriminatorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"!\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"\x88\x01\n\x0bRelayHeader\x12\x19\n\x11receiver_identity\x18\x01 \x01(\t\x12\x17\n\x0fsender_identity\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0c\n\x04\x63opy\x18\x04 \x01(\x08\x12\x0c\n\x04salt\x18\x05 \x01(\x0c\x12\x1a\n\x12sender_certificate\x18\x06 \x01(\x0c\"_\n\x0cRelayedChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.mdgan.v1.RelayHeaderH\x00\x12\x10\n\x06sealed\x18\x02 \x01(\x0cH\x00\x12\x0c\n\x04last\x18\x03 \x01(\x08\x42\x06\n\x04\x62ody\"b\n\tRelayDown\x12\x0c\n\x04push\x18\x01 \x01(\x04\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.mdgan.v1.RelayedChunk\x12\x11\n\tabandoned\x18\x03 \x01(\x08\x12\r\n\x05\x65nded\x18\x04 \x01(\x08\"c\n\x07RelayUp\x12\'\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x15.mdgan.v1.RelayAttachH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.mdgan.v1.RelayResultH\x00\x42\x06\n\x04\x62ody\"\r\n\x0bRelayAttach\"R\n\x0bRelayResult\x12\x0c\n\x04push\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x04 \x01(\x04\x32N\n\x04Peer\x12\x46\n\x11PushDiscriminator\x12\x1c.mdgan.v1.DiscriminatorChunk\x1a\x11.mdgan.v1.PushAck(\x01\x32r\n\x05Relay\x12\x33\n\x04Push\x12\x16.mdgan.v1.RelayedChunk\x1a\x11.mdgan.v1.PushAck(\x01\x12\x34\n\x06\x41ttach\x12\x11.mdgan.v1.RelayUp\x1a\x13.mdgan.v1.RelayDown(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,6 +39,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DISCRIMINATORCHUNK']._serialized_end=310
   _globals['_PUSHACK']._serialized_start=312
   _globals['_PUSHACK']._serialized_end=345
-  _globals['_PEER']._serialized_start=347
-  _globals['_PEER']._serialized_end=425
+  _globals['_RELAYHEADER']._serialized_start=348
+  _globals['_RELAYHEADER']._serialized_end=484
+  _globals['_RELAYEDCHUNK']._serialized_start=486
+  _globals['_RELAYEDCHUNK']._serialized_end=581
+  _globals['_RELAYDOWN']._serialized_start=583
+  _globals['_RELAYDOWN']._serialized_end=681
+  _globals['_RELAYUP']._serialized_start=683
+  _globals['_RELAYUP']._serialized_end=782
+  _globals['_RELAYATTACH']._serialized_start=784
+  _globals['_RELAYATTACH']._serialized_end=797
+  _globals['_RELAYRESULT']._serialized_start=799
+  _globals['_RELAYRESULT']._serialized_end=881
+  _globals['_PEER']._serialized_start=883
+  _globals['_PEER']._serialized_end=961
+  _globals['_RELAY']._serialized_start=963
+  _globals['_RELAY']._serialized_end=1077
 # @@protoc_insertion_point(module_scope)

@@ -37,3 +37,65 @@ class PushAck(_message.Message):
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class RelayHeader(_message.Message):
+    __slots__ = ("receiver_identity", "sender_identity", "round", "copy", "salt", "sender_certificate")
+    RECEIVER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    SENDER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    receiver_identity: str
+    sender_identity: str
+    round: int
+    copy: bool
+    salt: bytes
+    sender_certificate: bytes
+    def __init__(self, receiver_identity: _Optional[str] = ..., sender_identity: _Optional[str] = ..., round: _Optional[int] = ..., copy: _Optional[bool] = ..., salt: _Optional[bytes] = ..., sender_certificate: _Optional[bytes] = ...) -> None: ...
+
+class RelayedChunk(_message.Message):
+    __slots__ = ("header", "sealed", "last")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    header: RelayHeader
+    sealed: bytes
+    last: bool
+    def __init__(self, header: _Optional[_Union[RelayHeader, _Mapping]] = ..., sealed: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class RelayDown(_message.Message):
+    __slots__ = ("push", "chunk", "abandoned", "ended")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    push: int
+    chunk: RelayedChunk
+    abandoned: bool
+    ended: bool
+    def __init__(self, push: _Optional[int] = ..., chunk: _Optional[_Union[RelayedChunk, _Mapping]] = ..., abandoned: _Optional[bool] = ..., ended: _Optional[bool] = ...) -> None: ...
+
+class RelayUp(_message.Message):
+    __slots__ = ("attach", "result")
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    attach: RelayAttach
+    result: RelayResult
+    def __init__(self, attach: _Optional[_Union[RelayAttach, _Mapping]] = ..., result: _Optional[_Union[RelayResult, _Mapping]] = ...) -> None: ...
+
+class RelayAttach(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RelayResult(_message.Message):
+    __slots__ = ("push", "code", "details", "received_bytes")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    push: int
+    code: int
+    details: str
+    received_bytes: int
+    def __init__(self, push: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., received_bytes: _Optional[int] = ...) -> None: ...

@@ -103,3 +103,133 @@ class Peer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RelayStub:
+    """The relay, on the server's own port: a site that takes no inbound connection gets its
+    discriminators through it, over a stream it dialled out. Every chunk is sealed end to end between
+    the two sites (services/common/sealing.py): the relay routes by the header and reads nothing else.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Push = channel.stream_unary(
+                '/mdgan.v1.Relay/Push',
+                request_serializer=mdgan_dot_v1_dot_peer__pb2.RelayedChunk.SerializeToString,
+                response_deserializer=mdgan_dot_v1_dot_peer__pb2.PushAck.FromString,
+                _registered_method=True)
+        self.Attach = channel.stream_stream(
+                '/mdgan.v1.Relay/Attach',
+                request_serializer=mdgan_dot_v1_dot_peer__pb2.RelayUp.SerializeToString,
+                response_deserializer=mdgan_dot_v1_dot_peer__pb2.RelayDown.FromString,
+                _registered_method=True)
+
+
+class RelayServicer:
+    """The relay, on the server's own port: a site that takes no inbound connection gets its
+    discriminators through it, over a stream it dialled out. Every chunk is sealed end to end between
+    the two sites (services/common/sealing.py): the relay routes by the header and reads nothing else.
+    """
+
+    def Push(self, request_iterator, context):
+        """A sender's push to a relayed site: the header first, then the sealed chunks, the last marked.
+        Ends with the receiver's own status, as PushDiscriminator does (DATA_LOSS: a chunk that did not
+        open; UNAUTHENTICATED: a sender certificate the run's CA did not issue); UNAVAILABLE while the
+        receiver is not attached; PERMISSION_DENIED for a header that claims another sender.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request_iterator, context):
+        """A relayed site's one stream: `attach` first, then each push's result; the relay sends each
+        push's header and chunks down, tagged with the push's number.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RelayServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=mdgan_dot_v1_dot_peer__pb2.RelayedChunk.FromString,
+                    response_serializer=mdgan_dot_v1_dot_peer__pb2.PushAck.SerializeToString,
+            ),
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=mdgan_dot_v1_dot_peer__pb2.RelayUp.FromString,
+                    response_serializer=mdgan_dot_v1_dot_peer__pb2.RelayDown.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'mdgan.v1.Relay', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('mdgan.v1.Relay', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Relay:
+    """The relay, on the server's own port: a site that takes no inbound connection gets its
+    discriminators through it, over a stream it dialled out. Every chunk is sealed end to end between
+    the two sites (services/common/sealing.py): the relay routes by the header and reads nothing else.
+    """
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/mdgan.v1.Relay/Push',
+            mdgan_dot_v1_dot_peer__pb2.RelayedChunk.SerializeToString,
+            mdgan_dot_v1_dot_peer__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mdgan.v1.Relay/Attach',
+            mdgan_dot_v1_dot_peer__pb2.RelayUp.SerializeToString,
+            mdgan_dot_v1_dot_peer__pb2.RelayDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -36,6 +36,7 @@ class MDGANRun:
     encoder: codec.BatchEncoder = field(default_factory=codec.BatchEncoder)
     address_book: dict[str, str] = field(default_factory=dict)  # worker id -> peer address
     identity_book: dict[str, str] = field(default_factory=dict)  # worker id -> identity
+    relay_book: dict[str, bytes] = field(default_factory=dict)  # worker id -> certificate, of relayed workers
     swap_message_bytes: int = 0  # serialized bytes the workers report pushing to peers, all handles
 
 
@@ -59,6 +60,10 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         self._checkpoints = connection.answers("checkpoint")
         run.address_book[self.worker_id] = connection.peer_address
         run.identity_book[self.worker_id] = self.identity
+        if connection.relayed_certificate is not None:
+            run.relay_book[self.worker_id] = connection.relayed_certificate
+        else:
+            run.relay_book.pop(self.worker_id, None)
 
     @classmethod
     def run_state(cls, coordinator) -> MDGANRun:
@@ -87,7 +92,9 @@ class GrpcWorker(StreamHandle, WorkerHandle):
             round=order.swap_round, send_to_worker=order.send_to,
             send_to_address=book.get(order.send_to, ""), receive_from_worker=order.receive_from,
             receive_from_identity=identities.get(order.receive_from, ""),
-            send_to_identity=identities.get(order.send_to, ""), kind=order.kind, deferred=deferred))
+            send_to_identity=identities.get(order.send_to, ""), kind=order.kind, deferred=deferred,
+            send_via_relay=order.send_to in self.run.relay_book,
+            send_to_certificate=self.run.relay_book.get(order.send_to, b"")))
 
     async def send_swap(self, order: SwapOrder) -> None:
         """A background round: the order alone (the worker snapshots its D before the next batches,

@@ -27,6 +27,7 @@ from services.common import codec, rpc, tls as tls_
 from services.common.proto import coordinator_pb2 as pb
 from services.common import wire as wire_traffic
 from services.worker.algorithms.base import BudgetSpent, ServerGone, StreamBroken, WorkerAlgorithm
+from services.worker.relay import push_relayed, relayed_chunks
 from services.worker.peer import REFUSED, CopyMailbox, PeerInbox, PushRefused, SwapMailbox, push_discriminator
 
 log = logging.getLogger("mdgan.worker")
@@ -413,25 +414,45 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         node = self.node
         key = (order.send_to_address, order.send_to_identity)  # another identity at one address: its own channel
         chunks = codec.wire_state_chunks(state, order.round, node.worker_id, node.identity, copy=copy)
+        relayed = None
+        if order.send_via_relay:  # the receiver takes no inbound connection: sealed for it, through the relay
+            if node.tls is None:
+                raise ConfigError("a relayed receiver needs mutual TLS here too (this worker runs --insecure)")
+            relayed = relayed_chunks([wire for wire, _ in chunks], node.tls, node.identity, order.send_to_identity,
+                                     order.send_to_certificate, order.round, copy)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + node.swap_timeout if deadline else math.inf
         retry = 0.5
         while True:
-            channel = self._peer_channels.get(key)
-            if channel is None:
-                # The receiver is verified as the identity the server named, wherever its address points.
-                channel = self._peer_channels[key] = tls_.channel(order.send_to_address, node.tls, rpc.options(),
-                                                                  order.send_to_identity or None)
             left = give_up - loop.time()
+            if relayed is not None:
+                channel = node.server_channel
+                if channel is None:  # between two sessions with the server: the push waits for the next
+                    if left <= retry:
+                        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                                   grpc.aio.Metadata(), "no session with the server for the relay")
+                    await asyncio.sleep(retry)
+                    retry = min(2 * retry, 8.0)
+                    continue
+            else:
+                channel = self._peer_channels.get(key)
+                if channel is None:
+                    # The receiver is verified as the identity the server named, wherever its address points.
+                    channel = self._peer_channels[key] = tls_.channel(order.send_to_address, node.tls, rpc.options(),
+                                                                      order.send_to_identity or None)
             try:
-                await push_discriminator(channel, [wire for wire, _ in chunks], left if deadline else None)
+                if relayed is not None:
+                    await push_relayed(channel, relayed, left if deadline else None)
+                else:
+                    await push_discriminator(channel, [wire for wire, _ in chunks], left if deadline else None)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and left > retry:
-                    log.info("swap %d: push to %s failed (%s); trying again in %.1f s", order.round,
-                             order.send_to_worker, exc.details(), retry)
-                    if self._peer_channels.get(key) is channel:
-                        del self._peer_channels[key]
-                    await channel.close()
+                    log.info("swap %d: push to %s%s failed (%s); trying again in %.1f s", order.round,
+                             order.send_to_worker, " through the relay" if relayed else "", exc.details(), retry)
+                    if relayed is None:
+                        if self._peer_channels.get(key) is channel:
+                            del self._peer_channels[key]
+                        await channel.close()
                     await asyncio.sleep(retry)
                     retry = min(2 * retry, 8.0)
                     continue
@@ -443,6 +464,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             break
         for wire, payload in chunks:
             node.telemetry.count("worker_to_worker", "discriminator", "sender", None, payload, len(wire))
+        node.telemetry.swap_paths.labels("relayed" if relayed else "direct").inc()
         pushed = PushOutcome(True, sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks))
         if refused is not None:
             raise PushRefused(pushed.payload_bytes, pushed.message_bytes, refused.details())
