@@ -247,15 +247,19 @@ def _certs_kit(args) -> int:
 
     try:
         if args.server:
-            if args.advertise or args.slot != "assign":
-                raise ConfigError("--advertise and --slot are a site's: the server is reached at --server-address")
+            if args.advertise or args.slot != "assign" or args.swaps != "auto":
+                raise ConfigError("--advertise, --slot and --swaps are a site's: the server is reached at "
+                                  "--server-address")
             folder = kits.server_kit(args.dir, args.name, args.server_address, workers=args.workers,
                                      metrics_port=args.metrics_port or kits.SERVER_METRICS_PORT, out=args.out,
                                      days=args.days, overwrite=args.overwrite, tag=args.tag)
         else:
             if args.workers is not None:
                 raise ConfigError("--workers is the server's kit's (--server): a site's kit is one worker")
-            folder = kits.site_kit(args.dir, args.name, args.server_address, args.advertise,
+            if args.swaps == "relay" and args.advertise:
+                raise ConfigError("--advertise is the address other sites dial, and a --swaps relay site is dialled by "
+                                  "nobody: give one or the other")
+            folder = kits.site_kit(args.dir, args.name, args.server_address, args.advertise, swaps=args.swaps,
                                    metrics_port=args.metrics_port or kits.DEFAULT_METRICS_PORT, slot=args.slot,
                                    out=args.out, days=args.days, overwrite=args.overwrite, tag=args.tag)
     except pki.PKIError as exc:
@@ -499,6 +503,10 @@ def add_certs_command(sub) -> None:
     kit.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
                      help="a site's address as the other sites dial it for the swap (default: NAME:50052; the "
                           "certificate is made valid for HOST)")
+    kit.add_argument("--swaps", choices=("auto", "direct", "relay"), default="auto",
+                     help="how discriminators reach the site (mdgan-worker --swaps): relay for a site that takes no "
+                          "inbound connection (no port to open: they come through the server's relay, sealed end to "
+                          "end); auto (default): direct when the server can dial --advertise, else relayed")
     kit.add_argument("--slot", default="assign",
                      help="a site's rank in the run: a number, or 'assign' (default: the server gives the lowest free one)")
     kit.add_argument("--metrics-port", type=served_port, default=None, help="the /metrics port (default: 9101 a site, 9100 the server)")

@@ -141,7 +141,7 @@ def _prepare(kit_dir: str, overwrite: bool) -> None:
     os.makedirs(kit_dir, exist_ok=True)
 
 
-def site_kit(pki_dir: str, name: str, server_address: str, advertise: str | None = None, *,
+def site_kit(pki_dir: str, name: str, server_address: str, advertise: str | None = None, *, swaps: str = "auto",
              metrics_port: int = DEFAULT_METRICS_PORT, slot: str = "assign", out: str | None = None,
              days: int = 365, overwrite: bool = False, tag: str | None = None) -> str:
     """A site's kit (its worker); returns the kit's folder."""
@@ -155,10 +155,13 @@ def site_kit(pki_dir: str, name: str, server_address: str, advertise: str | None
     paths = _identity(pki_dir, name, "worker", host, days)
     _prepare(kit_dir, overwrite)
     _copy_tls(paths, kit_dir)
+    relayed = swaps == "relay"
     _write(os.path.join(kit_dir, "mdgan.env"), _env({
         "MDGAN_SERVER": server_address,
         "MDGAN_LISTEN": f"0.0.0.0:{port}",
-        "MDGAN_ADVERTISE_ADDRESS": _address(host, port),  # what the other sites dial for the swap
+        # relay: discriminators come down the site's own connection to the server; nobody dials it
+        "MDGAN_SWAPS": swaps,
+        **({} if relayed else {"MDGAN_ADVERTISE_ADDRESS": _address(host, port)}),  # what the other sites dial
         "MDGAN_SHARD_INDEX": slot,
         "MDGAN_METRICS_PORT": metrics_port,
         **TLS_ENV,
@@ -170,9 +173,26 @@ def site_kit(pki_dir: str, name: str, server_address: str, advertise: str | None
         "MDGAN_SWAP_CHECK": "on", "MDGAN_DP_MAX_EPSILON": "",
     }))
     _write(os.path.join(kit_dir, ".env"), _env({
-        "KIT_PEER_PORT": port, "KIT_METRICS_PORT": metrics_port, "KIT_TAG": tag,
+        "KIT_PEER_PORT": port, "KIT_PEER_BIND": "127.0.0.1" if relayed else "0.0.0.0",  # (relay: its healthcheck only)
+        "KIT_METRICS_PORT": metrics_port, "KIT_TAG": tag,
         "KIT_SITE_DATA": "./data", **RUN_AS}))
     shutil.copyfile(os.path.join(TEMPLATES, "site-compose.yml"), os.path.join(kit_dir, "docker-compose.yml"))
+    if relayed:
+        ports = f"""The worker dials the server at {server_address} and takes no inbound connection (MDGAN_SWAPS=relay):
+the other sites' discriminators come through the server's relay, down this site's own connection,
+sealed end to end between the two sites (the relay can neither read nor alter them). Open nothing for
+the swaps. Optional:
+  {metrics_port}/tcp  /metrics (plain HTTP), to the server's Prometheus only, for this site's panels
+Outgoing: to {server_address} and to the other sites' Peer ports (where they take direct swaps).
+"""
+    else:
+        ports = f"""The worker dials the server at {server_address} and serves its Peer service on port {port}, which the
+other sites reach as {_address(host, port)}. Open to the consortium's machines only:
+  {port}/tcp  the Peer service (mutual TLS: the other sites push their discriminators here)
+  {metrics_port}/tcp  /metrics (plain HTTP: open it to the server's Prometheus only)
+Outgoing: to {server_address} and to the other sites' Peer ports. A site that cannot open a port: make
+its kit with --swaps relay (or keep MDGAN_SWAPS=auto: the server relays a site it cannot dial).
+"""
     _write(os.path.join(kit_dir, "README.txt"), f"""mdgan site kit: {name}
 
 This folder is all site {name} needs: copy it to the site's machine (it holds the site's private key:
@@ -183,12 +203,7 @@ copy it over a channel you trust, and keep it readable by the user that runs the
    (`id -u`, `id -g`), or run `sudo chown -R 10001:10001 tls` (the image's user).
 3. docker compose up -d      (image mdgan-worker:{tag}: docs/DEPLOY.md says how to build and push it)
 
-The worker dials the server at {server_address} and serves its Peer service on port {port}, which the
-other sites reach as {_address(host, port)}. Open to the consortium's machines only:
-  {port}/tcp  the Peer service (mutual TLS: the other sites push their discriminators here)
-  {metrics_port}/tcp  /metrics (plain HTTP: open it to the server's Prometheus only)
-Outgoing: to {server_address} and to the other sites' Peer ports.
-Its certificate is valid for {host} until it expires ({days} days from its issue): see docs/DEPLOY.md,
+{ports}Its certificate is valid for {host} until it expires ({days} days from its issue): see docs/DEPLOY.md,
 "Certificates", to rotate it.
 """)
     _remember(pki_dir, Kit(name, "worker", _address(host, port), _address(host, metrics_port)))

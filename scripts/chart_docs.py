@@ -50,6 +50,7 @@ CONSTRAINTS = {
     "server.address": {"pattern": r"^$|^.+:[0-9]+$"},
     "workers.advertiseAddresses": {"items": {"type": "string", "pattern": r"^.+:[0-9]+$"}},
     "workers.externalService.type": {"enum": ["LoadBalancer", "NodePort", "ClusterIP"]},
+    "workers.swaps": {"enum": ["auto", "direct", "relay"]},
     "server.service.type": {"enum": ["ClusterIP", "LoadBalancer", "NodePort"]},
     "server.grpcPort": {"minimum": 1, "maximum": 65535},
     "workers.grpcPort": {"minimum": 1, "maximum": 65535},

@@ -924,3 +924,37 @@ def test_data_download_commands_run(tmp_path):
                                 cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert f"mnist ready in {SHARED_DATA}" in result.stdout
+
+
+def test_a_relayed_sites_kit_opens_no_port_and_the_chart_takes_the_setting(tmp_path, capsys):
+    """A site that only dials out (--swaps relay): its kit tells its worker so, advertises nothing, publishes the
+    Peer port on 127.0.0.1 only (its own healthcheck) and its README asks to open nothing for the swaps. A relayed
+    kit with an --advertise, or a server kit with --swaps, is one line. The chart's workers.swaps reaches the pods,
+    and relay without TLS is refused at render."""
+    compose = tool("docker-compose")
+    from mdgan_app.cli import main
+
+    pki = str(tmp_path / "pki")
+    assert main(["certs", "init", pki]) == 0
+    _kit(pki, "site-r", "--server-address", "hub.example.org:50051", "--swaps", "relay")
+    kit = os.path.join(pki, "kits", "site-r")
+    [worker] = _rendered(compose, kit)["services"].values()
+    env = worker["environment"]
+    assert env["MDGAN_SWAPS"] == "relay" and "MDGAN_ADVERTISE_ADDRESS" not in env
+    peer = [p for p in worker["ports"] if int(p["target"]) == 50052]
+    assert [p.get("host_ip") for p in peer] == ["127.0.0.1"]
+    readme = open(os.path.join(kit, "README.txt"), encoding="utf-8").read()
+    assert "takes no inbound connection" in readme and "Open nothing for\nthe swaps" in readme
+    for argv, message in ((["site-x", "--server-address", "hub.example.org:50051", "--swaps", "relay", "--advertise",
+                            "x.example.org:50052"], "dialled by nobody"),
+                          (["hub", "--server", "--server-address", "hub.example.org:50051", "--swaps", "relay"],
+                           "are a site's")):
+        capsys.readouterr()
+        assert main(["certs", "kit", pki, *argv]) == 2
+        assert message in capsys.readouterr().err
+    [statefulset] = by_kind(render("--set", "workers.swaps=relay"), "StatefulSet")
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e.get("value") for e in container["env"]}["MDGAN_SWAPS"] == "relay"
+    refused = helm_template("--set", "workers.swaps=relay", "--set", "tls.enabled=false", check=False)
+    assert refused.returncode != 0 and "workers.swaps relay needs tls.enabled" in refused.stderr
+    assert helm_template("--set", "workers.swaps=sometimes", check=False).returncode != 0

@@ -243,3 +243,142 @@ def test_relayed_swaps_without_mutual_tls_are_refused_before_anything_starts(tmp
     assert not (tmp_path / "x").exists()
     done = mdgan("local", *RUN, "--relayed", "4", "--out", tmp_path / "y", check=False)
     assert done.returncode == 2 and "--relayed must be in 0..3" in done.stderr
+
+
+# -- the relay service alone, over real gRPC: every bad call gets its status, none hangs ---------------------
+
+def _relay_scenario(pki_dir: str, authenticated: bool = True) -> dict[str, object]:
+    import asyncio
+
+    import grpc
+
+    from services.common import rpc
+    from services.common.proto import peer_pb2, peer_pb2_grpc
+    from services.common.telemetry import Telemetry
+    from services.common.tls import TLSConfig
+    from services.server.relay import RelayServicer
+
+    def who(name):
+        paths = pki.identity_paths(pki_dir, name)
+        return TLSConfig.load(paths["ca"], paths["cert"], paths["key"])
+
+    header = peer_pb2.RelayedChunk(header=peer_pb2.RelayHeader(receiver_identity="worker-1", sender_identity="worker-0",
+                                                               round=1))
+    sealed = peer_pb2.RelayedChunk(sealed=b"\x01" * 100, last=True)
+
+    async def push(channel, messages, timeout=10.0):
+        call = peer_pb2_grpc.RelayStub(channel).Push(timeout=timeout)
+        try:
+            for m in messages:
+                await call.write(m)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        try:
+            await call
+            return "OK"
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+
+    async def attach(channel, first=peer_pb2.RelayUp(attach=peer_pb2.RelayAttach())):
+        call = peer_pb2_grpc.RelayStub(channel).Attach(timeout=10)
+        await call.write(first)
+        return call
+
+    async def scenario():
+        telemetry = Telemetry("server")
+        servicer = RelayServicer(telemetry, authenticated, members=lambda: {"worker-0", "worker-1"})
+        server = rpc.make_server(max_receive_bytes=1 << 21, guard=rpc.HostileInputGuard())
+        peer_pb2_grpc.add_RelayServicer_to_server(servicer, server)
+        server_tls = who("mdgan-server")
+        port = (server.add_secure_port("127.0.0.1:0", server_tls.server_credentials()) if authenticated
+                else server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        results = {}
+
+        def channel(name):
+            if not authenticated:
+                return grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+            return grpc.aio.secure_channel(f"127.0.0.1:{port}", who(name).channel_credentials(),
+                                           options=[("grpc.ssl_target_name_override", "mdgan-server")])
+
+        try:
+            async with channel("worker-0") as w0, channel("worker-1") as w1, channel("mallory") as mallory:
+                results["a push to a site not attached"] = await push(w0, [header, sealed])
+                if not authenticated:
+                    return results
+                intruder = await attach(mallory)
+                try:
+                    await intruder.read()
+                except grpc.aio.AioRpcError as exc:
+                    results["an outsider attaches"] = exc.code().name
+                results["a push as another site"] = await push(w1, [header, sealed])
+                results["a push without its header"] = await push(w0, [sealed])
+                results["bytes that do not parse"] = (await raw_push(w0)).name
+                bad = await attach(w1, peer_pb2.RelayUp(result=peer_pb2.RelayResult(push=1)))
+                try:
+                    await bad.read()
+                except grpc.aio.AioRpcError as exc:
+                    results["an attach that does not start with attach"] = exc.code().name
+                receiver = await attach(w1)
+                for _ in range(50):  # (until the relay has it)
+                    if "worker-1" in servicer.attached:
+                        break
+                    await asyncio.sleep(0.05)
+
+                async def refuse_what_comes():
+                    got = await receiver.read()
+                    while not (await receiver.read()).chunk.last:
+                        pass
+                    await receiver.write(peer_pb2.RelayUp(result=peer_pb2.RelayResult(
+                        push=got.push, code=grpc.StatusCode.DATA_LOSS.value[0], details="does not open")))
+
+                answering = asyncio.create_task(refuse_what_comes())
+                results["the receiver's own answer"] = await push(w0, [header, sealed, sealed, sealed])
+                await answering
+                results["bytes counted"] = telemetry.relayed_bytes.labels("worker-0", "worker-1")._value.get()
+
+                async def leave_midway():
+                    await receiver.read()
+                    receiver.cancel()
+
+                leaving = asyncio.create_task(leave_midway())
+                results["the receiver leaves mid-push"] = (await push(w0, [header, sealed], timeout=20)).split(":")[0]
+                await leaving
+        finally:
+            await server.stop(None)
+        return results
+
+    async def raw_push(channel):
+        call = channel.stream_unary("/mdgan.v1.Relay/Push")(timeout=5)
+        try:
+            await call.write(b"\x0a\xff\xff\xff\xff\x0f")
+            await call.done_writing()
+        except Exception:  # noqa: BLE001 -- the relay ended the call: its status says why
+            pass
+        try:
+            await call
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+
+    return asyncio.run(scenario())
+
+
+def test_every_bad_call_to_the_relay_gets_its_status_and_none_hangs(tmp_path):
+    pki_dir = str(tmp_path / "pki")
+    pki.provision_run(pki_dir, ["worker-0", "worker-1", "mallory"])
+    results = _relay_scenario(pki_dir)
+    assert results == {
+        "a push to a site not attached": "UNAVAILABLE: 'worker-1' is not attached to the relay",
+        "an outsider attaches": "PERMISSION_DENIED",
+        "a push as another site": "PERMISSION_DENIED: 'worker-1' pushes as 'worker-0'",
+        "a push without its header": "INVALID_ARGUMENT: the first message must be the header",
+        "bytes that do not parse": "INVALID_ARGUMENT",
+        "an attach that does not start with attach": "INVALID_ARGUMENT",
+        "the receiver's own answer": "DATA_LOSS: does not open",
+        "bytes counted": 300.0,
+        "the receiver leaves mid-push": "UNAVAILABLE"}
+    plain = _relay_scenario(pki_dir, authenticated=False)
+    assert plain == {"a push to a site not attached": "FAILED_PRECONDITION: the relay needs mutual TLS (relayed swaps "
+                                                       "are sealed between the sites' certificates)"}

@@ -167,7 +167,8 @@ async def serve(args) -> dict:
     guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
     server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
-    peer_pb2_grpc.add_RelayServicer_to_server(RelayServicer(telemetry, authenticated=credentials is not None), server)
+    peer_pb2_grpc.add_RelayServicer_to_server(RelayServicer(telemetry, authenticated=credentials is not None,
+                                                            members=coordinator.member_identities), server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
     port = tls.add_port(server, args.listen, credentials)
     await server.start()

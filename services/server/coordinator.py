@@ -185,6 +185,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
         await asyncio.gather(*(tell(c) for c in list(self._open)))
 
+    def member_identities(self) -> set[str]:
+        """Every identity bound to a slot of this run, or taking part now."""
+        return set(self.roster.bindings.values()) | {w.identity for w in self._live()}
+
     def _live(self) -> list[StreamHandle]:
         return self.roster.alive()
 
@@ -358,7 +362,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         if self.describe_run is not None:
             self.describe_run(spec)
         # every identity bound in this run: a discriminator one of them pushes early is kept for the order
-        members = sorted(set(self.roster.bindings.values()) | {w.identity for w in self._live()})
+        members = sorted(self.member_identities())
         try:
             await connection.send(pb.ServerMessage(welcome=pb.Welcome(
                 worker_id=worker.worker_id, shard_index=index, spec=spec,

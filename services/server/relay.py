@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from typing import Callable
 
 import grpc
 
@@ -41,11 +42,13 @@ class Attachment:
 
 
 class RelayServicer(peer_pb2_grpc.RelayServicer):
-    """Under mutual TLS only: a site is who its certificate names, and attaches as itself."""
+    """Under mutual TLS only: a site is who its certificate names, attaches as itself, and must be a member of
+    the run (`members()`: the identities the coordinator has admitted)."""
 
-    def __init__(self, telemetry: Telemetry, authenticated: bool):
+    def __init__(self, telemetry: Telemetry, authenticated: bool, members: Callable[[], set[str]]):
         self.telemetry = telemetry
         self.authenticated = authenticated
+        self.members = members
         self.attached: dict[str, Attachment] = {}
         self._numbers = itertools.count(1)
 
@@ -54,6 +57,8 @@ class RelayServicer(peer_pb2_grpc.RelayServicer):
         if not identity:
             await rpc.refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
                              "the relay needs mutual TLS (relayed swaps are sealed between the sites' certificates)")
+        if identity not in self.members():
+            await rpc.refuse(context, grpc.StatusCode.PERMISSION_DENIED, f"{identity!r} is not a member of this run")
         return identity
 
     async def Attach(self, request_iterator, context):

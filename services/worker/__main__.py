@@ -231,6 +231,9 @@ async def serve(args) -> str:
         log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
 
     credentials = tls.from_args(args, "mdgan-worker")
+    if args.swaps == "relay" and credentials is None:
+        raise ConfigError("--swaps relay needs mutual TLS (relayed discriminators are sealed between the sites' "
+                          "certificates): give --tls-ca, --tls-cert and --tls-key, or --swaps direct")
     identity = worker_identity(args, credentials, index)
     telemetry = Telemetry("worker")
     telemetry.serve(args.metrics_port, args.metrics_address)
@@ -247,22 +250,18 @@ async def serve(args) -> str:
                           args.attack, args.slow_factor))
     node.peer_servicer = PeerServicer(node)
     node.swaps = args.swaps
-    if args.swaps == "relay":  # no port: every discriminator comes down this site's own connection to the server
-        if credentials is None:
-            raise ConfigError("--swaps relay needs mutual TLS (relayed discriminators are sealed between the sites' "
-                              "certificates): give --tls-ca, --tls-cert and --tls-key, or --swaps direct")
-        log.info("serving no Peer service (--swaps relay): discriminators come through the server's relay")
-        try:
-            return await node.run()
-        finally:
-            telemetry.dump(args.metrics_dump)
+    # (relayed: it still listens, for its own healthcheck on this host, but tells nobody the address)
     peer_pb2_grpc.add_PeerServicer_to_server(node.peer_servicer, server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
     port = tls.add_port(server, args.listen, credentials)
     await server.start()
     await rpc.set_serving(health, [PEER_SERVICE], True)
-    node.advertise_address = advertise_address(args.advertise_address, port)
-    log.info("serving %s on port %d, advertised as %s", PEER_SERVICE, port, node.advertise_address)
+    if args.swaps == "relay":
+        log.info("serving %s on port %d for this host only (--swaps relay): discriminators come through the "
+                 "server's relay", PEER_SERVICE, port)
+    else:
+        node.advertise_address = advertise_address(args.advertise_address, port)
+        log.info("serving %s on port %d, advertised as %s", PEER_SERVICE, port, node.advertise_address)
 
     try:
         return await node.run()
