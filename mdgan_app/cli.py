@@ -316,7 +316,9 @@ def cmd_traffic(args) -> int:
         return 0
     report = traffic_report(args.run)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
-    return 0 if all(r["payload_matches_formula"] for r in report["rows"]) else 1
+    relay = report["relay"]
+    return 0 if all(r["payload_matches_formula"] for r in report["rows"]) and (
+        relay is None or relay["forwarded_matches_reported"]) else 1
 
 
 def _traffic_formulas(args) -> dict:

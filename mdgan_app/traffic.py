@@ -46,7 +46,8 @@ ENDS = {"server_to_worker": ("server", "workers"), "worker_to_server": ("workers
 
 
 def read_exposition(path: str) -> dict[tuple[str, str, str, str], float]:
-    """(metric, direction, side, kind) -> value for the wire counters of one process."""
+    """(metric, direction, side, kind) -> value for the wire counters of one process; the relay's bytes
+    (mdgan_relayed_bytes_total) under ("mdgan_relayed_bytes_total", "relay", sender, receiver)."""
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     values = {}
@@ -55,7 +56,28 @@ def read_exposition(path: str) -> dict[tuple[str, str, str, str], float]:
             if sample.name.startswith("mdgan_wire_") and sample.name.endswith("_total"):
                 key = (sample.name, sample.labels["direction"], sample.labels["side"], sample.labels["kind"])
                 values[key] = sample.value
+            elif sample.name == RELAYED:
+                values[(RELAYED, "relay", sample.labels["sender"], sample.labels["receiver"])] = sample.value
     return values
+
+
+RELAYED = "mdgan_relayed_bytes_total"
+
+
+def relay_row(server: dict, swaps: list[dict], theta_bytes: int) -> dict | None:
+    """The relay's term (docs/DEPLOY.md "Sites that only dial out"): a relayed discriminator crosses the server's
+    link in and out besides the two sites' links. Payload by Table III, |theta| per relayed push, each way; what the
+    relay forwarded (sealed, so it counts sealed bytes) against what the senders report having sealed. None for a
+    run without relayed pushes."""
+    pushes = [w for s in swaps for w in s["workers"].values() if w.get("relayed_bytes")]
+    forwarded = int(sum(v for (m, *_), v in server.items() if m == RELAYED))
+    if not pushes and not forwarded:
+        return None
+    sealed = sum(w["relayed_bytes"] for w in pushes)
+    return {"relayed_pushes": len(pushes), "payload_formula_bytes": len(pushes) * theta_bytes,
+            "sealed_reported_bytes": sealed, "forwarded_bytes": forwarded,
+            "forwarded_matches_reported": forwarded == sealed,
+            "overhead": forwarded / (len(pushes) * theta_bytes) - 1 if pushes and theta_bytes else None}
 
 
 def _sum(values: dict, metric: str, direction: str, side: str) -> int:
@@ -127,7 +149,7 @@ def traffic_report(run_dir: str) -> dict:
             "wire_dtype": wire,
             "workers": summary["workers"],
             "batch_size": b, "sample_size": d, "discriminator_bytes": theta_bytes, "swaps": len(swaps),
-            "rows": rows}
+            "rows": rows, "relay": relay_row(server, swaps, theta_bytes)}
 
 
 def format_table(report: dict) -> str:
@@ -145,6 +167,15 @@ def format_table(report: dict) -> str:
         lines.append(f"{ARROWS[r['direction']]:5} {r['counted_at']:20} {r['payload_bytes'] / mb:12.3f} "
                      f"{r['formula_bytes'] / mb:13.3f} {'yes' if r['payload_matches_formula'] else 'NO':>6} "
                      f"{r['per_worker_bytes'] / mb:14.3f} {r['message_bytes'] / mb:14.3f} {overhead:>9} {ratio:>7}")
+    relay = report.get("relay")
+    if relay:  # in at the server from the sender, out to the receiver: twice these bytes on the server's link
+        overhead = "-" if relay["overhead"] is None else f"{100 * relay['overhead']:.2f}%"
+        lines.append(f"{'relay':5} {'server (forwarded)':20} {relay['forwarded_bytes'] / mb:12.3f} "
+                     f"{relay['payload_formula_bytes'] / mb:13.3f} "
+                     f"{'yes' if relay['forwarded_matches_reported'] else 'NO':>6} {'':14} "
+                     f"{relay['sealed_reported_bytes'] / mb:14.3f} {overhead:>9}")
+        lines.append(f"      ({relay['relayed_pushes']} relayed pushes of |theta|, each in and out of the server; "
+                     "forwarded: sealed bytes, against the sealed bytes the senders report)")
     return "\n".join(lines)
 
 

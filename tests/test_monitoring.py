@@ -319,7 +319,7 @@ def test_dashboard_and_rules_on_a_live_local_cluster(tmp_path):
     try:
         prometheus.wait_ready()
         cluster = subprocess.Popen(
-            [sys.executable, "-m", "mdgan_app.cli", "local", "--workers", "2", "--iterations", "400",
+            [sys.executable, "-m", "mdgan_app.cli", "local", "--workers", "2", "--relayed", "1", "--iterations", "400",
              "--dataset", "synthetic", "--swap-every", "50", "--no-progress", "--out", str(out)],
             cwd=REPO, stdout=cluster_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)

@@ -185,6 +185,16 @@ def test_relayed_sites_train_the_generator_simulate_trains_and_the_relay_sees_no
     counted = _metric(tmp_path / "local" / "metrics" / "server.prom", "mdgan_relayed_bytes_total")
     assert {re.search(r'receiver="([^"]+)"', k).group(1) for k in counted} == relayed_sites
     assert sum(counted.values()) == len(sealed)
+    # `mdgan traffic`: Table III holds, and the relay's term: |theta| per relayed push, the sealed bytes forwarded
+    # equal to those the senders report
+    traffic = mdgan("traffic", tmp_path / "local", "--json")
+    report = json.loads(traffic.stdout)
+    assert all(r["payload_matches_formula"] for r in report["rows"])
+    relay = report["relay"]
+    assert relay["relayed_pushes"] == len(headers) and relay["forwarded_matches_reported"]
+    assert relay["forwarded_bytes"] == len(sealed)
+    assert relay["payload_formula_bytes"] == len(headers) * report["discriminator_bytes"]
+    assert 0 < relay["overhead"] < 0.01  # framing and seals: under 1% of the discriminator
 
 
 @pytest.mark.slow
@@ -207,6 +217,10 @@ def test_a_relay_that_alters_or_replays_a_discriminator_is_refused_by_name_and_t
     logs = "".join((tmp_path / "local" / "logs" / f"worker-{i}.log").read_text() for i in range(3))
     assert "does not open: altered, moved or replayed on the way" in logs
     assert read_json(tmp_path / "local" / "summary.json")["iterations"] == 12
+    # the relay forwarded the refused push's sealed bytes, which no sender counts as sent: `mdgan traffic` says so
+    traffic = mdgan("traffic", tmp_path / "local", "--json", check=False)
+    relay = json.loads(traffic.stdout)["relay"]
+    assert traffic.returncode == 1 and relay["forwarded_bytes"] > relay["sealed_reported_bytes"]
 
 
 @pytest.mark.slow

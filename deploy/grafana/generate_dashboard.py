@@ -241,6 +241,20 @@ def build() -> dict:
          target("B", f"sum by (instance, outcome) (mdgan_swaps_total{{{WORKERS}}})", "{{instance}} {{outcome}}")],
         "none", min_value=0), 8, 8)
     lay.add(timeseries(
+        "Swaps: direct against relayed",
+        "Discriminators the workers pushed, straight to the receiver's Peer service or through the server's relay "
+        "(sites that take no inbound connection; docs/DEPLOY.md), and the relay's pushes by the receiver's answer "
+        "(DATA_LOSS: a sealed push that did not open); cumulative.",
+        [target("A", f"sum by (path) (mdgan_swap_paths_total{{{WORKERS}}})", "pushed {{path}}"),
+         target("B", f"sum by (outcome) (mdgan_relayed_pushes_total{{{SERVER}}})", "relay: {{outcome}}")],
+        "none", min_value=0), 12, 7)
+    lay.add(timeseries(
+        "Relayed bytes by site",
+        "Sealed discriminator bytes the server's relay forwarded, by receiving site, cumulative (each crosses "
+        "the server's link twice: in from the sender, out to the receiver).",
+        [target("A", f"sum by (receiver) (mdgan_relayed_bytes_total{{{SERVER}}})", "to {{receiver}}")],
+        "bytes", min_value=0), 12, 7)
+    lay.add(timeseries(
         "Rejected inputs",
         "Inputs refused by validation, by process and reason (cumulative): feedback at the server, peer "
         "discriminators at the workers. MdganInputsRejected fires on any increase.",

@@ -88,17 +88,25 @@ class SwapMailbox:
                                                        f"{swap_round}")
         return self.check(swap_round)
 
-    def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor] | None, refused: str = "") -> None:
+    def deliver(self, swap_round: int, sender: str, state: dict[str, torch.Tensor] | None, refused: str = "",
+                damaged: str = "") -> None:
         """`state` None: the server says the sender left, or (`refused` says why) our check refused
-        what the designated sender pushed; either way nothing more is taken this round."""
+        what the designated sender pushed, or (`damaged` says why) what came from it through the relay
+        did not open; either way nothing more is taken this round."""
         if swap_round <= self.completed_round:
             return
         box = self._box(swap_round)
         if not box.done():
-            box.set_result((sender, state, refused))
+            box.set_result((sender, state, refused, damaged))
+
+    def designated(self, swap_round: int) -> str | None:
+        """The identity this round's order names as its sender (None: no order yet, or the round is over)."""
+        order = self._orders.get(swap_round)
+        return order.result() if order is not None and order.done() and not order.cancelled() else None
 
     async def collect(self, swap_round: int, timeout: float):
-        """(sender, state or None, why it was refused or "") of `swap_round`."""
+        """(sender, state or None, why our check refused it or "", why it arrived damaged or "") of
+        `swap_round`."""
         try:
             return await asyncio.wait_for(self._box(swap_round), timeout)
         finally:
@@ -168,9 +176,9 @@ REFUSED = "discriminator refused: "  # how a receiver's check refusal starts (PE
 class PushRefused(Exception):
     """A push that arrived whole and was refused by the receiver's swap check."""
 
-    def __init__(self, payload: int, messages: int, details: str):
+    def __init__(self, payload: int, messages: int, details: str, relayed: int = 0):
         super().__init__(details)
-        self.payload, self.messages, self.details = payload, messages, details
+        self.payload, self.messages, self.details, self.relayed = payload, messages, details, relayed
 
 
 MAX_CONCURRENT_PUSHES = 8  # pushes in progress at once; more are refused (RESOURCE_EXHAUSTED)

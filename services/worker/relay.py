@@ -97,6 +97,17 @@ class RelayInbox:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 pass  # the stream is gone: the sender hears UNAVAILABLE from the relay
 
+    def _damaged(self, header: peer_pb2.RelayHeader, sender: str, why: str) -> None:
+        """What the round's designated sender sent did not open on the way: the round takes nothing from it (we
+        keep our own discriminator), now rather than at the swap deadline."""
+        inbox = self.servicer.host.peer_inbox()
+        if inbox is None:
+            return
+        box = inbox.copies if header.copy else inbox.mailbox
+        if box.designated(header.round) == sender:
+            log.warning("swap %d: %s", header.round, why)
+            box.deliver(header.round, sender, None, damaged=why)
+
     async def _open_and_receive(self, header, queue) -> tuple[grpc.StatusCode | None, str, int]:
         try:
             sender = sealing.sender_identity(self.tls.ca, header.sender_certificate)
@@ -134,6 +145,8 @@ class RelayInbox:
         try:
             ack = await self.servicer.receive(chunks(), RelayedCall(sender, header.round))
         except RelayedRefusal as refusal:
+            if refusal.code == grpc.StatusCode.DATA_LOSS:
+                self._damaged(header, sender, refusal.details)
             return refusal.code, refusal.details, 0
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():

@@ -34,6 +34,7 @@ class SwapReport:
     sent_bytes: int  # payload: tensor bytes of the discriminator state sent to the peer
     error: str = ""
     refused: str = ""  # the receiver's check refused the incoming D (swapcheck.py): why; it kept its own
+    relayed_bytes: int = 0  # sealed bytes its push sent through a relay (services/server/relay.py); 0: direct
 
 
 class WorkerHandle(abc.ABC):

@@ -107,7 +107,8 @@ class SwapRounds:
             self.traffic.payload_bytes["worker_to_worker"] += report.sent_bytes
             outcome[worker.worker_id] = {"sent": report.sent, "received": report.received,
                                          "sent_bytes": report.sent_bytes, "error": report.error,
-                                         **({"refused": report.refused} if report.refused else {})}
+                                         **({"refused": report.refused} if report.refused else {}),
+                                         **({"relayed_bytes": report.relayed_bytes} if report.relayed_bytes else {})}
             self.swaps_refused += bool(report.refused)
             if not (report.sent and report.received):
                 log.warning("swap %d: %s sent=%s received=%s %s", swap_round, worker.worker_id,

@@ -357,7 +357,7 @@ class SwapCancel(_message.Message):
     def __init__(self, round: _Optional[int] = ..., sender_worker: _Optional[str] = ..., reason: _Optional[str] = ..., copy: _Optional[bool] = ..., receiver_worker: _Optional[str] = ...) -> None: ...
 
 class SwapReport(_message.Message):
-    __slots__ = ("round", "sent", "received", "sent_payload_bytes", "sent_message_bytes", "error", "refused")
+    __slots__ = ("round", "sent", "received", "sent_payload_bytes", "sent_message_bytes", "error", "refused", "relayed_bytes")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +365,7 @@ class SwapReport(_message.Message):
     SENT_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     round: int
     sent: bool
     received: bool
@@ -372,7 +373,8 @@ class SwapReport(_message.Message):
     sent_message_bytes: int
     error: str
     refused: str
-    def __init__(self, round: _Optional[int] = ..., sent: _Optional[bool] = ..., received: _Optional[bool] = ..., sent_payload_bytes: _Optional[int] = ..., sent_message_bytes: _Optional[int] = ..., error: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
+    relayed_bytes: int
+    def __init__(self, round: _Optional[int] = ..., sent: _Optional[bool] = ..., received: _Optional[bool] = ..., sent_payload_bytes: _Optional[int] = ..., sent_message_bytes: _Optional[int] = ..., error: _Optional[str] = ..., refused: _Optional[str] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("iteration", "code", "reason", "message")

@@ -147,7 +147,7 @@ class GrpcWorker(StreamHandle, WorkerHandle):
         if future is not None and not future.done():
             self.run.swap_message_bytes += report.sent_message_bytes
             future.set_result(SwapReport(report.round, report.sent, report.received, report.sent_payload_bytes,
-                                         report.error, report.refused))
+                                         report.error, report.refused, report.relayed_bytes))
 
     async def _on_checkpoint_done(self, done: pb.CheckpointDone) -> None:
         future = self._checkpoints.get(done.iteration)

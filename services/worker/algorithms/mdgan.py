@@ -51,6 +51,7 @@ class PushOutcome:
     payload_bytes: int = 0
     message_bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    relayed_bytes: int = 0  # sealed bytes sent through the server's relay (0: pushed direct)
 
 
 @dataclass(frozen=True)
@@ -278,12 +279,13 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
                 detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
                 return pb.SwapReport(round=order.round, error=f"copy to {order.send_to_worker} failed: {detail}")
         try:
-            sender, incoming, _ = await self.copies.collect(order.round, self.node.swap_timeout)
+            sender, incoming, _, damaged = await self.copies.collect(order.round, self.node.swap_timeout)
         except asyncio.TimeoutError:
             return pb.SwapReport(round=order.round, error=f"no copy from {order.receive_from_worker}")
         if incoming is None:
-            return pb.SwapReport(round=order.round, error=f"no copy from {order.receive_from_worker}: the server "
-                                                          "called it off (the donor left, or its push failed)")
+            return pb.SwapReport(round=order.round, error=damaged or f"no copy from {order.receive_from_worker}: the "
+                                                                     "server called it off (the donor left, or its push "
+                                                                     "failed)")
         if sender != (order.receive_from_identity or order.receive_from_worker):
             return pb.SwapReport(round=order.round, error=f"expected a copy from {order.receive_from_worker}, got {sender}")
         self.side.adopt(incoming)
@@ -358,7 +360,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
             return PushOutcome(False, errors=[f"push to {order.send_to_worker} called off: {why}"])
         except PushRefused as exc:  # sent, as in simulate; the receiver kept its own D (its report says why)
             return PushOutcome(True, exc.payload, exc.messages,
-                               [f"{order.send_to_worker} refused our discriminator: {exc.details}"])
+                               [f"{order.send_to_worker} refused our discriminator: {exc.details}"], exc.relayed)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             return PushOutcome(False, errors=[f"push to {order.send_to_worker} failed: {detail}"])
@@ -368,7 +370,7 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         `check`: judge it here (a background round; otherwise the Peer service judged it on arrival)."""
         swap_timeout = self.node.swap_timeout
         try:
-            sender, incoming, refused = await self.mailbox.collect(order.round, swap_timeout)
+            sender, incoming, refused, damaged = await self.mailbox.collect(order.round, swap_timeout)
         except asyncio.TimeoutError:
             errors.append(f"no discriminator from {order.receive_from_worker} within {swap_timeout:.0f} s")
             return TakeOutcome(False)
@@ -376,6 +378,9 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         if refused:  # our check refused what it pushed (PeerServicer): we keep our own D this round
             errors.append(f"refused the discriminator from {sender}: {refused}")
             return TakeOutcome(False, refused)
+        if damaged:  # it came through the relay and did not open: we keep our own D this round
+            errors.append(damaged)
+            return TakeOutcome(False)
         if incoming is None:
             errors.append(f"{sender} left before sending its discriminator")
             return TakeOutcome(False)
@@ -402,7 +407,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         telemetry.swaps.labels("complete" if sent and received else "incomplete").inc()
         telemetry.phase_seconds.labels("swap").observe(time.perf_counter() - started)
         return pb.SwapReport(round=order.round, sent=sent, received=received, sent_payload_bytes=pushed.payload_bytes,
-                             sent_message_bytes=pushed.message_bytes, error="; ".join(errors), refused=taken.refused)
+                             sent_message_bytes=pushed.message_bytes, error="; ".join(errors), refused=taken.refused,
+                             relayed_bytes=pushed.relayed_bytes)
 
     async def _push(self, order: pb.SwapOrder, state: dict[str, torch.Tensor], copy: bool = False,
                     deadline: bool = True) -> PushOutcome:
@@ -465,7 +471,8 @@ class MDGANWorker(WorkerAlgorithm, PeerInbox):
         for wire, payload in chunks:
             node.telemetry.count("worker_to_worker", "discriminator", "sender", None, payload, len(wire))
         node.telemetry.swap_paths.labels("relayed" if relayed else "direct").inc()
-        pushed = PushOutcome(True, sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks))
+        pushed = PushOutcome(True, sum(payload for _, payload in chunks), sum(len(wire) for wire, _ in chunks),
+                             relayed_bytes=sum(len(c.sealed) for c in relayed) if relayed else 0)
         if refused is not None:
-            raise PushRefused(pushed.payload_bytes, pushed.message_bytes, refused.details())
+            raise PushRefused(pushed.payload_bytes, pushed.message_bytes, refused.details(), pushed.relayed_bytes)
         return pushed
