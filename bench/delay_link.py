@@ -10,6 +10,12 @@ Consortium; by hand (as root):
     python bench/delay_link.py --taps mdA mdB --up 20ms --down 20ms    # mdA's frames reach mdB 20 ms later
 
 It creates the two TAP devices, prints "ready", and forwards until it is killed; the devices go with it.
+
+Two failures of real links, for tests (this kernel has no netfilter and no tc actions either):
+`--no-inbound` drops every TCP connection attempt (SYN without ACK) from B to A, as a firewall that lets
+A dial out and nothing in (the attempts time out: dropped, not refused); SIGUSR1 drops, silently and from
+then on, every frame of the TCP connections seen so far, as a NAT or a proxy that forgot them (new
+connections go through).
 """
 
 from __future__ import annotations
@@ -49,10 +55,52 @@ def seconds(text: str) -> float:
     return float(text)
 
 
+def tcp_flow(frame: bytes) -> tuple[frozenset, int] | None:
+    """(the connection's two ends, the TCP flags) of an IPv4 TCP frame; None for any other frame."""
+    if len(frame) < 34 or frame[12:14] != b"\x08\x00" or frame[23] != 6:
+        return None
+    ihl = (frame[14] & 0x0F) * 4
+    tcp = 14 + ihl
+    if len(frame) < tcp + 14:
+        return None
+    ends = frozenset(((frame[26:30], frame[tcp:tcp + 2]), (frame[30:34], frame[tcp + 2:tcp + 4])))
+    return ends, frame[tcp + 13]
+
+
+SYN, ACK = 0x02, 0x10
+
+
+class Filter:
+    """Which frames are lost on the way: connection attempts into A (--no-inbound), and the connections that
+    were open when SIGUSR1 came."""
+
+    def __init__(self, no_inbound: bool):
+        self.no_inbound = no_inbound
+        self.seen: set[frozenset] = set()
+        self.dead: frozenset = frozenset()
+
+    def forget_connections(self, *_) -> None:
+        self.dead = frozenset(self.seen)
+
+    def drops(self, frame: bytes, inbound: bool) -> bool:
+        flow = tcp_flow(frame)
+        if flow is None:
+            return False
+        ends, flags = flow
+        if inbound and self.no_inbound and flags & SYN and not flags & ACK:
+            return True
+        if ends in self.dead:
+            return True
+        self.seen.add(ends)
+        return False
+
+
 class Direction:
     """Frames read from `source`, written to `target` `delay` (+- jitter) seconds later, in order."""
 
-    def __init__(self, source: int, target: int, delay: float, jitter: float, seed: int):
+    def __init__(self, source: int, target: int, delay: float, jitter: float, seed: int,
+                 lost: Filter | None = None, inbound: bool = False):
+        self.lost, self.inbound = lost, inbound
         self.source, self.target = source, target
         self.delay, self.jitter = delay, jitter
         self.random = random.Random(seed)
@@ -64,6 +112,8 @@ class Direction:
         while True:
             select.select([self.source], [], [])
             frame = os.read(self.source, MAX_FRAME)
+            if self.lost is not None and self.lost.drops(frame, self.inbound):
+                continue
             now = time.monotonic()
             spread = self.random.uniform(-self.jitter, self.jitter) if self.jitter else 0.0
             due = max(now + self.delay + spread, self.last_due)  # (a direction's frames keep their order)
@@ -103,11 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--down", default="0ms", help="delay of B's frames to A")
     parser.add_argument("--jitter", default="0ms", help="each frame's delay spread uniformly by +- this much")
     parser.add_argument("--seed", type=int, default=0, help="the jitter's draws")
+    parser.add_argument("--no-inbound", action="store_true", help="drop every TCP connection attempt from B to A")
     args = parser.parse_args(argv)
     a, b = (open_tap(name) for name in args.taps)
     jitter = seconds(args.jitter)
-    directions = [Direction(a, b, seconds(args.up), jitter, args.seed), Direction(b, a, seconds(args.down), jitter,
-                                                                                 args.seed + 1)]
+    lost = Filter(args.no_inbound)
+    signal.signal(signal.SIGUSR1, lost.forget_connections)
+    directions = [Direction(a, b, seconds(args.up), jitter, args.seed, lost),
+                  Direction(b, a, seconds(args.down), jitter, args.seed + 1, lost, inbound=True)]
     for direction in directions:
         for work in (direction.read, direction.write):
             threading.Thread(target=work, daemon=True).start()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -123,12 +124,16 @@ class Consortium:
     """
 
     def __init__(self, machines: list[str], domain: str = "lan.test", shaped: dict[str, str] | None = None,
-                 subnet: int | None = None, delayed: dict[str, tuple[str, str]] | None = None, jitter: str = "0ms"):
+                 subnet: int | None = None, delayed: dict[str, tuple[str, str]] | None = None, jitter: str = "0ms",
+                 no_inbound: tuple[str, ...] = ()):
         tag = os.getpid() % 100000
         self.tag = tag
         self.domain = domain
         self.shaped = shaped or {}
-        self.delayed = delayed or {}  # machine -> (its frames' one-way delay to the switch, the switch's to it)
+        self.delayed = dict(delayed or {})  # machine -> (its frames' one-way delay to the switch, the switch's to it)
+        self.no_inbound = set(no_inbound)  # machines that take no inbound TCP connection (dropped, not refused)
+        for machine in self.no_inbound:  # (the firewall lives in the machine's delay_link process)
+            self.delayed.setdefault(machine, ("0ms", "0ms"))
         self.jitter = jitter
         self.links: list[subprocess.Popen] = []  # the delay_link processes
         subnet = (tag % 200) + 20 if subnet is None else subnet
@@ -182,9 +187,11 @@ class Consortium:
         inner = f"mi{self.tag}-{list(self.machines).index(name)}"
         link = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                               "delay_link.py"),
-                                 "--taps", inner, m["outer"], "--up", up, "--down", down, "--jitter", self.jitter],
+                                 "--taps", inner, m["outer"], "--up", up, "--down", down, "--jitter", self.jitter,
+                                 *(["--no-inbound"] if name in self.no_inbound else [])],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.links.append(link)
+        m["link"] = link
         if link.stdout.readline().strip() != "ready":
             raise RuntimeError(f"bench/delay_link.py did not start: {link.stderr.read()[-2000:]}")
         _ip("link", "set", m["outer"], "netns", self.switch)
@@ -200,6 +207,11 @@ class Consortium:
                                   capture_output=True, text=True).stdout
             return int(re.search(r"Sent (\d+) bytes", text).group(1))
         return sent(self.switch, m["outer"]), sent(m["ns"], m["inner"])
+
+    def forget_connections(self, machine: str) -> None:
+        """The machine's link silently drops, from now on, every TCP connection open on it (as a NAT that lost
+        its state); new connections go through. Only a machine with a delay_link (delayed or no_inbound)."""
+        os.kill(self.machines[machine]["link"].pid, signal.SIGUSR1)
 
     def wrap(self, machine: str, command: list[str]) -> list[str]:
         """The command, run on that machine (in its namespace, with its /etc/hosts)."""

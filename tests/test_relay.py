@@ -396,3 +396,29 @@ def test_every_bad_call_to_the_relay_gets_its_status_and_none_hangs(tmp_path):
     plain = _relay_scenario(pki_dir, authenticated=False)
     assert plain == {"a push to a site not attached": "FAILED_PRECONDITION: the relay needs mutual TLS (relayed swaps "
                                                        "are sealed between the sites' certificates)"}
+
+
+# -- long steps and idle links ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_site_whose_steps_hold_it_past_the_liveness_deadline_stays_a_member(tmp_path):
+    """worker-1's every step holds its whole process (event loop included) for 3 s, longer than the server's
+    liveness deadline (1.5 s): it cannot say anything meanwhile. It owes the step, which --step-timeout bounds,
+    so it is not dropped as silent; the run ends with both workers and simulate's generator. Before, it was
+    dropped at its first step ("silent for 2 s") and the run went on without it."""
+    out = str(tmp_path / "run")
+    run = ["--workers", "2", "--iterations", "4", "--batch-size", "10", "--swap-every", "2", "--seed", "5"]
+    server, port = start_server(out, *run, "--liveness-timeout", "1.5", "--heartbeat-interval", "0.5",
+                                "--step-timeout", "60")
+    slow = dict(os.environ, PYTHONPATH=os.pathsep.join([FAULTS, REPO, os.environ.get("PYTHONPATH", "")]),
+                MDGAN_TEST_FAULT=json.dumps([{"target": "mdgan.gan:DiscriminatorSide.step",
+                                               "wrap": "slow_steps:blocking"}]), MDGAN_TEST_SLOW_STEP="3")
+    workers = [start_worker(out, port, 0, 2, "--dataset", "synthetic"),
+               start_worker(out, port, 1, 2, "--dataset", "synthetic", env=slow)]
+    assert server.wait(180) == 0, server.log()
+    assert [w.wait(60) for w in workers] == [0, 0]
+    assert "lost" not in server.log() and "dropping" not in server.log(), server.log()
+    summary = read_json(os.path.join(out, "summary.json"))
+    assert summary["workers_alive"] == 2
+    mdgan("simulate", "--dataset", "synthetic", *run, "--eval-every", "-1", "--out", tmp_path / "sim")
+    assert summary["generator_sha256"] == _generator(tmp_path / "sim")

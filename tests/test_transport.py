@@ -338,7 +338,7 @@ def test_peer_service_checks_every_pushed_discriminator():
             results["unexpected round"] = await push(list(codec.state_chunks(state, 9, "worker-1")))
             results["good"] = await push(good)
             results["same round again"] = await push(good)
-            sender, received, refused = await node.algorithm.mailbox.collect(1, timeout=1)
+            sender, received, refused, _ = await node.algorithm.mailbox.collect(1, timeout=1)
             assert refused == ""
             return results, sender, received
         finally:
@@ -615,7 +615,7 @@ def test_a_poisoned_discriminator_from_the_designated_sender_is_refused_and_the_
 
     port = 0
     before = node.telemetry.rejected.labels("discriminator")._value.get()
-    results, (sender, received, refused), own = asyncio.run(scenario())
+    results, (sender, received, refused, _), own = asyncio.run(scenario())
     assert results[0][0] == grpc.StatusCode.PERMISSION_DENIED and results[0][1].startswith("discriminator refused: ")
     assert results[1][0] == grpc.StatusCode.ALREADY_EXISTS
     assert (sender, received) == ("worker-1", None) and refused and refused in results[0][1]
@@ -680,7 +680,7 @@ def test_a_push_that_finds_its_peer_unreachable_is_tried_again_until_the_peer_is
         return sent, received, state
 
     with caplog.at_level("INFO", logger="mdgan.worker"):
-        pushed, (sender, incoming, refused), state = asyncio.run(scenario())
+        pushed, (sender, incoming, refused, _), state = asyncio.run(scenario())
     assert "push to worker-0 failed" in caplog.text and "trying again" in caplog.text
     assert pushed.sent and pushed.payload_bytes == 670_219 * 4 and sender == "worker-1" and refused == ""
     assert all(torch.equal(incoming[k], v) for k, v in state.items())

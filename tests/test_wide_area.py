@@ -28,7 +28,7 @@ REASON = why_not_available()
 SITES = 3
 SWAP_EVERY, LAG = 40, 30
 # a swap deadline above the 11 s that 2.68 MB take at 2 Mbit/s; a step deadline short enough that a site cut
-# off is found silent (step + 3 heartbeats) and dropped within seconds
+# off is dropped at its step deadline, or found silent (step + 3 heartbeats) when it owed nothing, within seconds
 STEP_TIMEOUT, SWAP_TIMEOUT = 6.0, 20.0
 
 
@@ -98,7 +98,7 @@ def test_a_link_cut_during_a_background_swap_installs_nothing_half_received_and_
     assert rows[SWAP_EVERY + LAG]["swap_seconds"] < SWAP_TIMEOUT + STEP_TIMEOUT + 3, rows[SWAP_EVERY + LAG]
     assert later[0]["round"] > 1
     log = open(tmp_path / "server.log").read()
-    # the server notices the cut by the heartbeat or by the step deadline, whichever comes first (load decides)
-    noticed = "worker-2 lost: silent" in log or "dropping worker-2: missed its deadline" in log
+    # the server notices the cut by its dead connection (keepalive), its silence or the step deadline, whichever first
+    noticed = "worker-2 lost:" in log or "dropping worker-2: missed its deadline" in log  # (silent, or its dead link)
     assert noticed and log.count("worker-2 joined") >= 2, log[-3000:]
     assert "Traceback" not in log, log[-3000:]

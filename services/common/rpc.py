@@ -29,12 +29,14 @@ def options(max_message_bytes: int = MAX_MESSAGE_BYTES, *, max_send_bytes: int |
     opts = [
         ("grpc.max_send_message_length", max_send_bytes or max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        # Keepalive pings notice a peer that vanished without closing its connection.
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        # Keepalive pings notice a peer that vanished without closing its connection (a NAT or proxy that dropped
+        # it without a word) within 15 s, and keep an idle connection's NAT mapping alive (their idle timeouts
+        # are 30 s and more). A server takes pings as often as every 5 s (min_ping_interval_without_data below).
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
     if max_concurrent_streams:
         opts.append(("grpc.max_concurrent_streams", max_concurrent_streams))

@@ -36,6 +36,7 @@ from services.server.coordinator import Admission, Coordinator, Deadlines, PeerP
 from services.server.relay import RelayServicer
 
 log = logging.getLogger("mdgan.server")
+LIVENESS_STEP_CAP = 30.0  # s: a long --step-timeout (a slow site) does not delay finding a gone one
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
@@ -53,7 +54,9 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--swap-timeout", type=positive_seconds, default=120.0, help="deadline for a discriminator swap (s)")
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=5.0, help="idle heartbeat period (s)")
     parser.add_argument("--liveness-timeout", type=positive_seconds, default=None,
-                        help="drop a worker silent this long (s; default: step timeout + 3 heartbeats)")
+                        help="drop a worker silent this long while it owes no answer (s; default: the step timeout, "
+                             "at most 30 s, + 3 heartbeats). A worker busy with a long step is not silent: its "
+                             "step is bounded by --step-timeout, and a dead connection is found by keepalive pings")
     parser.add_argument("--metrics-port", type=port_number, default=9100, help="HTTP port of /metrics (0: none)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
     parser.add_argument("--metrics-dump", default=None,
@@ -122,7 +125,7 @@ async def serve(args) -> dict:
     start_run(args.out, run)  # every setting accepted: the run folder is written from here on
     devices.deterministic(config.device)
     log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
-    liveness = args.liveness_timeout or (args.step_timeout + 3 * args.heartbeat_interval)
+    liveness = args.liveness_timeout or (min(args.step_timeout, LIVENESS_STEP_CAP) + 3 * args.heartbeat_interval)
     telemetry = Telemetry("server")
     telemetry.run_info.labels(run.run_id).set(1)
     telemetry.serve(args.metrics_port, args.metrics_address)

@@ -125,7 +125,14 @@ class WorkerConnection:
         once it is in, or failed: lose() fails it with WorkerLost). Raises WorkerLost if a send fails."""
         answer = asyncio.get_running_loop().create_future()
         answers[key] = answer
-        answer.add_done_callback(lambda done: answers.pop(key) if answers.get(key) is done else None)
+
+        def settled(done) -> None:
+            if answers.get(key) is done:
+                answers.pop(key)
+            self._arm_liveness()
+
+        answer.add_done_callback(settled)
+        self._arm_liveness()
         try:
             for message in (messages,) if isinstance(messages, pb.ServerMessage) else messages:
                 await self.send(message)
@@ -210,13 +217,34 @@ class WorkerConnection:
                     return
 
     # -- receiving ---------------------------------------------------------------------------
+    def owes(self) -> bool:
+        """Whether the worker owes an answer (a step, a swap, a checkpoint, a round) to a request of ours."""
+        return any(not f.done() for pending in self._answers.values() for f in pending.values())
+
+    def _arm_liveness(self) -> None:
+        """Silence counts against the liveness deadline only while the worker owes nothing: a worker busy with a
+        long step cannot say anything until it answers, which the request's own deadline bounds (--step-timeout,
+        --swap-timeout), and a connection that died under it is noticed by the transport's keepalive pings."""
+        deadline = self._liveness  # (None between two reads)
+        if deadline is not None:
+            try:
+                deadline.reschedule(None if self.owes() else asyncio.get_running_loop().time() + self.liveness_timeout)
+            except RuntimeError:  # it has just expired: the read loop is ending the stream
+                pass
+
+    _liveness: asyncio.Timeout | None = None
+
     async def read_loop(self) -> None:
         while not self.closed.is_set():
             try:
-                async with asyncio.timeout(self.liveness_timeout):  # (wait_for would make a task per read)
-                    message = await self.context.read()
+                try:
+                    async with asyncio.timeout(None) as self._liveness:  # (wait_for would make a task per read)
+                        self._arm_liveness()
+                        message = await self.context.read()
+                finally:
+                    self._liveness = None
             except asyncio.TimeoutError:
-                self.lose(f"silent for {self.liveness_timeout:.0f} s")
+                self.lose(f"silent for {self.liveness_timeout:.0f} s while it owed nothing")
                 return
             except MalformedMessage as exc:  # garbage on an admitted stream: end it with INVALID_ARGUMENT
                 self.telemetry.rejected.labels("malformed").inc()

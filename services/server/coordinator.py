@@ -103,6 +103,9 @@ class AdmittedWorker:
     relay: Relayed | None = None  # its discriminators come through the relay (None: pushed to its peer_address)
 
 
+SUPERSEDE_WAIT_S = 5.0  # the most a rejoin waits for the stale stream it replaces to leave the roster
+
+
 @dataclass(frozen=True)
 class Relayed:
     """A worker whose swaps go through the relay: why, and its certificate (PEM), which senders seal for."""
@@ -184,6 +187,23 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 connection.closed.set()
 
         await asyncio.gather(*(tell(c) for c in list(self._open)))
+
+    async def _supersede(self, identity: str | None, context) -> None:
+        """An authenticated identity that connects again while its old stream looks alive here has lost that
+        stream (a NAT or a proxy dropped it without a word): the old one is given up now, so that the worker
+        rejoins at once instead of being refused as busy until a deadline finds the old one dead. Not under
+        --insecure, where a name is only a claim."""
+        if not self.authenticated or identity is None:
+            return
+        stale = [w for w in self._live() if w.identity == identity]
+        for worker in stale:
+            log.warning("%s (%s) connected again from %s: its old stream is given up", worker.worker_id, identity,
+                        context.peer())
+            worker.connection.lose("superseded: the same identity connected again")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SUPERSEDE_WAIT_S
+        while stale and any(w.identity == identity for w in self._live()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)  # (the old stream's end takes the worker off the roster)
 
     def member_identities(self) -> set[str]:
         """Every identity bound to a slot of this run, or taking part now."""
@@ -400,6 +420,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         join = first.join
         try:
             identity = self.identify(join, context)
+            await self._supersede(identity, context)
             relay = await self._swap_path(join, identity, context)
             admitted = dataclasses.replace(self._admit(join, identity), relay=relay)
         except JoinRefused as refused:

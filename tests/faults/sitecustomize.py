@@ -79,7 +79,14 @@ def faulty(function, fault: dict):
         calls["n"] += 1
         return calls["n"] > after
 
-    if inspect.iscoroutinefunction(function):
+    if inspect.iscoroutinefunction(function) and fault.get("kill"):
+        @functools.wraps(function)
+        async def wrapper(*args, **kwargs):
+            result = await function(*args, **kwargs)
+            if due(args):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+    elif inspect.iscoroutinefunction(function):
         @functools.wraps(function)
         async def wrapper(*args, **kwargs):
             if due(args):
