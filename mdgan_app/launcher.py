@@ -100,7 +100,7 @@ def _free_ports(count: int, host: str = "127.0.0.1", floor: int = 10000) -> list
 # imported torch, gRPC and both services once: N workers then share those pages copy-on-write
 # instead of each paying ~300 MB and seconds of imports. The fork server is single-threaded when it
 # forks (it has created no gRPC channel, event loop or torch thread pool), which makes fork safe.
-FORK_SERVER_PRELOAD = "services.common.preload"
+FORK_SERVER_PRELOAD = "mdgan_app.preload"
 LOG_TAIL_LINES = 20
 MACHINE_PORTS = 65535 - 1023  # the TCP ports above the privileged ones
 

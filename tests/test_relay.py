@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -422,3 +423,40 @@ def test_a_site_whose_steps_hold_it_past_the_liveness_deadline_stays_a_member(tm
     assert summary["workers_alive"] == 2
     mdgan("simulate", "--dataset", "synthetic", *run, "--eval-every", "-1", "--out", tmp_path / "sim")
     assert summary["generator_sha256"] == _generator(tmp_path / "sim")
+
+
+@pytest.mark.slow
+def test_a_relayed_site_that_joins_late_gets_its_copy_through_the_relay(tmp_path):
+    """Churn: worker-1 takes no inbound connection and joins once the run is under way, with no state: the copy of a
+    live peer's discriminator it must start from comes through the relay, sealed, and the run finishes with it."""
+    root = str(tmp_path / "pki")
+    pki.provision_run(root, ["worker-0", "worker-1"])
+    out = str(tmp_path / "run")
+    server, port = start_server(out, "--workers", "2", "--iterations", "400", "--batch-size", "10", "--swap-every", "5",
+                                "--min-workers", "1", *tls_flags(root, "mdgan-server"))
+    first = start_worker(out, port, 0, 2, "--dataset", "synthetic", *tls_flags(root, "worker-0"))
+    try:
+        first.wait_for_log("joined run", 60)
+        deadline = time.monotonic() + 60
+        while len(read_jsonl_if_any(os.path.join(out, "history.jsonl"))) < 2:  # (under way)
+            assert time.monotonic() < deadline and server.popen.poll() is None, server.log()
+            time.sleep(0.1)
+        late = start_worker(out, port, 1, 2, "--dataset", "synthetic", "--swaps", "relay", *tls_flags(root, "worker-1"))
+        assert server.wait(180) == 0, server.log()
+        assert late.wait(60) == 0 and first.wait(60) == 0
+    finally:
+        for p in (server, first):
+            p.kill()
+    assert "took a copy of worker-0's discriminator" in late.log(), late.log()
+    active = [r["active_workers"] for r in read_jsonl(os.path.join(out, "history.jsonl"))]
+    assert active[0] == 1 and active[-1] == 2, active  # it joined the run under way
+    assert re.search(r"worker-1 joined as 'worker-1' .*swaps through the relay", server.log())
+    counted = _metric(os.path.join(out, "metrics", "server.prom"), "mdgan_relayed_pushes_total")
+    assert counted.get('{outcome="OK"}', 0) >= 1, counted
+
+
+def read_jsonl_if_any(path: str) -> list[dict]:
+    try:
+        return read_jsonl(path)
+    except (OSError, ValueError):
+        return []

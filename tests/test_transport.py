@@ -512,7 +512,7 @@ def test_each_algorithm_takes_only_its_own_messages():
 
 
 @pytest.mark.parametrize("entry, given", [
-    ("services.server.__main__", None), ("services.worker.__main__", None), ("services.common.preload", None),
+    ("services.server.__main__", None), ("services.worker.__main__", None), ("mdgan_app.preload", None),
     ("services.worker.__main__", ""), ("services.worker.__main__", "-event_engine_client")])
 def test_services_choose_the_grpc_io_engine_before_grpc_starts(entry, given):
     """Every service's entry point sets GRPC_EXPERIMENTS (the polling engine: one thread hand-off
