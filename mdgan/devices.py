@@ -4,7 +4,7 @@ On CUDA the same run on the same card gives the same generator, and `mdgan local
 `mdgan simulate`, bit for bit, only with deterministic kernels: cuBLAS with a fixed workspace
 (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts), cuDNN without benchmarking, and PyTorch's
 deterministic implementations (an embedding's backward, a transposed convolution's) where the
-default ones accumulate with atomics in any order. docs/GUIDE.md ("On a GPU") says which ops stay
+default ones accumulate with atomics in any order. docs/GPU.md says which ops stay
 outside it."""
 
 from __future__ import annotations

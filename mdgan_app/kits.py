@@ -203,7 +203,7 @@ copy it over a channel you trust, and keep it readable by the user that runs the
    (`id -u`, `id -g`), or run `sudo chown -R 10001:10001 tls` (the image's user).
 3. docker compose up -d      (image mdgan-worker:{tag}: docs/DEPLOY.md says how to build and push it)
 
-{ports}Its certificate is valid for {host} until it expires ({days} days from its issue): see docs/DEPLOY.md,
+{ports}Its certificate is valid for {host} until it expires ({days} days from its issue): see docs/DURABILITY.md,
 "Certificates", to rotate it.
 """)
     _remember(pki_dir, Kit(name, "worker", _address(host, port), _address(host, metrics_port)))

@@ -132,8 +132,8 @@ def documented(text: str) -> list[tuple[str, str, str]]:
 def readme(text: str) -> str:
     lines = ["# The mdgan Helm chart", "",
              "One server (a Deployment) and N workers (a StatefulSet), or (`server.enabled=false`) a site's workers",
-             "joining a server outside this cluster. How to install it, with every command: `docs/DEPLOY.md`,",
-             "\"Kubernetes\". Made by `scripts/chart_docs.py` from `values.yaml`; edit that, then run it.", "",
+             "joining a server outside this cluster. How to install it, with every command: `docs/KUBERNETES.md`.",
+             "Made by `scripts/chart_docs.py` from `values.yaml`; edit that, then run it.", "",
              "```bash",
              "helm install mdgan deploy/k8s/mdgan -n mdgan --create-namespace     # a demo on synthetic data: it trains",
              "```", "",

@@ -47,7 +47,8 @@ def run(monkeypatch, capsys):
 
 def documented_variables() -> set[str]:
     names = set()
-    for doc in ("README.md", os.path.join("docs", "DEPLOY.md")):
+    deployment = ("DEPLOY.md", "KUBERNETES.md", "TLS.md", "DURABILITY.md")
+    for doc in ("README.md", *(os.path.join("docs", d) for d in deployment)):
         with open(os.path.join(REPO, doc)) as fh:
             names |= set(re.findall(r"\bMDGAN_[A-Z0-9_]*[A-Z0-9]\b", fh.read()))
     return names

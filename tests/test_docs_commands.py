@@ -1,4 +1,4 @@
-"""The commands docs/DEPLOY.md shows, checked: every `mdgan ...` line parses with the command line it
+"""The commands the deployment docs (docs/DEPLOY.md, KUBERNETES.md, TLS.md, DURABILITY.md) show, checked: every `mdgan ...` line parses with the command line it
 names (its flags exist, its values are accepted), every `helm install` / `helm upgrade` renders with
 exactly its values and passes the real kubernetes-validate. `docker compose`, `kubectl` and `docker`
 lines need a daemon or a cluster: the compose files they run are checked with `docker compose config`
@@ -14,12 +14,14 @@ import pytest
 
 from conftest import REPO
 
-DOC = os.path.join(REPO, "docs", "DEPLOY.md")
+DOCS = [os.path.join(REPO, "docs", name) for name in ("DEPLOY.md", "KUBERNETES.md", "TLS.md", "DURABILITY.md")]
 
 
 def commands() -> list[str]:
-    with open(DOC) as fh:
-        text = fh.read()
+    text = ""
+    for doc in DOCS:
+        with open(doc) as fh:
+            text += fh.read()
     found = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         joined = re.sub(r"\\\n\s*", " ", block)

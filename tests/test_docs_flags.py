@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 
-DOCS = ["README.md", "docs/GUIDE.md", "docs/DEPLOY.md", "docs/ALGORITHMS.md", "docs/ARCHITECTURE.md", "docs/API.md",
+DOCS = ["README.md", "docs/GUIDE.md", "docs/DEPLOY.md", "docs/KUBERNETES.md", "docs/TLS.md", "docs/DURABILITY.md", "docs/ALGORITHMS.md", "docs/ARCHITECTURE.md", "docs/API.md",
         "docs/OUTPUTS.md", "docs/MONITORING.md", "docs/RESULTS.md", "docs/PERFORMANCE.md", "docs/PRIVACY.md",
         "docs/WIDE_AREA.md"]
 COMMAND = re.compile(r"(?:^|[\s`(])(mdgan-server|mdgan-worker|mdgan-healthcheck|mdgan\s+certs\s+[a-z]+|"
