@@ -3,8 +3,9 @@ stream of its own, so the small kernels of one worker's batch of b samples run b
 one after the other. Nothing a step computes changes: each worker's kernels are the same, in the same order on its
 own stream, and nothing is summed across streams.
 
-The order kept: a step starts after the kernels the main stream had queued when the iteration's first step began
-(the generated batches, the swaps before it), never after another worker's step; the main stream goes on (the
+The order kept: a step starts after the kernels the main stream had queued when the first step on its batches'
+generation began (the generated batches, the swaps before them), never after another worker's step of that
+generation (--sync async makes batches again inside an iteration: each generation has its own gate); the main stream goes on (the
 feedback's aggregation, the stats read) only after the steps whose outputs it uses. Tensors made on a lane and used
 on the main stream are marked so that the allocator does not hand their memory out again before the main stream
 is done with them.
@@ -28,15 +29,17 @@ class Lanes:
     def __init__(self, device: torch.device):
         self.device = device
         self.active = device.type == "cuda" and os.environ.get(ENVIRONMENT, "1") != "0"
-        self._iteration: int | None = None
-        self._ready: torch.cuda.Event | None = None  # recorded on the main stream before the iteration's steps
+        self._key: object = None
+        self._ready: torch.cuda.Event | None = None  # recorded on the main stream before the generation's steps
 
     def lane(self) -> "Lane":
         return Lane(self)
 
-    def _gate(self, iteration: int) -> torch.cuda.Event:
-        if iteration != self._iteration:
-            self._iteration, self._ready = iteration, torch.cuda.Event()
+    def _gate(self, key) -> torch.cuda.Event:
+        """The event a step on batches of `key` (their iteration and generation) waits for: recorded on the main
+        stream by the first such step, after the batches were made."""
+        if key != self._key:
+            self._key, self._ready = key, torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(self.device))
         return self._ready
 
@@ -49,15 +52,16 @@ class Lane:
         self.stream = torch.cuda.Stream(lanes.device) if lanes.active else None
 
     @contextlib.contextmanager
-    def step(self, iteration: int, inputs: list[torch.Tensor | None]):
-        """Run the block on this lane: it waits for the main stream as the iteration found it; `inputs` (made on the
+    def step(self, key, inputs: list[torch.Tensor | None]):
+        """Run the block on this lane: it waits for the main stream as the batches' generation (`key`) found it;
+        `inputs` (made on the
         main stream) are kept from reuse until the lane is done with them. The block's result goes through
         `handover` before the main stream touches it."""
         if self.stream is None:
             yield
             return
         main = torch.cuda.current_stream(self.lanes.device)
-        self.stream.wait_event(self.lanes._gate(iteration))
+        self.stream.wait_event(self.lanes._gate(key))
         for t in inputs:
             if t is not None and t.is_cuda:
                 t.record_stream(self.stream)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import random
 import time
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ class GeneratedBatches:
     samples: torch.Tensor  # (kappa, b, *sample_shape), requires grad
     labels: torch.Tensor | None  # (kappa, b) int64, ACGAN only
     noise: torch.Tensor | None = None  # (kappa*b, l): z, to generate the same batches again (--sync async)
+    generation: int = 0  # which call of the GeneratorSide made them (--sync async makes several an iteration)
 
     @property
     def kappa(self) -> int:
@@ -108,7 +110,7 @@ class GeneratedBatches:
         detached = self.samples.detach()
         labels = self.labels
         return WorkerBatch(detached[g], None if labels is None else labels[g],
-                           detached[d], None if labels is None else labels[d], g)
+                           detached[d], None if labels is None else labels[d], g, self.generation)
 
 
 @dataclass
@@ -120,6 +122,7 @@ class WorkerBatch:
     discriminated: torch.Tensor  # X_d: (b, *sample_shape), D trains on it
     discriminated_labels: torch.Tensor | None  # (b,)
     generated_index: int  # which of the kappa batches X_g is
+    generation: int = 0  # the GeneratedBatches' generation it was cut from (0: not made by a GeneratorSide here)
 
     def to(self, device: torch.device) -> "WorkerBatch":
         """The batch on `device` (from the CPU without waiting for the GPU: devices.to_device); itself if it is there."""
@@ -140,6 +143,7 @@ class GeneratorSide:
         tensor_trace.watch(self.generator, trace_as)
         self.optimizer = make_adam(self.generator, config.generator_optimizer)
         self._noise = torch.Generator().manual_seed(derive_seed(config.seed, "server-noise"))
+        self._generations = itertools.count(1)  # GeneratedBatches.generation
 
     def generate(self, kappa: int) -> GeneratedBatches:
         b, spec = self.config.batch_size, self.spec
@@ -148,14 +152,15 @@ class GeneratorSide:
         z, labels = to_device(z, self.device), None if labels is None else to_device(labels, self.device)
         samples = self.generator(z, labels)  # (kappa*b, *sample_shape)
         return GeneratedBatches(samples.view(kappa, b, *spec.sample_shape),
-                                None if labels is None else labels.view(kappa, b), z)
+                                None if labels is None else labels.view(kappa, b), z, next(self._generations))
 
     def regenerate(self, batches: GeneratedBatches) -> GeneratedBatches:
         """The same noise and labels through the current G (a new graph; for stale feedback)."""
         kappa, b = batches.samples.shape[:2]
         labels = None if batches.labels is None else batches.labels.reshape(-1)
         samples = self.generator(batches.noise, labels)
-        return GeneratedBatches(samples.view(kappa, b, *self.spec.sample_shape), batches.labels, batches.noise)
+        return GeneratedBatches(samples.view(kappa, b, *self.spec.sample_shape), batches.labels, batches.noise,
+                                next(self._generations))
 
     def accumulate(self, batches: GeneratedBatches, feedback: list[tuple[int, torch.Tensor]]) -> None:
         """Backpropagate (1/N) sum_n F_n (or a robust rule's stand-in) through G; feedback is

@@ -87,3 +87,9 @@ def read_stats(results: list[StepResult]) -> list[StepResult]:
     device in one transfer a device (one host synchronisation, where an .item() each was one each). The
     same floats as .item() gives: float32 values, converted exactly."""
     return start_reading(results).result()
+
+
+def read_scalars(*values: torch.Tensor) -> list[float]:
+    """Scalar tensors of one device as floats, in one transfer (one host synchronisation where an .item()
+    each was one each): the floats .item() gives, since they share a dtype."""
+    return torch.stack([v.detach().reshape(()) for v in values]).tolist()

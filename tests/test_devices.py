@@ -95,10 +95,12 @@ def test_the_same_cuda_run_twice_is_the_same_generator(tmp_path):
 
 CNN = dataclasses.replace(BASE.model, architecture="cnn-mnist")
 GRAPHED = FEATURES + [("cnn-two-d-steps", "mdgan", {"model": CNN, "disc_steps": 2}, {}),
-                      ("plain-gan", "mdgan", {"model": dataclasses.replace(BASE.model, gan="gan")}, {})]
+                      ("plain-gan", "mdgan", {"model": dataclasses.replace(BASE.model, gan="gan")}, {}),
+                      # batches made again inside an iteration: each generation's steps wait for their own batches
+                      ("async", "mdgan", {"sync": "async", "max_staleness": 4}, {})]
 # the cases whose workers take MD-GAN's plain step (DP-SGD's steps and the other algorithms run eagerly)
 USES_GRAPHS = {"mdgan", "dp-feedback", "checked-swaps", "int8-wire", "median", "trimmed-mean", "norm-clip",
-               "background-swaps", "crashes", "cnn-two-d-steps", "plain-gan"}
+               "background-swaps", "crashes", "cnn-two-d-steps", "plain-gan", "async"}
 
 
 @pytest.mark.parametrize("case, algorithm, changes, extra", GRAPHED, ids=[f[0] for f in GRAPHED])
@@ -123,6 +125,19 @@ def test_cuda_graphs_leave_what_a_run_computes_as_it_was(tmp_path, monkeypatch, 
             assert not replays
     assert hashes["0"] == hashes["1"]
     assert bool(replays) == (case in USES_GRAPHS), f"{len(replays)} graphed steps"
+
+
+def test_each_call_of_the_generator_makes_batches_of_a_generation_of_their_own():
+    """--sync async makes batches again inside an iteration; a lane's step must wait for the batches it is given,
+    not for those the iteration's first step found: the gate is keyed by the batches' generation."""
+    from mdgan.gan import GeneratorSide
+
+    side = GeneratorSide(dataclasses.replace(BASE, kappa=2).validate())
+    first, second = side.generate(2), side.generate(2)
+    again = side.regenerate(first)
+    assert len({first.generation, second.generation, again.generation}) == 3 and 0 not in {first.generation}
+    assert {first.for_worker(r).generation for r in range(3)} == {first.generation}
+    assert second.for_worker(0).generation == second.generation  # (the CUDA case "async" above runs the lanes)
 
 
 class EmulatedGraph:

@@ -61,6 +61,7 @@ from mdgan.config import ConfigError, ModelSpec, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.gan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
 from mdgan.models import build_discriminator, build_generator
+from mdgan.step_results import read_scalars
 
 log = logging.getLogger(__name__)
 
@@ -239,13 +240,14 @@ def compute_gradients(spec: ModelSpec, generator: nn.Module, discriminator: nn.M
     real_logits, fake_logits = discriminator(real), discriminator(fake.detach())
     disc_loss = discriminator_loss(spec, real_logits, real_labels, fake_logits, fake_labels)
     d_grads = gradients(discriminator, disc_loss) if want_discriminator else None
-    g_grads, gen_loss = None, float("nan")
+    g_grads, gen_loss = None, None
     if want_generator:
-        loss = generator_loss(spec, discriminator(fake), fake_labels)
-        g_grads, gen_loss = gradients(generator, loss), loss.item()
+        gen_loss = generator_loss(spec, discriminator(fake), fake_labels)
+        g_grads = gradients(generator, gen_loss)
+    stats = read_scalars(disc_loss, disc_loss if gen_loss is None else gen_loss,  # (one host read a reply)
+                         (real_logits[:, 0] > 0).float().mean(), (fake_logits[:, 0] <= 0).float().mean())
     return GradientReply(d_grads, g_grads, buffers(discriminator), buffers(generator) if want_generator else {},
-                         disc_loss.item(), gen_loss, (real_logits[:, 0] > 0).float().mean().item(),
-                         (fake_logits[:, 0] <= 0).float().mean().item())
+                         stats[0], stats[1] if want_generator else float("nan"), stats[2], stats[3])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import Shard, ShardSampler
 from mdgan.gan import GeneratorSide, derive_seed, make_adam
 from mdgan.models import build_discriminator
+from mdgan.step_results import read_scalars
 
 log = logging.getLogger(__name__)
 
@@ -330,8 +331,8 @@ class CriticSide:
         gen_loss = w + F.cross_entropy(out[:, 1:], b["labels"]) if spec.conditional else w
         (feedback,) = torch.autograd.grad(gen_loss, x)  # (n_g, *shape)
         self._batch, self._plan, self._iteration = {}, None, None  # the iteration is over
-        return CriticResult(feedback, w.item(), disc_loss.item(), trained - started,
-                            time.perf_counter() - trained)
+        transport, critic_loss = read_scalars(w, disc_loss)  # (one host read an iteration)
+        return CriticResult(feedback, transport, critic_loss, trained - started, time.perf_counter() - trained)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,8 +94,8 @@ class InProcessWorker(WorkerHandle):
             raise WorkerLost(f"{self.worker_id}: {refusal}")
         # The same rounding at the same points as over gRPC: the batches, then the feedback.
         wire = self.side.config.wire_dtype
-        with self.lane.step(iteration, [batch.generated, batch.generated_labels, batch.discriminated,
-                                        batch.discriminated_labels]):
+        inputs = [batch.generated, batch.generated_labels, batch.discriminated, batch.discriminated_labels]
+        with self.lane.step((iteration, batch.generation), inputs):
             result = self.side.step(dataclasses.replace(
                 batch, generated=compression.round_trip(batch.generated, wire),
                 discriminated=compression.round_trip(batch.discriminated, wire)))
