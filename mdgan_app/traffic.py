@@ -69,7 +69,8 @@ def relay_row(server: dict, swaps: list[dict], theta_bytes: int) -> dict | None:
     link in and out besides the two sites' links. Payload by Table III, |theta| per relayed push, each way; what the
     relay forwarded (sealed, so it counts sealed bytes) against what the senders report having sealed. None for a
     run without relayed pushes."""
-    pushes = [w for s in swaps for w in s["workers"].values() if w.get("relayed_bytes")]
+    pushes = [w for s in swaps if isinstance(s.get("workers"), dict) for w in s["workers"].values()
+              if isinstance(w, dict) and w.get("relayed_bytes")]  # (MD-GAN's rounds; FL-GAN's count workers)
     forwarded = int(sum(v for (m, *_), v in server.items() if m == RELAYED))
     if not pushes and not forwarded:
         return None

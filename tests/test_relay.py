@@ -418,7 +418,9 @@ def test_a_site_whose_steps_hold_it_past_the_liveness_deadline_stays_a_member(tm
                start_worker(out, port, 1, 2, "--dataset", "synthetic", env=slow)]
     assert server.wait(180) == 0, server.log()
     assert [w.wait(60) for w in workers] == [0, 0]
-    assert "lost" not in server.log() and "dropping" not in server.log(), server.log()
+    assert "silent" not in server.log() and "dropping" not in server.log(), server.log()
+    rows = read_jsonl(os.path.join(out, "history.jsonl"))
+    assert [(r["active_workers"], r["answered"]) for r in rows] == [(2, 2)] * 4, rows  # it answered every step
     summary = read_json(os.path.join(out, "summary.json"))
     assert summary["workers_alive"] == 2
     mdgan("simulate", "--dataset", "synthetic", *run, "--eval-every", "-1", "--out", tmp_path / "sim")
