@@ -13,9 +13,9 @@ It creates the two TAP devices, prints "ready", and forwards until it is killed;
 
 Two failures of real links, for tests (this kernel has no netfilter and no tc actions either):
 `--no-inbound` drops every TCP connection attempt (SYN without ACK) from B to A, as a firewall that lets
-A dial out and nothing in (the attempts time out: dropped, not refused); SIGUSR1 drops, silently and from
-then on, every frame of the TCP connections seen so far, as a NAT or a proxy that forgot them (new
-connections go through).
+A dial out and nothing in (the attempts time out: dropped, not refused); with it or `--forgetful`, SIGUSR1
+drops, silently and from then on, every frame of the TCP connections seen so far, as a NAT or a proxy that
+forgot them (new connections go through). Without either, no frame is parsed.
 """
 
 from __future__ import annotations
@@ -154,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jitter", default="0ms", help="each frame's delay spread uniformly by +- this much")
     parser.add_argument("--seed", type=int, default=0, help="the jitter's draws")
     parser.add_argument("--no-inbound", action="store_true", help="drop every TCP connection attempt from B to A")
+    parser.add_argument("--forgetful", action="store_true",
+                        help="on SIGUSR1, drop every frame of the TCP connections seen so far (--no-inbound implies it)")
     args = parser.parse_args(argv)
     a, b = (open_tap(name) for name in args.taps)
     jitter = seconds(args.jitter)
-    lost = Filter(args.no_inbound)
-    signal.signal(signal.SIGUSR1, lost.forget_connections)
+    lost = Filter(args.no_inbound) if args.no_inbound or args.forgetful else None  # (none: no per-frame parsing)
+    if lost is not None:
+        signal.signal(signal.SIGUSR1, lost.forget_connections)
     directions = [Direction(a, b, seconds(args.up), jitter, args.seed, lost),
                   Direction(b, a, seconds(args.down), jitter, args.seed + 1, lost, inbound=True)]
     for direction in directions:

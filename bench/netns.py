@@ -210,7 +210,7 @@ class Consortium:
 
     def forget_connections(self, machine: str) -> None:
         """The machine's link silently drops, from now on, every TCP connection open on it (as a NAT that lost
-        its state); new connections go through. Only a machine with a delay_link (delayed or no_inbound)."""
+        its state); new connections go through. Only a machine with no_inbound (its delay_link tracks them)."""
         os.kill(self.machines[machine]["link"].pid, signal.SIGUSR1)
 
     def wrap(self, machine: str, command: list[str]) -> list[str]:

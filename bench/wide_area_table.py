@@ -315,7 +315,8 @@ def summary_cell(runs: dict[int, list[tuple[int, float]]], fids: list[float], sp
 
 
 def summary(args) -> str:
-    """One row per link, one column per configuration of SUMMARY_COLUMNS: docs/WIDE_AREA.md's table."""
+    """One row per link, one column per configuration of SUMMARY_COLUMNS: the table of
+    docs/results/wide-area-race/README.md."""
     saved = load(os.path.join(args.out, "rates.json"))
     scored = iterations_to(args.scores)
     chosen = configurations(saved["setting"]["depth"])
@@ -404,7 +405,8 @@ def main() -> None:
     parser.add_argument("--fids", default="150,100,50", help="FID thresholds, comma-separated")
     parser.add_argument("--into", help="report: write the tables into this document's generated block")
     parser.add_argument("--summary", action="store_true",
-                        help="report: one table, a row per link and a column per main configuration (WIDE_AREA.md's)")
+                        help="report: one table, a row per link and a column per main configuration "
+                             "(docs/results/wide-area-race's)")
     parser.add_argument("--config", default="mdgan-pipeline", help="check: the configuration")
     parser.add_argument("--fid", type=float, default=100.0, help="check: the FID to reach")
     parser.add_argument("--eval-every", type=int, default=500, help="check: as the scores' runs")

@@ -107,7 +107,8 @@ def test_the_first_scored_iteration_at_or_below_the_threshold_counts():
 
 
 @pytest.mark.parametrize("document", [os.path.join(KEPT, "README.md"), os.path.join(KEPT + "-reno", "README.md"),
-                                      os.path.join(REPO, "docs", "WIDE_AREA.md")], ids=["bbr", "reno", "guide"])
+                                      os.path.join(REPO, "docs", "results", "wide-area-race", "README.md")],
+                         ids=["bbr", "reno", "race"])
 def test_the_kept_table_is_what_its_kept_rates_and_scores_give(document):
     with open(document, encoding="utf-8") as fh:
         blocks = wide_area_table.BLOCK.findall(fh.read())
