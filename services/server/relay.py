@@ -136,13 +136,12 @@ class RelayServicer(peer_pb2_grpc.RelayServicer):
             await rpc.refuse(context, grpc.StatusCode.UNAVAILABLE, f"relay: {exc}")
         finally:
             receiver.answers.pop(number, None)
-            if not finished and not receiver.gone.is_set():
-                receiver.down.put_nowait(peer_pb2.RelayDown(push=number, abandoned=True)) \
-                    if not receiver.down.full() else None
-        code = grpc.StatusCode.OK
-        for status in grpc.StatusCode:
-            if status.value[0] == result.code:
-                code = status
+            if not finished and not receiver.gone.is_set() and not receiver.down.full():
+                # the sender gave up: the receiver drops the push (a full queue: its chunk deadline does)
+                receiver.down.put_nowait(peer_pb2.RelayDown(push=number, abandoned=True))
+        code = next((status for status in grpc.StatusCode if status.value[0] == result.code), None)
+        if code is None:  # (a receiver's answer with no status of gRPC's: not passed on as it came)
+            code, result.details = grpc.StatusCode.INTERNAL, f"the receiver answered status {result.code}"
         self.telemetry.relayed_pushes.labels(code.name).inc()
         if code != grpc.StatusCode.OK:
             await rpc.refuse(context, code, result.details)
