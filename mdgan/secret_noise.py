@@ -73,7 +73,7 @@ class SecretStream:
         if not 0 <= index < 2 ** 96:
             raise ValueError(f"draw index {index} out of range")
         if not n:
-            return torch.zeros(0, dtype=torch.float64)
+            return torch.zeros(0, dtype=torch.float64, device="cpu")  # (drawn on the CPU; the caller moves them)
         nonce = (0).to_bytes(4, "little") + int(index).to_bytes(12, "little")  # block counter 0, then the index
         keystream = _scratch(8 * n)  # (this thread's: read into a new tensor before the next draw)
         Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor().update_into(_zeros(8 * n), keystream)
@@ -86,7 +86,7 @@ class SecretStream:
         u = self.uniform(index, 2 * pairs)
         radius = u[:pairs].log_().mul_(-2.0).sqrt_()  # sqrt(-2 ln u1)
         angle = u[pairs:].mul_(_TWO_PI)
-        out = torch.empty(2 * pairs, dtype=torch.float64)
+        out = torch.empty(2 * pairs, dtype=torch.float64, device=u.device)
         torch.mul(radius, torch.cos(angle), out=out[:pairs])
         torch.mul(radius, angle.sin_(), out=out[pairs:])
         return out[:n].mul_(std)

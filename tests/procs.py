@@ -148,6 +148,21 @@ def start_worker(out: str, port: int, index: int | str, num_shards: int, *flags:
                                     *_security(flags), *flags], out, env)
 
 
+def kit_environment(kit: str, data: str | None, state: str | None, out: str | None) -> dict[str, str]:
+    """A kit's mdgan.env (`mdgan certs kit`) as its service reads it, the container paths mapped onto this machine's
+    folders (what compose's volumes do)."""
+    env = dict(os.environ)
+    mounts = {"/tls/": os.path.join(kit, "tls") + "/", "/data": data, "/state": state, "/runs/mdgan": out}
+    with open(os.path.join(kit, "mdgan.env")) as fh:
+        for line in fh:
+            key, _, value = line.strip().partition("=")
+            for inside, outside in mounts.items():
+                if outside and value.startswith(inside):
+                    value = outside + value[len(inside):]
+            env[key] = value
+    return env
+
+
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []

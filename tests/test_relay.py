@@ -443,7 +443,7 @@ def test_a_relayed_site_that_joins_late_gets_its_copy_through_the_relay(tmp_path
     try:
         first.wait_for_log("joined run", 60)
         deadline = time.monotonic() + 60
-        while len(read_jsonl_if_any(os.path.join(out, "history.jsonl"))) < 2:  # (under way)
+        while len(read_jsonl(os.path.join(out, "history.jsonl"))) < 2:  # (under way)
             assert time.monotonic() < deadline and server.popen.poll() is None, server.log()
             time.sleep(0.1)
         late = start_worker(out, port, 1, 2, "--dataset", "synthetic", "--swaps", "relay", *tls_flags(root, "worker-1"))
@@ -458,10 +458,3 @@ def test_a_relayed_site_that_joins_late_gets_its_copy_through_the_relay(tmp_path
     assert re.search(r"worker-1 joined as 'worker-1' .*swaps through the relay", server.log())
     counted = _metric(os.path.join(out, "metrics", "server.prom"), "mdgan_relayed_pushes_total")
     assert counted.get('{outcome="OK"}', 0) >= 1, counted
-
-
-def read_jsonl_if_any(path: str) -> list[dict]:
-    try:
-        return read_jsonl(path)
-    except (OSError, ValueError):
-        return []

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import REPO
-from procs import Proc, mdgan_in_process, read_json, read_jsonl
+from procs import Proc, kit_environment, mdgan_in_process, read_json, read_jsonl
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 from netns import Consortium, why_not_available  # noqa: E402
@@ -33,20 +33,6 @@ FAULTS = os.path.join(REPO, "tests", "faults")
 def _training(iterations: int) -> dict[str, str]:
     return {"MDGAN_ITERATIONS": str(iterations), "MDGAN_BATCH_SIZE": "10", "MDGAN_SWAP_EVERY": "4",
             "MDGAN_KAPPA": "2", "MDGAN_SEED": "3", "MDGAN_THREADS": "1", "MDGAN_EVAL_EVERY": "-1"}
-
-
-def kit_environment(kit: str, data: str | None, state: str | None, out: str | None) -> dict[str, str]:
-    """The kit's mdgan.env as the service reads it, its container paths mapped onto this machine's folders."""
-    env = dict(os.environ)
-    mounts = {"/tls/": os.path.join(kit, "tls") + "/", "/data": data, "/state": state, "/runs/mdgan": out}
-    with open(os.path.join(kit, "mdgan.env")) as fh:
-        for line in fh:
-            key, _, value = line.strip().partition("=")
-            for inside, outside in mounts.items():
-                if outside and value.startswith(inside):
-                    value = outside + value[len(inside):]
-            env[key] = value
-    return env
 
 
 class Sites:
@@ -164,7 +150,7 @@ def test_a_site_whose_connections_a_nat_forgets_reconnects_and_the_run_finishes(
         workers = [sites.site(i) for i in range(SITES)]
         try:
             deadline = time.monotonic() + 120
-            while len(read_jsonl_safe(sites.out)) < 20:  # (training: then the link forgets)
+            while len(read_jsonl(os.path.join(sites.out, "history.jsonl"))) < 20:  # (training: then the link forgets)
                 assert time.monotonic() < deadline and server.popen.poll() is None, server.log()
                 time.sleep(0.2)
             lan.forget_connections("site-1")
@@ -178,10 +164,3 @@ def test_a_site_whose_connections_a_nat_forgets_reconnects_and_the_run_finishes(
     assert server.log().count("joined as 'site-1'") == 2, server.log()
     summary = read_json(os.path.join(sites.out, "summary.json"))
     assert summary["iterations"] == 400 and summary["workers_alive"] == SITES
-
-
-def read_jsonl_safe(out: str) -> list[dict]:
-    try:
-        return read_jsonl(os.path.join(out, "history.jsonl"))
-    except (OSError, ValueError):
-        return []

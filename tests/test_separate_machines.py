@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from procs import Proc, mdgan_in_process, read_json
+from procs import Proc, kit_environment, mdgan_in_process, read_json
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 from netns import Consortium, why_not_available  # noqa: E402
@@ -34,21 +34,6 @@ TRAINING = {"MDGAN_ITERATIONS": "12", "MDGAN_BATCH_SIZE": "10", "MDGAN_SWAP_EVER
 def mdgan(*argv: str) -> str:
     """The commands that make the sites' folders and kits, and the simulation, in this process."""
     return mdgan_in_process(*argv).stdout
-
-
-def kit_environment(kit: str, data: str | None, state: str | None, out: str | None) -> dict[str, str]:
-    """The kit's mdgan.env as the service reads it, its container paths mapped onto this machine's
-    folders (what compose's volumes do)."""
-    env = dict(os.environ)
-    mounts = {"/tls/": os.path.join(kit, "tls") + "/", "/data": data, "/state": state, "/runs/mdgan": out}
-    with open(os.path.join(kit, "mdgan.env")) as fh:
-        for line in fh:
-            key, _, value = line.strip().partition("=")
-            for inside, outside in mounts.items():
-                if outside and value.startswith(inside):
-                    value = outside + value[len(inside):]
-            env[key] = value
-    return env
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")

@@ -120,12 +120,13 @@ class RelayServicer(peer_pb2_grpc.RelayServicer):
         number = next(self._numbers)
         answer = receiver.answers[number] = asyncio.get_running_loop().create_future()
         finished = False
+        forwarded = self.telemetry.relayed_bytes.labels(sender, receiver.identity)
         try:
             await self.forward(receiver, peer_pb2.RelayDown(push=number, chunk=first))
             async for chunk in request_iterator:
                 if answer.done():  # the receiver answered early (a refusal): the rest is not wanted
                     break
-                self.telemetry.relayed_bytes.labels(sender, receiver.identity).inc(len(chunk.sealed))
+                forwarded.inc(len(chunk.sealed))
                 await self.forward(receiver, peer_pb2.RelayDown(push=number, chunk=chunk))
             if not answer.done():
                 await self.forward(receiver, peer_pb2.RelayDown(push=number, ended=True))

@@ -151,7 +151,12 @@ async def push_discriminator(channel: grpc.aio.Channel, chunks: list[peer_pb2.Di
     raised here as AioRpcError, not as a broken write."""
     push = channel.stream_unary(f"/{PEER_SERVICE}/PushDiscriminator", request_serializer=_chunk_wire,
                                 response_deserializer=peer_pb2.PushAck.FromString)
-    call = push(timeout=timeout)
+    return await stream_push(push(timeout=timeout), chunks)
+
+
+async def stream_push(call, chunks: list) -> peer_pb2.PushAck:
+    """Write every chunk on a client-streaming push call, then its answer; the receiver's own status (raised as
+    AioRpcError) when it ended the call early. Cancelled: the call is cancelled too."""
     try:
         for chunk in chunks:
             await call.write(chunk)

@@ -13,6 +13,7 @@ import grpc
 
 from services.common import sealing
 from services.common.proto import peer_pb2, peer_pb2_grpc
+from services.worker.peer import stream_push
 
 if TYPE_CHECKING:
     from services.common.tls import TLSConfig
@@ -169,19 +170,5 @@ def relayed_chunks(wire_chunks: list[bytes], tls: TLSConfig, identity: str, rece
 async def push_relayed(channel: grpc.aio.Channel, chunks: list[peer_pb2.RelayedChunk],
                        timeout: float | None) -> peer_pb2.PushAck:
     """Stream a sealed push to the relay over `channel`; ends with the receiver's answer (AioRpcError)."""
-    call = peer_pb2_grpc.RelayStub(channel).Push(timeout=timeout)
-    try:
-        for chunk in chunks:
-            await call.write(chunk)
-        await call.done_writing()
-    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
-        pass  # the relay ended the call: its status, awaited below, says why
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
-    try:
-        return await call
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
+    return await stream_push(peer_pb2_grpc.RelayStub(channel).Push(timeout=timeout), chunks)
 
