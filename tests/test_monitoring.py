@@ -333,6 +333,9 @@ def test_dashboard_and_rules_on_a_live_local_cluster(tmp_path):
             f'rate(mdgan_iterations_total{{job="mdgan-server"}}[{window}]) > 0',
             f'count(rate(mdgan_iterations_total{{job="mdgan-worker"}}[{window}]) > 0) == 2',
             'mdgan_swaps_total{job="mdgan-server", outcome="complete"} > 0',
+            # each side counts a swap on its own and is scraped on its own: wait for the workers' counts too
+            'sum(mdgan_swap_paths_total{job="mdgan-worker"}) > 0',
+            'sum(mdgan_swaps_total{job="mdgan-worker"}) > 0',
         ]
         deadline = time.monotonic() + 150
         at = None
@@ -346,12 +349,20 @@ def test_dashboard_and_rules_on_a_live_local_cluster(tmp_path):
         assert at is not None, "Prometheus did not see the cluster training: " + ", ".join(
             expr for expr in ready if not prometheus.query(expr)) + "\n" + logs()
 
-        empty = []
+        # Series that first appear between two scrapes may take one more scrape: ask again for a few
+        # seconds before calling a panel empty.
         queries = _dashboard_queries()
-        for title, ref, expr in queries:
-            result = prometheus.query(expr, at)        # a query Prometheus refuses fails here, exempt or not
-            if (title, ref) not in EXEMPT and not _has_data(result):
-                empty.append(f"{title} [{ref}]: {expr}")
+        deadline = time.monotonic() + 10
+        while True:
+            empty = []
+            for title, ref, expr in queries:
+                result = prometheus.query(expr, at)    # a query Prometheus refuses fails here, exempt or not
+                if (title, ref) not in EXEMPT and not _has_data(result):
+                    empty.append(f"{title} [{ref}]: {expr}")
+            if not empty or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+            at = time.time()
         assert not empty, "dashboard queries without data:\n" + "\n".join(empty) + "\n" + logs()
         assert len(queries) - len(EXEMPT) >= 30
 
