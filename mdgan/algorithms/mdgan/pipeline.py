@@ -13,7 +13,7 @@ Iterations 1..D update no G (the pipeline fills), and the feedback on the last D
 trains no G (those batches trained the discriminators). A checkpoint at boundary t waits for every
 answer out and keeps the ones not used yet (iterations t-D+1..t) with their noise, so a resumed run
 goes on as the uninterrupted one would. An answer is due `step_timeout` seconds after its batches left.
-Depth 0 is not this module: trainer.py's iteration, the paper's protocol.
+Depth 0 is not this module: iterations.py's Synchronous, the paper's protocol.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Partial synchronisation: how long one iteration waits for the workers' feedback.
 
-The paper's protocol (`--sync all`, the default, in trainer.py's Trainer) waits for every
+The paper's protocol (`--sync all`, the default: iterations.py's Synchronous) waits for every
 worker every iteration, so the slowest worker sets the pace. The coordinator design proceeds once a
 threshold of workers answered; FedBuff-style training goes further and applies what arrives.
 

@@ -16,19 +16,17 @@ from typing import Callable
 import torch
 
 from mdgan import compression
-from mdgan.algorithms.base import (RUN_FINISHED, IterationRecord, RunResult, Traffic, ask_all, last_iteration, mean,
-                                   tell_to_stop, why_lost)
+from mdgan.algorithms.base import RUN_FINISHED, IterationRecord, RunResult, Traffic, last_iteration, mean, tell_to_stop
 from mdgan.algorithms.mdgan.checkpoints import BoundaryCheckpoints
 from mdgan.algorithms.mdgan.handle import COPY, SWAP, SwapOrder, SwapReport, WorkerHandle  # noqa: F401  (re-exported)
 from mdgan.algorithms.mdgan.membership import Membership
 from mdgan.algorithms.mdgan.options import check_lag
-from mdgan.algorithms.mdgan.pipeline import Pipeline
+from mdgan.algorithms.mdgan.iterations import iteration_strategy
 from mdgan.algorithms.mdgan.swaps import SwapRounds, SwapsAtBoundary
-from mdgan.algorithms.mdgan.synchrony import PartialSync
 from mdgan.config import TrainingConfig
 from mdgan.gan import GeneratorSide, WorkerBatch
 from mdgan.roster import Roster
-from mdgan.step_results import StepResult, read_stats, start_reading
+from mdgan.step_results import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +88,7 @@ class Trainer:
             self.swap_period = config.swap_period(min(w.shard_size for w in workers))
             check_lag(swap_lag, self.swap_period)
         self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
-        # --sync quorum|async: the exchange of an iteration lives in mdgan/algorithms/mdgan/synchrony.py
-        self.partial = PartialSync(config) if config.sync != "all" else None
-        # --pipeline-depth D > 0: D iterations of batches in flight (mdgan/algorithms/mdgan/pipeline.py)
-        self.pipeline = Pipeline(pipeline_depth) if pipeline_depth else None
+        self.strategy = iteration_strategy(config, pipeline_depth)  # all, quorum|async, or pipelined
 
     # -- its parts, as the services and the in-process run see them ----------------------------
     @property
@@ -123,8 +118,7 @@ class Trainer:
         return await self.membership.lose(worker, why)
 
     async def checkpoint(self, t: int) -> bool:
-        if self.pipeline is not None:  # the checkpoint holds the answers in flight, not their futures
-            await self.pipeline.drain()
+        await self.strategy.drain()  # the checkpoint holds the answers in flight, not their futures
         return await self.checkpoints.checkpoint(t)
 
     @property
@@ -136,8 +130,7 @@ class Trainer:
         return {"completed": self.completed, "swaps": self.swaps, "rejections": self.rejections,
                 "swaps_refused": self.swap_rounds.swaps_refused, "privacy": dict(self.privacy),
                 "swap_period": self.swap_period, "payload_bytes": dict(self.traffic.payload_bytes),
-                "label_bytes": self.traffic.label_bytes, "roster": self.roster.state_dict(),
-                **({"pipeline": self.pipeline.state_dict()} if self.pipeline is not None else {})}
+                "label_bytes": self.traffic.label_bytes, "roster": self.roster.state_dict(), **self.strategy.state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.completed = self.checkpoints.last = int(state["completed"])
@@ -148,11 +141,7 @@ class Trainer:
         self.traffic.payload_bytes.update(state["payload_bytes"])
         self.traffic.label_bytes = int(state["label_bytes"])
         self.roster.load_state_dict(state["roster"], self.completed)
-        if self.pipeline is not None:
-            if "pipeline" not in state:
-                raise ValueError("this checkpoint was written without --pipeline-depth: resume it with the depth "
-                                 "it was started with")
-            self.pipeline.load_state_dict(state["pipeline"], self.generator.device)
+        self.strategy.restore(state, self.generator.device)
 
     def count_batch(self, batch: WorkerBatch) -> None:
         """Traffic of one worker's batches, as they travel."""
@@ -169,84 +158,18 @@ class Trainer:
 
     # -- one iteration -----------------------------------------------------------------------
     async def iteration(self, t: int) -> IterationRecord:
-        if self.partial is not None:
-            return await self._partial_iteration(t)
-        if self.pipeline is not None:
-            return await self._pipelined_iteration(t)
+        """The strategy's exchange, then the boundary's swaps (mdgan/algorithms/mdgan/iterations.py)."""
         started = time.perf_counter()
-        active = [w for w in self.roster.members() if not w.needs_copy]
-        batches = self.generator.generate(min(self.config.kappa, len(active)))
-        sent = [batches.for_worker(rank) for rank in range(len(active))]
-        generated = time.perf_counter()
-        batch_of = dict(zip(active, sent))
-        replies = await ask_all(active, lambda w: w.step(t, batch_of[w]), self.step_timeout)
-        answered = time.perf_counter()
-        for batch in sent:
-            self.count_batch(batch)
-        feedback, lost = [], 0
-        reading = start_reading(replies.answers)  # (read once G's update is queued: the GPU works on it meanwhile)
-        for worker, reply in replies.good:
-            self.count_feedback(reply, worker.worker_id)
-            feedback.append((batch_of[worker].generated_index, reply.feedback))
-        for worker, why in replies.rejected:
-            log.warning("iteration %d: %s rejected (%s)", t, worker.worker_id, why)
-        for worker, error in replies.lost:
-            lost += await self.lose(worker, why_lost(error))
-        rejected = len(replies.rejected)
-        self.rejections += rejected
-        if feedback:  # rank order: the order of `active`
-            self.generator.update(batches, feedback)
-        stats = reading.result()
-        updated = time.perf_counter()
-
-        swaps = await self._swaps_after(t)
-        lost += swaps.lost
-        finished = time.perf_counter()
-        return IterationRecord(
-            iteration=t, active_workers=len(active), answered=len(feedback), rejected=rejected, lost=lost,
-            **step_means(stats),
-            swap_round=swaps.started, seconds=finished - started, generate_seconds=generated - started,
-            wait_seconds=answered - generated, update_seconds=updated - answered, swap_seconds=finished - updated,
-            privacy=dict(self.privacy) or None)
-
-    async def _partial_iteration(self, t: int) -> IterationRecord:
-        """--sync quorum|async (mdgan/algorithms/mdgan/synchrony.py): wait for some of the workers, not all."""
-        started = time.perf_counter()
-        exchange = await self.partial.exchange(self, t)
-        harvest = exchange.harvest
-        stats = read_stats(harvest.stats)
-        self.rejections += harvest.rejected
+        done = await self.strategy.exchange(self, t)
+        self.rejections += done.rejected
         updated = time.perf_counter()
         swaps = await self._swaps_after(t)
         finished = time.perf_counter()
         return IterationRecord(
-            iteration=t, active_workers=exchange.issued, answered=len(stats), rejected=harvest.rejected,
-            lost=harvest.lost + swaps.lost,
-            **step_means(stats),
-            swap_round=swaps.started, seconds=finished - started, wait_seconds=exchange.waiting,
-            update_seconds=exchange.updating,
-            generate_seconds=max(0.0, updated - started - exchange.waiting - exchange.updating),
-            swap_seconds=finished - updated, late=harvest.late, privacy=dict(self.privacy) or None)
-
-    async def _pipelined_iteration(self, t: int) -> IterationRecord:
-        """--pipeline-depth D (mdgan/algorithms/mdgan/pipeline.py): send the batches of t, update G with the
-        feedback on those of t - D."""
-        started = time.perf_counter()
-        active = [w for w in self.roster.members() if not w.needs_copy]
-        lost = await self.pipeline.send(self, t, active)
-        sent = time.perf_counter()
-        used = await self.pipeline.use(self, t)
-        stats = read_stats(used.stats)
-        self.rejections += used.rejected
-        updated = time.perf_counter()
-        swaps = await self._swaps_after(t)
-        finished = time.perf_counter()
-        return IterationRecord(
-            iteration=t, active_workers=len(active), answered=len(stats), rejected=used.rejected,
-            lost=lost + used.lost + swaps.lost,
-            **step_means(stats),
-            swap_round=swaps.started, seconds=finished - started, generate_seconds=sent - started,
-            wait_seconds=used.waiting, update_seconds=used.updating, swap_seconds=finished - updated,
+            iteration=t, active_workers=done.issued, answered=len(done.stats), rejected=done.rejected,
+            lost=done.lost + swaps.lost, **step_means(done.stats), swap_round=swaps.started,
+            seconds=finished - started, generate_seconds=done.generate_seconds, wait_seconds=done.wait_seconds,
+            update_seconds=done.update_seconds, swap_seconds=finished - updated, late=done.late,
             privacy=dict(self.privacy) or None)
 
     async def _swaps_after(self, t: int) -> SwapsAtBoundary:
@@ -317,13 +240,7 @@ class Trainer:
             if self._checkpoint_due and self.pending is None and t < self.config.iterations:
                 self._checkpoint_due = False
                 await self.checkpoint(t)
-        if self.partial is not None:
-            self.partial.abandon()
-        if self.pipeline is not None:  # the feedback on the last D iterations' batches moves no G
-            if stopped is None:
-                await self.pipeline.finish(self)
-            else:
-                self.pipeline.abandon()
+        await self.strategy.close(self, stopped is not None)
         if self.pending is not None and stopped is None:  # the last round: installed, counted, recorded
             await self.swap_rounds.finish_swap(t)
         if stopped is None and not self.stop_requested:
