@@ -189,12 +189,12 @@ WORKER_FAULTS = [
      "answering batches"),
     ("dp-step-all", ["--dp-noise-multiplier", "1.0"], "mdgan.gan:DiscriminatorSide._private_step", None, 6,
      "answering batches"),
-    ("swap-one", [], f"{W}.mdgan:MDGANWorker._swap", "worker-0", 0, "swapping (round 1)"),
-    ("swap-all", [], f"{W}.mdgan:MDGANWorker._swap", None, 0, "swapping (round 1)"),
+    ("swap-one", [], f"{W}.mdgan.swaps:WorkerSwaps._swap", "worker-0", 0, "swapping (round 1)"),
+    ("swap-all", [], f"{W}.mdgan.swaps:WorkerSwaps._swap", None, 0, "swapping (round 1)"),
     ("swap-check-all", [], "services.worker.peer:check_incoming", None, 0, "receiving a discriminator"),
-    ("swap-install-one", ["--swap-lag", "2"], f"{W}.mdgan:MDGANWorker._install", "worker-2", 0,
+    ("swap-install-one", ["--swap-lag", "2"], f"{W}.mdgan.swaps:WorkerSwaps._install", "worker-2", 0,
      "swapping (round 1)"),
-    ("swap-install-all", ["--swap-lag", "2"], f"{W}.mdgan:MDGANWorker._install", None, 0, "swapping (round 1)"),
+    ("swap-install-all", ["--swap-lag", "2"], f"{W}.mdgan.swaps:WorkerSwaps._install", None, 0, "swapping (round 1)"),
     ("checkpoint-one", ["--checkpoint-every", "4"], f"{W}.mdgan:MDGANWorker._save_state", "worker-1", 0,
      "answering checkpoint"),
     ("welcome-all", [], f"{W}.mdgan:MDGANWorker.welcome", None, 0, "setting up the run"),
@@ -303,12 +303,12 @@ def test_mdgan_local_names_the_failed_worker_and_goes_on_or_stops_with_its_line(
     assert "mdgan (local): 40 iterations, 3 of 4 workers alive" in one.stdout
     _no_service_left(tmp_path)
 
-    every = _local(tmp_path, {"target": f"{W}.mdgan:MDGANWorker._swap"})  # every worker fails in the first swap
+    every = _local(tmp_path, {"target": f"{W}.mdgan.swaps:WorkerSwaps._swap"})  # every worker fails in the first swap
     assert every.returncode == 1, every.stderr[-3000:]
     last = every.stderr.strip().splitlines()[-2]  # (then "logs in ...")
     assert last == ("mdgan local: the run stopped early (20 of 40 iterations): no workers left after iteration 20: "
                     "worker-0, worker-1, worker-2, worker-3 failed while swapping (round 1): RuntimeError: injected "
-                    f"fault in {W}.mdgan:MDGANWorker._swap"), every.stderr[-3000:]
+                    f"fault in {W}.mdgan.swaps:WorkerSwaps._swap"), every.stderr[-3000:]
     _no_service_left(tmp_path)
 
 
@@ -329,7 +329,7 @@ def test_mdgan_local_stops_every_process_when_the_server_fails(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("min_workers, server_code", [(None, 0), (2, 1)])
 def test_bare_services_a_failed_worker_exits_1_and_the_server_goes_on_or_stops(tmp_path, min_workers, server_code):
-    env = _env({"target": f"{W}.mdgan:MDGANWorker._swap", "worker": "worker-1"})
+    env = _env({"target": f"{W}.mdgan.swaps:WorkerSwaps._swap", "worker": "worker-1"})
     out = str(tmp_path)
     server, port = start_server(out, "--workers", "2", "--dataset", "synthetic", "--iterations", "30",
                                 "--swap-every", "10", "--eval-every", "-1",
@@ -344,12 +344,12 @@ def test_bare_services_a_failed_worker_exits_1_and_the_server_goes_on_or_stops(t
     log = server.log()
     assert "worker-1 failed while swapping (round 1): RuntimeError: injected fault" in log
     assert workers[1].log().rstrip().endswith("worker-1 failed while swapping (round 1): RuntimeError: injected "
-                                              f"fault in {W}.mdgan:MDGANWorker._swap")
+                                              f"fault in {W}.mdgan.swaps:WorkerSwaps._swap")
     if server_code:
         assert log.rstrip().splitlines()[-1].endswith(
             "the run stopped early (10 of 30 iterations): only 1 workers after iteration 10, fewer than "
             "--min-workers 2: worker-1 failed while swapping (round 1): RuntimeError: injected fault in "
-            f"{W}.mdgan:MDGANWorker._swap")
+            f"{W}.mdgan.swaps:WorkerSwaps._swap")
 
 
 @pytest.mark.slow

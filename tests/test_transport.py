@@ -262,7 +262,7 @@ def test_an_answer_to_a_stream_the_server_has_ended_is_a_broken_stream():
                     return pb.SwapReport(round=order.round, sent=True, received=True)
 
                 worker._swap = swapped
-                task = asyncio.create_task(worker._report_when_done(call, 2, swapped(pb.SwapOrder(round=2))))
+                task = asyncio.create_task(worker.swaps._report_when_done(call, 2, swapped(pb.SwapOrder(round=2))))
                 await asyncio.wait_for(task, 10)
                 assert task.exception() is None
         finally:
@@ -325,7 +325,7 @@ def test_peer_service_checks_every_pushed_discriminator():
         try:
             results = {"before joining": await push(list(codec.state_chunks(state, 1, "worker-1")))}
             node.algorithm = MDGANWorker(node, config, shard)  # what the run's welcome builds
-            node.algorithm.mailbox.expect(1, "worker-1")  # the swap order: round 1 comes from worker-1
+            node.algorithm.swaps.mailbox.expect(1, "worker-1")  # the swap order: round 1 comes from worker-1
             good = list(codec.state_chunks(state, 1, "worker-1"))
             wrong = dict(state)
             wrong["stack.4.weight"] = torch.zeros(11, 511)
@@ -338,7 +338,7 @@ def test_peer_service_checks_every_pushed_discriminator():
             results["unexpected round"] = await push(list(codec.state_chunks(state, 9, "worker-1")))
             results["good"] = await push(good)
             results["same round again"] = await push(good)
-            sender, received, refused, _ = await node.algorithm.mailbox.collect(1, timeout=1)
+            sender, received, refused, _ = await node.algorithm.swaps.mailbox.collect(1, timeout=1)
             assert refused == ""
             return results, sender, received
         finally:
@@ -386,19 +386,19 @@ def test_a_late_joiner_whose_donor_left_is_told_and_takes_the_next_copy_attempt(
         server, port = await _serve(lambda s: peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), s))
         node.swap_timeout = 60.0
         worker = node.algorithm = MDGANWorker(node, config, shard)
-        worker.copies.awaiting = True  # the welcome said: wait for a copy
+        worker.swaps.copies.awaiting = True  # the welcome said: wait for a copy
         try:
             first = pb.SwapOrder(round=40, receive_from_worker="worker-0", kind="copy")
-            worker.copies.expect(40, "worker-0")
-            waiting = asyncio.create_task(worker._copy(first))
+            worker.swaps.copies.expect(40, "worker-0")
+            waiting = asyncio.create_task(worker.swaps._copy(first))
             await asyncio.sleep(0.1)
             await worker._on_swap_cancel(None, pb.SwapCancel(round=40, sender_worker="worker-0", reason="lost",
                                                             copy=True))
             cancelled = await asyncio.wait_for(waiting, 10)  # at once, not after the 60 s deadline
             late = await push(40, "worker-0")  # that number is spent
             second = pb.SwapOrder(round=41, receive_from_worker="worker-2", kind="copy")
-            worker.copies.expect(41, "worker-2")
-            taking = asyncio.create_task(worker._copy(second))
+            worker.swaps.copies.expect(41, "worker-2")
+            taking = asyncio.create_task(worker.swaps._copy(second))
             pushed = await push(41, "worker-2")
             return cancelled, late, pushed, await asyncio.wait_for(taking, 10), worker.side.export_state()
         finally:
@@ -607,9 +607,9 @@ def test_a_poisoned_discriminator_from_the_designated_sender_is_refused_and_the_
         try:
             node.algorithm = MDGANWorker(node, config, shard)
             own = {k: v.clone() for k, v in node.algorithm.side.discriminator.state_dict().items()}
-            node.algorithm.mailbox.expect(1, "worker-1")
+            node.algorithm.swaps.mailbox.expect(1, "worker-1")
             results = [await push(poisoned), await push(honest)]
-            return results, await node.algorithm.mailbox.collect(1, timeout=1), own
+            return results, await node.algorithm.swaps.mailbox.collect(1, timeout=1), own
         finally:
             await server.stop(None)
 
@@ -660,11 +660,11 @@ def test_a_push_that_finds_its_peer_unreachable_is_tried_again_until_the_peer_is
 
     async def scenario():
         receiver_node.algorithm = MDGANWorker(receiver_node, config, shards[0])
-        receiver_node.algorithm.mailbox.expect(1, "worker-1")
+        receiver_node.algorithm.swaps.mailbox.expect(1, "worker-1")
         sender = MDGANWorker(sender_node, config, shards[1])
         state = compression.pack_state(sender.side.export_state(), "float32")
         order = pb.SwapOrder(round=1, send_to_worker="worker-0", send_to_address=f"127.0.0.1:{port}")
-        pushing = asyncio.create_task(sender._push(order, state))
+        pushing = asyncio.create_task(sender.swaps.pusher.push(order, state))
         await asyncio.sleep(1.5)  # the first tries find nobody
         assert not pushing.done()
         server = grpc.aio.server(options=rpc.options())
@@ -673,7 +673,7 @@ def test_a_push_that_finds_its_peer_unreachable_is_tried_again_until_the_peer_is
         await server.start()
         try:
             sent = await asyncio.wait_for(pushing, 20)
-            received = await receiver_node.algorithm.mailbox.collect(1, timeout=1)
+            received = await receiver_node.algorithm.swaps.mailbox.collect(1, timeout=1)
         finally:
             await server.stop(None)
             await sender.end_session()

@@ -12,38 +12,26 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import grpc
 
-    from mdgan.checkpoint import CheckpointStore
-    from mdgan.config import TrainingConfig
-    from mdgan.privacy_ledger import PrivacyLedger
     from services.common.telemetry import Telemetry
     from services.common.tls import TLSConfig
     from services.common.proto import coordinator_pb2 as pb
     from services.worker.node import SitePolicy
     from services.worker.peer import PeerInbox
+    from services.worker.run_state import RunState
 
 
 class WorkerContext(Protocol):
     worker_id: str  # the id the server gave this worker (worker-K)
     identity: str  # its certificate's name (what peers check when it pushes a discriminator)
-    run_id: str | None  # the run it is in (None: none yet)
     telemetry: Telemetry  # every Prometheus metric of this process
     tls: TLSConfig | None  # its certificate and the CA, for peer-to-peer channels (None: --insecure)
     swap_timeout: float  # the server's swap deadline, from the welcome (s)
-    state_dir: str | None  # where it keeps its durable state (None: it keeps none)
+    run_state: RunState  # the run it is in and what it keeps of it: checkpoints, privacy ledgers (run_state.py)
     policy: SitePolicy  # the site's own limits (--swap-check, --dp-max-epsilon) and emulations (--attack, ...)
     server_channel: grpc.aio.Channel | None  # the session's channel to the server (relayed pushes go over it)
 
     async def write(self, call, message: pb.WorkerMessage) -> None:
         """Send one message to the server on the stream `call` (counted on the wire counters)."""
-
-    def privacy_ledger(self, config: TrainingConfig) -> PrivacyLedger | None:
-        """With DP, this site's privacy ledger for the run (None without DP); ServerGone when it has no folder."""
-
-    def store(self) -> CheckpointStore | None:
-        """Where this run's checkpoints go (None: the worker keeps no state)."""
-
-    def remember_run(self) -> None:
-        """Record the run it is in, so that a restart rejoins it."""
 
     def fail(self, where: str, exc: BaseException) -> None:
         """This worker's own exception in a task of its own (`where`: what it was doing): logged, told to

@@ -191,7 +191,7 @@ MAX_CONCURRENT_PUSHES = 8  # pushes in progress at once; more are refused (RESOU
 
 class PeerInbox:
     """What the Peer service delivers into: the discriminator whose layout a pushed state must have,
-    and the mailboxes of swap rounds and copies (the MD-GAN worker, services/worker/algorithms/mdgan.py)."""
+    and the mailboxes of swap rounds and copies (the MD-GAN worker's, services/worker/algorithms/mdgan/swaps.py)."""
 
     side: DiscriminatorSide
     mailbox: SwapMailbox

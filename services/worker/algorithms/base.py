@@ -63,6 +63,11 @@ class WorkerAlgorithm:
         audit); None: the algorithm's workers hold none of their own."""
         return None
 
+    def peer_inbox(self):
+        """Where the Peer service delivers pushed discriminators (services/worker/peer.py PeerInbox); None: the
+        algorithm's workers take none."""
+        return None
+
     def receivers(self) -> dict[str, Callable[[object, object], Awaitable[None]]]:
         """Body name (of ServerMessage's oneof) -> coroutine taking (call, that body)."""
         return {}

@@ -23,7 +23,7 @@ class FLGANWorker(WorkerAlgorithm):
 
     def __init__(self, node, config: TrainingConfig, shard: Shard):
         super().__init__(node, config, shard)
-        self.gan: LocalGAN = make_flgan_worker_gan(config, shard, node.privacy_ledger(config))
+        self.gan: LocalGAN = make_flgan_worker_gan(config, shard, node.run_state.privacy_ledger(config))
         self._incoming: dict[tuple[int, str], codec.StateAssembler] = {}
 
     def final_discriminator(self) -> dict:
