@@ -25,7 +25,8 @@ from services.common import codec, pki, rpc
 from services.common.proto import coordinator_pb2 as pb
 from services.common.proto import coordinator_pb2_grpc, peer_pb2, tensor_pb2
 from services.common.tls import TLSConfig
-from services.server.coordinator import Admission, Coordinator
+from services.server.admission import Admission
+from services.server.coordinator import Coordinator
 
 from procs import mdgan_in_process, read_json, read_jsonl, start_server, start_worker, tls_flags, wait_for_iterations
 

@@ -32,7 +32,8 @@ from services.common.proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb
 from services.common.telemetry import Telemetry, counter_total
 from services.server.algorithms import ALGORITHMS
 from services.server.context import ServerContext
-from services.server.coordinator import Admission, Coordinator, Deadlines, PeerProbe
+from services.server.admission import Admission, PeerProbe
+from services.server.coordinator import Coordinator, Deadlines
 from services.server.relay import RelayServicer
 
 log = logging.getLogger("mdgan.server")
