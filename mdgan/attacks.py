@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mdgan.config import ConfigError
+from mdgan.config import ConfigError, named
 from mdgan.gan import derive_seed
 
 FEEDBACK_ATTACKS = ("sign-flip", "scale", "sign-flip-scale", "noise", "free-ride")
@@ -100,5 +100,5 @@ def make_attacks(kind: str | None, run_seed: int, shard_index: int):
 def attackers(workers: int, byzantine: int) -> range:
     """The shard indices of the emulated attackers: the last `byzantine` by rank."""
     if not 0 <= byzantine < workers:
-        raise ConfigError(f"--byzantine must be in [0, workers={workers}), got {byzantine}")
+        raise ConfigError(f"{named('byzantine')} must be in [0, workers={workers}), got {byzantine}")
     return range(workers - byzantine, workers)

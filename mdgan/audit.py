@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mdgan.config import ConfigError, DataConfig, TrainingConfig
+from mdgan.config import ConfigError, DataConfig, TrainingConfig, named
 
 ATTACKS = ("d_output", "d_class_loss", "g_distance")
 FPRS = (0.01, 0.001)
@@ -133,7 +133,7 @@ def recover_sites(summary: dict, config: TrainingConfig, settings: AuditSettings
         data["data_root"] = settings.data_root
     elif data.get("data_root") is None:
         raise ConfigError(f"this run records how its workers cut {data['dataset']} into shards, not where that data "
-                          "is on this machine: give --data-root (the folder its workers loaded it from)")
+                          f"is on this machine: give {named('data_root')} (the folder its workers loaded it from)")
     data = DataConfig(**data)
     try:
         shards = load_all_shards(data, config.model.sample_shape)
@@ -157,7 +157,7 @@ def recover_sites(summary: dict, config: TrainingConfig, settings: AuditSettings
         held_images, held_labels = load_mnist(data.data_root, train=False)
     else:
         raise ConfigError(f"no held-out images of {data.dataset}: audit a run on MNIST, or on a subset "
-                          "(--max-samples) whose other images serve as non-members")
+                          f"({named('max_samples')}) whose other images serve as non-members")
     return shards, held_images.reshape(-1, *config.model.sample_shape), held_labels
 
 

@@ -7,6 +7,7 @@ these; nothing below them reads the environment.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -21,22 +22,43 @@ ARCHITECTURE_NAMES = ("mlp", "cnn-mnist", "cnn-cifar10")  # built by mdgan/model
 MAX_DISC_WIDTH = 8192  # an MLP discriminator's hidden layer: 8,192^2 float32 weights are 268 MB
 
 
+_SETTING_MARK = "\u2063"  # (an invisible separator) around a setting's key in a ConfigError's text
+_NAMED = re.compile(f"{_SETTING_MARK}([a-z0-9_]+){_SETTING_MARK}")
+
+
+def named(key: str) -> str:
+    """A setting named in a ConfigError's text: its key (`kappa`, as a YAML experiment or a library caller
+    writes it) in str(error); its flag (`--kappa`) in error.for_flags(), which the command line shows."""
+    return f"{_SETTING_MARK}{key}{_SETTING_MARK}"
+
+
+def as_flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
 class ConfigError(ValueError):
-    """A configuration value is out of range or inconsistent with another one."""
+    """A configuration value is out of range or inconsistent with another one. Its text names settings by
+    their keys; for_flags() names them by their command-line flags."""
+
+    def __str__(self) -> str:
+        return _NAMED.sub(lambda m: m.group(1), super().__str__())
+
+    def for_flags(self) -> str:
+        return _NAMED.sub(lambda m: as_flag(m.group(1)), super().__str__())
 
 
 def check_device(device: str) -> str:
     """--device: cpu, cuda or cuda:N that this machine has; ConfigError, in one line, otherwise."""
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
-        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+        raise ConfigError(f"{named('device')} must be cpu, cuda or cuda:N, got {device!r}")
     if device != "cpu":
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: no CUDA device is available here")
+            raise ConfigError(f"{named('device')} {device}: no CUDA device is available here")
         index = device.partition(":")[2]
         if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
-            raise ConfigError(f"--device {device}: this machine has CUDA devices 0 to {torch.cuda.device_count() - 1}")
+            raise ConfigError(f"{named('device')} {device}: this machine has CUDA devices 0 to {torch.cuda.device_count() - 1}")
     return device
 
 
@@ -64,9 +86,9 @@ class ModelSpec:
         if not self.sample_shape or any(s < 1 for s in self.sample_shape):
             raise ConfigError(f"bad sample shape {self.sample_shape}")
         if not 1 <= self.disc_width <= MAX_DISC_WIDTH:
-            raise ConfigError(f"--disc-width must be between 1 and {MAX_DISC_WIDTH:,}, got {self.disc_width}")
+            raise ConfigError(f"{named('disc_width')} must be between 1 and {MAX_DISC_WIDTH:,}, got {self.disc_width}")
         if self.disc_width != ModelSpec.disc_width and self.architecture != "mlp":
-            raise ConfigError(f"--disc-width sets the MLP discriminator's width; --architecture {self.architecture} "
+            raise ConfigError(f"{named('disc_width')} sets the MLP discriminator's width; {named('architecture')} {self.architecture} "
                               "has its own layers (docs/ARCHITECTURES.md)")
 
     @property
@@ -142,30 +164,30 @@ class PrivacySpec:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
         if self.noise_multiplier and self.target_epsilon:
-            raise ConfigError("give --dp-noise-multiplier or --dp-target-epsilon, not both")
+            raise ConfigError(f"give {named('dp_noise_multiplier')} or {named('dp_target_epsilon')}, not both")
         if self.enabled and not self.max_grad_norm > 0:
-            raise ConfigError(f"--dp-max-grad-norm must be > 0, got {self.max_grad_norm}")
+            raise ConfigError(f"{named('dp_max_grad_norm')} must be > 0, got {self.max_grad_norm}")
         if self.delta >= 1:
-            raise ConfigError(f"--dp-delta must be in (0, 1/m), got {self.delta}")
+            raise ConfigError(f"{named('dp_delta')} must be in (0, 1/m), got {self.delta}")
         if self.mechanism not in DP_MECHANISMS:
-            raise ConfigError(f"--dp-mechanism must be one of {', '.join(DP_MECHANISMS)}, got {self.mechanism!r}")
+            raise ConfigError(f"{named('dp_mechanism')} must be one of {', '.join(DP_MECHANISMS)}, got {self.mechanism!r}")
         if self.mechanism != "sgd" and not self.enabled:
-            raise ConfigError(f"--dp-mechanism {self.mechanism} needs --dp-noise-multiplier or --dp-target-epsilon")
+            raise ConfigError(f"{named('dp_mechanism')} {self.mechanism} needs {named('dp_noise_multiplier')} or {named('dp_target_epsilon')}")
         if isinstance(self.discriminators, bool) or not isinstance(self.discriminators, int) or self.discriminators < 1:
-            raise ConfigError(f"--dp-discriminators must be a whole number >= 1, got {self.discriminators!r}")
+            raise ConfigError(f"{named('dp_discriminators')} must be a whole number >= 1, got {self.discriminators!r}")
         if not isinstance(self.clip_generated, bool):
-            raise ConfigError(f"--dp-clip-generated is a switch (true or false), got {self.clip_generated!r}")
+            raise ConfigError(f"{named('dp_clip_generated')} is a switch (true or false), got {self.clip_generated!r}")
         if self.clip_generated and self.active_mechanism != "sgd":
-            raise ConfigError("--dp-clip-generated clips DP-SGD's discriminator steps: it needs --dp-mechanism sgd "
-                              "and --dp-noise-multiplier or --dp-target-epsilon")
+            raise ConfigError(f"{named('dp_clip_generated')} clips DP-SGD's discriminator steps: it needs {named('dp_mechanism')} sgd "
+                              f"and {named('dp_noise_multiplier')} or {named('dp_target_epsilon')}")
         if self.fixed_noise is not None and (isinstance(self.fixed_noise, bool) or not isinstance(self.fixed_noise, int)
                                              or self.fixed_noise < 0):
-            raise ConfigError(f"--dp-fixed-noise must be a whole number >= 0, got {self.fixed_noise!r}")
+            raise ConfigError(f"{named('dp_fixed_noise')} must be a whole number >= 0, got {self.fixed_noise!r}")
         if self.fixed_noise is not None and not self.enabled:
-            raise ConfigError("--dp-fixed-noise fixes a private run's noise: it needs --dp-noise-multiplier or "
-                              "--dp-target-epsilon")
+            raise ConfigError(f"{named('dp_fixed_noise')} fixes a private run's noise: it needs {named('dp_noise_multiplier')} or "
+                              f"{named('dp_target_epsilon')}")
         if self.discriminators > 1 and self.mechanism != "feedback":
-            raise ConfigError(f"--dp-discriminators {self.discriminators} needs --dp-mechanism feedback (DP-SGD "
+            raise ConfigError(f"{named('dp_discriminators')} {self.discriminators} needs {named('dp_mechanism')} feedback (DP-SGD "
                               "trains one discriminator a site)")
 
 
@@ -212,39 +234,39 @@ class TrainingConfig:
 
     def validate(self) -> "TrainingConfig":
         if self.workers < 1:
-            raise ConfigError("--workers must be at least 1")
+            raise ConfigError(f"{named('workers')} must be at least 1")
         if self.iterations < 0:
-            raise ConfigError("--iterations must be >= 0")
+            raise ConfigError(f"{named('iterations')} must be >= 0")
         if self.batch_size < 1:
-            raise ConfigError("--batch-size must be at least 1")
+            raise ConfigError(f"{named('batch_size')} must be at least 1")
         if not 1 <= self.kappa <= self.workers:
-            raise ConfigError(f"--kappa must be in [1, workers={self.workers}], got {self.kappa}")
+            raise ConfigError(f"{named('kappa')} must be in [1, workers={self.workers}], got {self.kappa}")
         if self.disc_steps < 0:
-            raise ConfigError("--disc-steps must be >= 0")
+            raise ConfigError(f"{named('disc_steps')} must be >= 0")
         if not self.swap_epochs > 0:
-            raise ConfigError("--swap-epochs must be > 0")
+            raise ConfigError(f"{named('swap_epochs')} must be > 0")
         if self.swap_every is not None and self.swap_every < 1:
-            raise ConfigError("--swap-every must be at least 1")
+            raise ConfigError(f"{named('swap_every')} must be at least 1")
         if self.swap_every is not None and self.privacy.keeps_discriminators:
-            raise ConfigError(f"--swap-every {self.swap_every}: with --dp-mechanism feedback no discriminator leaves "
-                              "its site, so there are no swaps (leave --swap-every out)")
+            raise ConfigError(f"{named('swap_every')} {self.swap_every}: with {named('dp_mechanism')} feedback no discriminator leaves "
+                              f"its site, so there are no swaps (leave {named('swap_every')} out)")
         if self.seed < 0:
-            raise ConfigError("--seed must be >= 0")
+            raise ConfigError(f"{named('seed')} must be >= 0")
         check_device(self.device)
         if self.wire_dtype not in WIRE_DTYPES:
-            raise ConfigError(f"unknown --wire-dtype {self.wire_dtype!r}; choose from {WIRE_DTYPES}")
+            raise ConfigError(f"unknown {named('wire_dtype')} {self.wire_dtype!r}; choose from {WIRE_DTYPES}")
         if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"unknown --aggregation {self.aggregation!r}; choose from {AGGREGATIONS}")
+            raise ConfigError(f"unknown {named('aggregation')} {self.aggregation!r}; choose from {AGGREGATIONS}")
         if not 0 <= self.trim_fraction < 0.5:
-            raise ConfigError(f"--trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
+            raise ConfigError(f"{named('trim_fraction')} must be in [0, 0.5), got {self.trim_fraction}")
         if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
-            raise ConfigError(f"--clip-norm must be a number >= 0, got {self.clip_norm}")
+            raise ConfigError(f"{named('clip_norm')} must be a number >= 0, got {self.clip_norm}")
         if self.sync not in SYNC_MODES:
-            raise ConfigError(f"unknown --sync {self.sync!r}; choose from {SYNC_MODES}")
+            raise ConfigError(f"unknown {named('sync')} {self.sync!r}; choose from {SYNC_MODES}")
         if not 0 <= self.quorum <= self.workers:
-            raise ConfigError(f"--quorum must be in [1, workers={self.workers}] (0: N - 1), got {self.quorum}")
+            raise ConfigError(f"{named('quorum')} must be in [1, workers={self.workers}] (0: N - 1), got {self.quorum}")
         if self.max_staleness < 0:
-            raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+            raise ConfigError(f"{named('max_staleness')} must be >= 0, got {self.max_staleness}")
         self.model.validate()
         self.privacy.validate()
         self.generator_optimizer.validate()
@@ -314,7 +336,7 @@ class DataConfig:
         if self.split not in SPLITS:
             raise ConfigError(f"unknown split {self.split!r}; choose from {SPLITS}")
         if not (math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0):
-            raise ConfigError(f"--dirichlet-alpha must be a positive number, got {self.dirichlet_alpha}")
+            raise ConfigError(f"{named('dirichlet_alpha')} must be a positive number, got {self.dirichlet_alpha}")
         if self.max_samples < 0:
-            raise ConfigError(f"--max-samples must be >= 0, got {self.max_samples}")
+            raise ConfigError(f"{named('max_samples')} must be >= 0, got {self.max_samples}")
         return self

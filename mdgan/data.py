@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mdgan.config import ConfigError, DataConfig
+from mdgan.config import ConfigError, DataConfig, named
 from mdgan.devices import to_device
 from mdgan.images import load_imagefolder
 
@@ -145,7 +145,7 @@ def load_mnist_uint8(data_root: str, train: bool = True) -> tuple[torch.Tensor, 
     raw = os.path.join(data_root, "MNIST", "raw")
     if not os.path.isdir(raw):
         raise ConfigError(
-            f"MNIST not found under {raw!r}: point --data-root at a folder holding MNIST/raw "
+            f"MNIST not found under {raw!r}: point {named('data_root')} at a folder holding MNIST/raw "
             "(torchvision.datasets.MNIST(root, download=True) creates one)"
         )
     image_file, label_file = (idx_file(os.path.join(raw, name)) for name in MNIST_FILES[train])  # or *.gz
@@ -200,7 +200,7 @@ def load_cifar10_uint8(data_root: str, train: bool = True,
         hint = (f"; {archive} is there: extract it with `tar -xzf {archive} -C {data_root}`"
                 if os.path.isfile(archive) else "")
         raise ConfigError(
-            f"CIFAR-10 not found under {folder!r} (missing {', '.join(missing)}): point --data-root at a folder "
+            f"CIFAR-10 not found under {folder!r} (missing {', '.join(missing)}): point {named('data_root')} at a folder "
             f"holding {CIFAR10_FOLDER} (torchvision.datasets.CIFAR10(root, download=True) creates one){hint}"
         )
     if verify_md5:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mdgan.config import ConfigError
+from mdgan.config import ConfigError, named
 
 SAMPLES = 60_000  # the size of MNIST's training set
 EPOCHS = 2
@@ -72,7 +72,7 @@ def downstream_accuracy(generator: torch.nn.Module, data_root: str, samples: int
 
     spec = generator.spec
     if not spec.conditional:
-        raise ConfigError("downstream accuracy needs a class-conditional generator (--gan acgan): a plain GAN's "
+        raise ConfigError(f"downstream accuracy needs a class-conditional generator ({named('gan')} acgan): a plain GAN's "
                           "images have no labels to train a classifier on")
     if tuple(spec.sample_shape) != (784,) or spec.num_classes != 10:
         raise ConfigError(f"downstream accuracy is measured on MNIST: the generator makes samples of shape "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mdgan.config import ConfigError
+from mdgan.config import ConfigError, named
 
 log = logging.getLogger("mdgan.sites")
 
@@ -200,12 +200,12 @@ def _grey_palette(image) -> bool:
 def _bad(root: str, bad: list[tuple[str, str]], policy: str) -> None:
     if not bad:
         return
-    named = "; ".join(f"{os.path.relpath(p, root)}: {why}" for p, why in bad[:_NAMED])
+    listed = "; ".join(f"{os.path.relpath(p, root)}: {why}" for p, why in bad[:_NAMED])
     more = f" (and {len(bad) - _NAMED} more)" if len(bad) > _NAMED else ""
     if policy == "refuse":
-        raise ConfigError(f"{len(bad)} unusable image(s) under {root!r}: {named}{more}; fix or remove them, or "
-                          "pass --bad-images skip to train without them")
-    log.warning("skipping %d unusable image(s) under %s: %s%s", len(bad), root, named, more)
+        raise ConfigError(f"{len(bad)} unusable image(s) under {root!r}: {listed}{more}; fix or remove them, or "
+                          f"pass {named('bad_images')} skip to train without them")
+    log.warning("skipping %d unusable image(s) under %s: %s%s", len(bad), root, listed, more)
 
 
 def load_imagefolder(root: str, bad_images: str = "refuse") -> SiteData:
@@ -217,7 +217,7 @@ def load_imagefolder(root: str, bad_images: str = "refuse") -> SiteData:
     warning. Sizes may differ (all are resized to the model's), grey and RGB may mix.
     """
     if bad_images not in BAD_IMAGE_POLICIES:
-        raise ConfigError(f"--bad-images must be one of {BAD_IMAGE_POLICIES}, got {bad_images!r}")
+        raise ConfigError(f"{named('bad_images')} must be one of {BAD_IMAGE_POLICIES}, got {bad_images!r}")
     classes, found = find_images(root)
     readable: list[tuple[str, int, tuple[int, int, int]]] = []
     bad: list[tuple[str, str]] = []

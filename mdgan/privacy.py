@@ -43,7 +43,7 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 
 import torch
 
-from mdgan.config import ConfigError, PrivacySpec
+from mdgan.config import ConfigError, PrivacySpec, named
 from mdgan.privacy_ledger import PrivacyLedger
 
 ACCOUNTANT = "rdp"  # Opacus's Renyi-DP accountant (Mironov 2017; Mironov, Talwar, Zhang 2019)
@@ -130,14 +130,14 @@ def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int
     cannot have."""
     feedback = spec.mechanism == "feedback"
     if feedback and shard_size // spec.discriminators < batch_size:
-        raise ConfigError(f"--dp-discriminators {spec.discriminators}: a site of {shard_size} samples split into "
+        raise ConfigError(f"{named('dp_discriminators')} {spec.discriminators}: a site of {shard_size} samples split into "
                           f"{spec.discriminators} parts has parts of {shard_size // spec.discriminators}, fewer than "
                           f"a batch of {batch_size}; use at most {max(1, shard_size // batch_size)} discriminators")
     if shard_size < batch_size:
         raise ConfigError(f"DP-SGD: a site of {shard_size} samples cannot have an expected batch of {batch_size}")
     delta = spec.delta or default_delta(shard_size)
     if not 0 < delta < 1.0 / shard_size:
-        raise ConfigError(f"--dp-delta {delta:g} must be in (0, 1/m) = (0, {1.0 / shard_size:.3g}) for a site of "
+        raise ConfigError(f"{named('dp_delta')} {delta:g} must be in (0, 1/m) = (0, {1.0 / shard_size:.3g}) for a site of "
                           f"{shard_size} samples (delta >= 1/m lets a mechanism publish a whole record)")
     if feedback:
         q, steps, per_iteration = 1.0, max(1, math.ceil(iterations / spec.discriminators)), 1
@@ -150,7 +150,7 @@ def resolve(spec: PrivacySpec, shard_size: int, batch_size: int, iterations: int
         try:
             sigma = _sigma_for(spec.target_epsilon, delta, q, steps) * scale
         except ValueError as exc:
-            raise ConfigError(f"--dp-target-epsilon {spec.target_epsilon:g}: no noise reaches it over {steps} steps "
+            raise ConfigError(f"{named('dp_target_epsilon')} {spec.target_epsilon:g}: no noise reaches it over {steps} steps "
                               f"at sampling rate {q:.3g} and delta {delta:g} ({exc})") from None
     return SitePrivacy(sigma, spec.max_grad_norm, delta, q, steps, spec.target_epsilon or None, spec.mechanism,
                        spec.discriminators, sigma / scale, per_iteration)
@@ -206,8 +206,8 @@ def check_module(module: torch.nn.Module, architecture: str) -> None:
     if errors or unsupported:
         why = "; ".join([str(e).splitlines()[0] for e in errors] + [f"{n} has no per-sample gradient in Opacus"
                                                                    for n in sorted(set(unsupported))])
-        raise ConfigError(f"DP-SGD cannot train the discriminator of --architecture {architecture}: {why}; "
-                          "use --architecture mlp")
+        raise ConfigError(f"DP-SGD cannot train the discriminator of {named('architecture')} {architecture}: {why}; "
+                          f"use {named('architecture')} mlp")
 
 
 def check_run(config, shard_sizes: list[int]) -> None:

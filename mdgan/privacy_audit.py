@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mdgan import privacy
-from mdgan.config import TrainingConfig
+from mdgan.config import TrainingConfig, named
 from mdgan.gan import derive_seed
 from mdgan.privacy_ledger import PrivacyLedger
 from mdgan.secret_noise import SiteSecret
@@ -186,7 +186,7 @@ def audit_run(run_dir: str, canaries: int = 1000, guesses: int = 200, seed: int 
         raise ConfigError(f"{run_dir}/summary.json: not a run's config ({exc})") from None
     if not config.privacy.enabled:
         raise ConfigError(f"{run_dir} is not a differentially private run: the server's-view audit has no noise to "
-                          "test (run with --dp-noise-multiplier or --dp-target-epsilon)")
+                          f"test (run with {named('dp_noise_multiplier')} or {named('dp_target_epsilon')})")
     if config.privacy.fixed_noise is not None and (summary.get("privacy") or {}).get("noise") != "fixed":
         # the server was given a number its sites did not use (they report secret noise): nothing to take off
         config = dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, fixed_noise=None))

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from tqdm import tqdm
 
-from mdgan import checkpoint
+from mdgan import checkpoint, settings
 from mdgan.checkpoint import CheckpointError, CheckpointStore
 from mdgan.algorithms.base import IterationRecord, RunResult
-from mdgan.config import ConfigError, TrainingConfig
+from mdgan.config import ConfigError, TrainingConfig, named
 from mdgan.gan import GeneratorSide, derive_seed
 from mdgan.models import image_shape
 
@@ -78,8 +78,8 @@ class PeriodicEvaluator:
     waits for it; results are picked up by the next history line (all that finished since the line
     before). `finish` waits for those still running and scores the final G."""
 
-    def __init__(self, scorer, generator_side: GeneratorSide, every: int, samples: int = 500,
-                 large_every: int = 0, large_samples: int = 5000):
+    def __init__(self, scorer, generator_side: GeneratorSide, every: int, samples: int,
+                 large_every: int = 0, large_samples: int = 0):
         self.scorer = scorer  # anything with evaluate(images) -> dict of scores (mdgan.evaluation.ScoreEvaluator)
         self.generator_side = generator_side
         self.every = every
@@ -159,7 +159,8 @@ class PeriodicEvaluator:
 
 
 def make_evaluator(generator_side: GeneratorSide, data_root: str | None, every: int, samples: int,
-                   reference: int, large_every: int = 0, large_samples: int = 5000) -> PeriodicEvaluator | None:
+                   reference: int, large_every: int = 0,
+                   large_samples: int = settings.default("eval_large_samples")) -> PeriodicEvaluator | None:
     """MNIST score and FID (the paper's metrics) for runs whose samples are MNIST digits."""
     if data_root is None or generator_side.spec.sample_size != 28 * 28 or every < 0:
         return None
@@ -433,7 +434,7 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 def check_run_id(run_id: str) -> str:
     if not _RUN_ID.match(run_id):
-        raise ConfigError(f"--run-id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        raise ConfigError(f"{named('run_id')} {run_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
     return run_id
 
 
@@ -466,7 +467,7 @@ def check_out_dir(out_dir: str, resume: str = "no", overwrite: bool = False) -> 
     """Refuses, reading only, a run that would overwrite a finished one without `overwrite`, or
     resume one that has finished: called before anything is written to out_dir."""
     if resume not in RESUME_MODES:
-        raise ConfigError(f"--resume must be one of {RESUME_MODES}, got {resume!r}")
+        raise ConfigError(f"{named('resume')} must be one of {RESUME_MODES}, got {resume!r}")
     if not is_finished(out_dir):
         return
     if resume == "yes":
@@ -591,8 +592,9 @@ class EvaluationOptions:
     against `reference` MNIST test images found under `data_root`."""
 
     data_root: str | None = None
-    every: int = 1000
-    samples: int = 500
-    reference: int = 2000
-    large_every: int = 0  # > 0: every this many iterations, and at the end, also scored on large_samples images
-    large_samples: int = 5000
+    every: int = settings.default("eval_every")
+    samples: int = settings.default("eval_samples")
+    reference: int = settings.default("eval_reference")
+    # > 0: every this many iterations, and at the end, also scored on large_samples images
+    large_every: int = settings.default("eval_large_every")
+    large_samples: int = settings.default("eval_large_samples")

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from mdgan import algorithms, settings
 from mdgan.algorithms.base import Emulation
-from mdgan.config import ConfigError, DataConfig, TrainingConfig
+from mdgan.config import ConfigError, DataConfig, TrainingConfig, named
 from mdgan.run import EvaluationOptions
 
 DATASET_SIZES = {"mnist": 60000, "cifar10": 50000}  # training images of the datasets whose size is known unread
@@ -22,8 +22,8 @@ class Durability:
     OUT/workers/worker-K. overwrite: a finished run in out_dir is replaced by this one (without it: a
     RunFinished error)."""
 
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 3
+    checkpoint_every: int = settings.default("checkpoint_every")
+    keep_checkpoints: int = settings.default("keep_checkpoints")
     resume: str = "no"  # no | yes | auto
     run_id: str | None = None
     overwrite: bool = False
@@ -35,7 +35,7 @@ class SiteFolders:
     worker does it (mdgan.sites; classes: the run's class names, as the server's --classes)."""
 
     site_dirs: str | None = None
-    bad_images: str = "refuse"
+    bad_images: str = settings.default("bad_images")
     classes: tuple[str, ...] | None = None
 
 
@@ -45,9 +45,9 @@ class Outputs:
     (mdgan/tracking.py), and OUT/discriminators.pt, every worker's final discriminator (what `mdgan audit`
     attacks; MD-GAN, FL-GAN and the standalone GAN)."""
 
-    tensorboard: str | None = None
-    mlflow: str | None = None
-    save_discriminators: bool = False
+    tensorboard: str | None = settings.default("tensorboard")
+    mlflow: str | None = settings.default("mlflow")
+    save_discriminators: bool = settings.default("save_discriminators")
 
 
 def check_evaluation(evaluation: EvaluationOptions, dataset: str, downstream: int = 0) -> None:
@@ -94,22 +94,23 @@ class RunSpec:
     stop_after: int | None = None
     downstream: int = 0
 
-    def validate(self) -> "RunSpec":
+    def validate(self, in_process: bool = True) -> "RunSpec":
         """The spec as it trains (an algorithm on the whole dataset: one worker, kappa 1; the options
         checked against the config), or a ConfigError for the first setting it would refuse. Reads no
         data and writes nothing: what depends on the data (a site's privacy budget, its folders) is
-        checked again when the data is loaded."""
+        checked again when the data is loaded. in_process: the run trains in this process (False: on the
+        services, `mdgan local`)."""
         entry = algorithms.get(self.algorithm)
         d, e = self.durability, self.emulation
         algorithms.refuse(entry, checkpoint_every=d.checkpoint_every, resume=d.resume != "no", churn=bool(e.churn),
                           byzantine=e.byzantine, crash_every=e.crash_every, site_dirs=self.sites.site_dirs,
-                          private=self.config.privacy.active_mechanism)
+                          in_process=in_process, private=self.config.privacy.active_mechanism)
         if d.resume not in ("no", "yes", "auto"):
             raise ConfigError(f"resume must be no, yes or auto, not {d.resume!r}")
         if self.stop_after is not None and (d.checkpoint_every or d.resume != "no"):
-            raise ConfigError("stop_after trains a run's first iterations once: not with checkpoints or --resume")
+            raise ConfigError(f"stop_after trains a run's first iterations once: not with checkpoints or {named('resume')}")
         if bool(e.byzantine) != bool(e.attack):
-            raise ConfigError("--byzantine K and --attack go together")
+            raise ConfigError(f"{named('byzantine')} K and {named('attack')} go together")
         config = self.config
         if entry.whole_dataset:  # one G, one D, the whole dataset
             config = replace(config, workers=1, kappa=1)
@@ -133,35 +134,67 @@ class RunSpec:
         return replace(self, config=config, data=data, options=options)
 
     @classmethod
-    def from_values(cls, values: Mapping[str, Any], first: int | None = None, score_first: bool = False) -> "RunSpec":
-        """A run from its settings by key (an experiment's run: mdgan_app/experiment.py DEFAULTS' keys), with an
-        experiment's spellings (swap_every "never", crash "every I/N"). first: only its first this many
-        iterations, without checkpoints or saved discriminators, unscored unless score_first."""
-        values = dict(values)
-        if not isinstance(values["swap_optimizer_state"], bool):
-            raise ConfigError(f"swap_optimizer_state must be true or false, not {values['swap_optimizer_state']!r}")
+    def from_values(cls, values: Mapping[str, Any], first: int | None = None, score_first: bool = False, *,
+                    command: bool = False) -> "RunSpec":
+        """The run of `values`, settings by key, from any source: a command's parsed flags (command=True), an
+        experiment's run (mdgan_app/experiment.py DEFAULTS' keys), a kept run.json. A declared setting
+        (mdgan/settings.py) the source lacks has its default; each is checked by its declaration first. Beside
+        them: algorithm and device; an experiment's spellings (swap_every "never", crash "every I/N"); a command's
+        resume (no|yes), run_id, overwrite, churn ([(iteration, "leave"|"join", slot)]), site_dirs and classes.
+
+        command: durability and emulation as asked, and another algorithm's option set is refused; otherwise (an
+        experiment's run) a durable algorithm checkpoints and resumes by itself, and the others run through.
+        first: only its first this many iterations, without checkpoints or saved discriminators, unscored unless
+        score_first."""
+        values = {**{key: s.default for key, s in settings.EVERY_SETTING.items()}, **values}
         if values["swap_every"] == "never":
             values["swap_every"] = values["iterations"] + 1
-        config = settings.training_config(values, dataset=values["dataset"], device=values["device"])
+        settings.check_values(values)  # each setting's type, choices and range, by its declaration
+        classes = values.get("classes")
+        config = settings.training_config(values, dataset=values["dataset"], device=values.get("device", "cpu"),
+                                          classes=classes)
         entry = algorithms.get(values["algorithm"])
-        durable = first is None and values["checkpoint_every"] > 0 and entry.durable
+        if command:
+            algorithms.refuse_foreign_options(values["algorithm"], values)
+            durability = Durability(values["checkpoint_every"], values["keep_checkpoints"], values.get("resume", "no"),
+                                    values.get("run_id"), bool(values.get("overwrite")))
+            emulation = Emulation(churn=values.get("churn"), byzantine=values["byzantine"], attack=values["attack"])
+        else:  # (the algorithms that cannot checkpoint run through: a stop restarts them)
+            durable = first is None and values["checkpoint_every"] > 0 and entry.durable
+            durability = Durability(checkpoint_every=values["checkpoint_every"] if durable else 0,
+                                    keep_checkpoints=values["keep_checkpoints"], resume="auto" if durable else "no")
+            emulation = Emulation(crash_every=crash_period(values),
+                                  byzantine=values["byzantine"] if values["attack"] else 0,
+                                  attack=values["attack"] if values["byzantine"] else None)
         return cls(
             config=config, algorithm=values["algorithm"], options=entry.options_from(values), stop_after=first,
-            data=DataConfig(values["dataset"], values["data_root"], config.workers, 0, split=values["split"],
-                            dirichlet_alpha=values["dirichlet_alpha"]),
+            data=DataConfig(values["dataset"], values["data_root"], config.workers, values["split_seed"],
+                            split=values["split"], dirichlet_alpha=values["dirichlet_alpha"],
+                            max_samples=values["max_samples"]),
             evaluation=EvaluationOptions(
-                data_root=values["data_root"] if values["dataset"] == "mnist" else None,
+                data_root=evaluation_root(values),
                 every=values["eval_every"] if first is None or score_first else -1, samples=values["eval_samples"],
                 reference=values["eval_reference"], large_every=values["eval_large_every"],
                 large_samples=values["eval_large_samples"]),
-            # (the algorithms that cannot checkpoint run through: a stop restarts them)
-            durability=Durability(checkpoint_every=values["checkpoint_every"] if durable else 0,
-                                  resume="auto" if durable else "no"),
-            emulation=Emulation(crash_every=crash_period(values),
-                                byzantine=values["byzantine"] if values["attack"] else 0,
-                                attack=values["attack"] if values["byzantine"] else None),
-            outputs=Outputs(save_discriminators=first is None and bool(values["save_discriminators"])),
-            downstream=int(values.get("eval_downstream") or 0) if first is None else 0)
+            durability=durability, emulation=emulation,
+            sites=SiteFolders(site_dirs=values.get("site_dirs"), bad_images=values["bad_images"], classes=classes),
+            outputs=Outputs(tensorboard=values["tensorboard"], mlflow=values["mlflow"],
+                            save_discriminators=first is None and bool(values["save_discriminators"])),
+            downstream=int(values["eval_downstream"] or 0) if first is None else 0)
+
+
+def evaluation_root(values: Mapping[str, Any]) -> str | None:
+    """Where the scores' MNIST test set is: an MNIST run's data root (with site folders, the data root if it
+    holds MNIST); None: the run is not scored."""
+    import os
+
+    if values["eval_every"] < 0:
+        return None
+    if values["dataset"] == "mnist" and not values.get("site_dirs"):
+        return values["data_root"]
+    if values.get("site_dirs") and os.path.isdir(os.path.join(values["data_root"], "MNIST", "raw")):
+        return values["data_root"]
+    return None
 
 
 def crash_period(values: Mapping[str, Any]) -> int | None:

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 
 from mdgan import checkpoint
-from mdgan.config import ConfigError, ModelSpec, TrainingConfig
+from mdgan.config import ConfigError, ModelSpec, TrainingConfig, named
 from mdgan.models import build_generator, image_shape
 
 
@@ -91,7 +91,7 @@ class Run:
                 raise ConfigError(f"classes must be labels in [0, {spec.num_classes})")
             labels = wanted[torch.arange(n) % wanted.numel()]  # (n,)
         elif classes is not None:
-            raise ConfigError("this run trained a plain GAN (--gan gan): its samples have no classes")
+            raise ConfigError(f"this run trained a plain GAN ({named('gan')} gan): its samples have no classes")
         with torch.no_grad():
             samples = self.generator(z.to(self.device), None if labels is None else labels.to(self.device))
         return samples.reshape(n, *spec.sample_shape), labels
@@ -117,7 +117,7 @@ def _memory_for(n: int, spec: ModelSpec):
             raise
         need = n * (spec.latent_dim + spec.sample_size) * 4
         raise ConfigError(f"--n {n:,}: not enough memory to draw that many samples at once (about {need / 1e9:.1f} "
-                          "GB); draw fewer, several times with other --seed values") from None
+                          f"GB); draw fewer, several times with other {named('seed')} values") from None
 
 
 def sample_run(run_dir: str, n: int, out: str, seed: int = 0) -> int:

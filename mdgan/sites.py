@@ -29,7 +29,7 @@ from collections import Counter
 
 import torch
 
-from mdgan.config import ConfigError, DataConfig
+from mdgan.config import ConfigError, DataConfig, named
 from mdgan.images import (SiteData, _list, load_imagefolder)
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def site_dir(site_dirs: str, index: int) -> str:
 def count_sites(site_dirs: str) -> int:
     """How many site-0, site-1, ... folders there are (consecutive from 0)."""
     if not os.path.isdir(site_dirs):
-        raise ConfigError(f"--site-dirs {site_dirs!r} is not a folder")
+        raise ConfigError(f"{named('site_dirs')} {site_dirs!r} is not a folder")
     n = 0
     while os.path.isdir(site_dir(site_dirs, n)):
         n += 1

@@ -49,22 +49,21 @@ def _print_summary(summary: dict, out: str) -> None:
 
 
 def cmd_simulate(args) -> int:
+    from mdgan import settings
     from mdgan.algorithms.mdgan.inprocess import parse_churn
-    from mdgan.algorithms.base import Emulation
-    from mdgan.run_spec import Durability, Outputs, RunSpec, SiteFolders
-    from mdgan.simulation import train
-    from services.common.settings import (algorithm_options, class_names, configure_compute, data_config,
-                                          evaluation_options, training_config)
-    from mdgan_app.launcher import _eval_root
-
     from mdgan.run import check_out_dir
+    from mdgan.run_spec import RunSpec
+    from mdgan.simulation import train
+    from services.common.settings import class_names, configure_compute
 
     if args.resume:
         take_launch_settings(args)
     configure_compute(args.threads)
     _resolve_workers(args)
-    config = training_config(args)
+    vars(args).update(settings.resolved(vars(args)))  # launch.toml keeps what a derived setting came to
     resume = "yes" if args.resume else "no"
+    spec = RunSpec.from_values({**vars(args), "resume": resume, "churn": parse_churn(args.churn),
+                                "classes": class_names(args)}, command=True)
 
     with contextlib.ExitStack() as held:
         def accepted() -> None:  # every setting accepted: the run folder is ours from here on
@@ -72,17 +71,6 @@ def cmd_simulate(args) -> int:
             check_out_dir(args.out, resume, args.overwrite)  # (again, now that no other command can write there)
             save_launch_settings(args)
 
-        spec = RunSpec(config, data_config(args, config.workers), args.algorithm,
-                       algorithm_options(args.algorithm, args), evaluation_options(args, _eval_root(args)),
-                       durability=Durability(checkpoint_every=args.checkpoint_every,
-                                             keep_checkpoints=args.keep_checkpoints, resume=resume,
-                                             run_id=args.run_id, overwrite=args.overwrite),
-                       emulation=Emulation(churn=parse_churn(args.churn), byzantine=args.byzantine,
-                                           attack=args.attack),
-                       sites=SiteFolders(site_dirs=args.site_dirs, bad_images=args.bad_images,
-                                         classes=class_names(args)),
-                       outputs=Outputs(tensorboard=args.tensorboard, mlflow=args.mlflow,
-                                       save_discriminators=args.save_discriminators))
         summary = train(spec, args.out, progress=show_progress(args), before_writing=accepted)
     _print_summary(summary, args.out)
     return 0
@@ -111,51 +99,27 @@ def _resolve_workers(args) -> None:
         args.workers = 4
 
 
-def _check_site_privacy(args, config) -> None:
-    """A DP budget no site can have (a target epsilon reached before the first step, delta >= 1/m):
-    refused here in one line, before any process starts (each worker checks its own again at its
-    welcome; sites with their own data, --site-dirs, check theirs there)."""
-    if not config.privacy.enabled:
-        return
-    from mdgan import privacy
-    from mdgan.config import DataConfig
-    from mdgan.run_spec import known_shard_sizes
-
-    if getattr(args, "site_dirs", None):
-        privacy.check_run(config, [])  # the layers only: the sites' sizes are theirs to check
-        return
-    data = DataConfig(args.dataset, split=args.split, max_samples=args.max_samples or 0)
-    privacy.check_run(config, known_shard_sizes(data, config.workers)[-1:])  # (the smallest shard)
-
-
 def cmd_local(args) -> int:
-    from mdgan import algorithms
+    from mdgan import settings
     from mdgan.run import check_out_dir
+    from mdgan.run_spec import RunSpec
     from mdgan_app.launcher import MACHINE_PORTS, workers_per_process
-    from services.common.settings import algorithm_options, training_config
+    from services.common.settings import class_names
 
     if args.resume:  # the run's own settings, from its run directory
         take_launch_settings(args)
     _resolve_workers(args)
-    config = training_config(args)  # fail here, with a clear message, rather than in a child process
-    check_out_dir(args.out, "yes" if args.resume else "no", args.overwrite)
-    _check_site_privacy(args, config)
-    if bool(args.byzantine) != bool(args.attack):
-        raise ConfigError("--byzantine K and --attack go together")
+    vars(args).update(settings.resolved(vars(args)))  # launch.toml and the server's flags carry what they came to
+    resume = "yes" if args.resume else "no"
+    # every setting checked here, with a clear message, rather than in a child process
+    RunSpec.from_values({**vars(args), "resume": resume, "classes": class_names(args)},
+                        command=True).validate(in_process=False)
+    check_out_dir(args.out, resume, args.overwrite)
     if not 0 <= args.relayed <= args.workers:
         raise ConfigError(f"--relayed must be in 0..{args.workers} (the workers), not {args.relayed}")
     if args.relayed and args.insecure:
         raise ConfigError("--relayed needs mutual TLS (relayed discriminators are sealed between the sites' "
                           "certificates): leave out --insecure")
-    if args.byzantine:
-        from mdgan.attacks import attackers
-
-        attackers(args.workers, args.byzantine)
-    # refused here, with a clear message, rather than in the server
-    algorithms.refuse(algorithms.get(args.algorithm), checkpoint_every=args.checkpoint_every,
-                      resume=bool(args.resume), byzantine=args.byzantine, in_process=False,
-                      private=config.privacy.active_mechanism)
-    algorithm_options(args.algorithm, args, config)
     workers_per_process(args.workers, args.workers_per_process)  # a bad value fails here
     needed = 2 * args.workers + 2  # each service's /metrics, each worker's Peer service, the server's gRPC
     if needed > MACHINE_PORTS:
@@ -541,12 +505,11 @@ def add_certs_command(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.algorithms import NAMES, SERVED
-    from mdgan.attacks import ATTACKS
     from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
                                           add_data_arguments, add_durable_arguments, add_evaluation_arguments,
-                                          add_scheduling_argument, add_site_arguments, add_threads_argument,
-                                          add_tracking_arguments, add_training_arguments, add_version,
-                                          positive_seconds)
+                                          add_scheduling_argument, add_setting_arguments, add_setting_groups,
+                                          add_site_arguments, add_threads_argument, add_tracking_arguments,
+                                          add_training_arguments, add_version, positive_seconds)
 
     # Each command reads its own variables (MDGAN_LOCAL_WORKERS, ...), never the services' MDGAN_<FLAG>:
     # a worker's MDGAN_SERVER must not become `certs issue`'s --server. `certs` reads none.
@@ -584,12 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "settings it was launched with (RUN/launch.toml); an option given with --resume "
                                   "overrides one of them (a moved --data-root, say), except the training ones")
         durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
-        g = p.add_argument_group("emulated Byzantine workers (experiments)")
-        g.add_argument("--byzantine", type=int, default=0,
-                       help="K: the last K workers by rank send wrong feedback (needs --attack)")
-        g.add_argument("--attack", choices=ATTACKS, default=None,
-                       help="what they send: sign-flip (-F), scale (10 F), sign-flip-scale (-10 F), "
-                            "noise (10x F's RMS), free-ride (zeros)")
+        add_setting_groups(p, ("byzantine", "attack"))
         return p
 
     simulate = run_parser("simulate", "Train in one process: every worker is an object.")
@@ -597,9 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
                                "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
                                "state or a copy of a live peer's discriminator)")
-    simulate.add_argument("--save-discriminators", action="store_true",
-                          help="also write OUT/discriminators.pt, every worker's final discriminator (what `mdgan "
-                               "audit OUT` attacks; MD-GAN, FL-GAN and the standalone GAN)")
+    add_setting_arguments(simulate, ("save_discriminators",))
     simulate.set_defaults(func=cmd_simulate)
     local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
     local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")
@@ -792,7 +748,9 @@ def main(argv: list[str] | None = None) -> int:
         status = _exit_status_of(exc)
         if status is None:
             raise
-        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        # a setting named by its flag, as given here; an experiment's by its key, as its YAML file gives it
+        message = exc.for_flags() if isinstance(exc, ConfigError) and args.command != "experiment" else exc
+        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
         return status
     except KeyboardInterrupt:  # Ctrl-C in a command that runs in this process (`local` stops its cluster itself)
         print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)

@@ -71,17 +71,11 @@ from mdgan import settings
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.run_spec import RunSpec
 
-# An experiment's keys: every training setting (mdgan/settings.py) with its default, and these of its own
+# An experiment's keys: every declared setting an experiment takes (mdgan/settings.py), with its default, and these
+# of its own: crash ("every I/N": the paper's crash experiment), label and series (plots), device
 DEFAULTS = {
-    "algorithm": "mdgan", **settings.defaults(),
-    "dataset": "mnist", "data_root": "data", "split": "iid", "dirichlet_alpha": 0.5, "eval_every": 1000,
-    "eval_samples": 500, "eval_reference": 2000, "crash": None, "label": None, "series": None, "device": "cpu",
-    "byzantine": 0, "attack": None,  # (emulated Byzantine workers: docs/GUIDE.md "Beyond the paper")
-    # long runs: scores on eval_large_samples images too, every eval_large_every iterations and at the end;
-    # a checkpoint every checkpoint_every iterations (durable algorithms), from which a resume continues
-    "eval_large_every": 0, "eval_large_samples": 5000, "checkpoint_every": 0,
-    "save_discriminators": False,  # each run's final discriminators, for `mdgan audit` (docs/PRIVACY.md)
-    "eval_downstream": 0,  # > 0: the final generator's downstream accuracy on that many images (mdgan/downstream.py)
+    "algorithm": "mdgan", **{s.key: s.default for s in settings.EVERY_SETTING.values() if s.experiment},
+    "crash": None, "label": None, "series": None, "device": "cpu",
 }
 # every algorithm's own options (mdgan/algorithms/*: P-WGAN's T, the parameter-server GAN's Q, ...), with their defaults
 OPTION_FIELDS = [f for entry in ALGORITHMS.values() for f in entry.option_fields()]
@@ -96,17 +90,9 @@ NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_
              "dp_target_epsilon", "dp_max_grad_norm", "dp_delta", "dp_mechanism", "dp_discriminators",
              "dp_clip_generated", "dp_fixed_noise", *(option_key(f) for f in OPTION_FIELDS), "gen_lr", "disc_lr",
              "beta1", "beta2", "seed")
-SHORT = {"algorithm": "", "workers": "N", "batch_size": "b", "kappa": "k", "disc_steps": "L", "swap_every": "S",
-         "swap_epochs": "E", "swap_optimizer_state": "swapstate", "crash": "crash", "architecture": "", "gan": "",
-         "loss": "", "disc_width": "Dw", "split": "", "iterations": "I", "seed": "seed", "wire_dtype": "wire",
-         "aggregation": "",
-         "trim_fraction": "trim", "clip_norm": "clip", "byzantine": "byz", "attack": "", "sync": "", "quorum": "K",
-         "max_staleness": "S",
-         "dp_noise_multiplier": "sigma", "dp_target_epsilon": "eps", "dp_max_grad_norm": "C", "dp_delta": "delta",
-         "dp_mechanism": "dp",
-         "dp_discriminators": "parts", "dp_clip_generated": "clipgen", "dp_fixed_noise": "fixednoise",
-         **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS},
-         "gen_lr": "lrG", "disc_lr": "lrD", "beta1": "beta1_", "beta2": "beta2_"}
+SHORT = {"algorithm": "", "crash": "crash",
+         **{s.key: s.short for s in settings.EVERY_SETTING.values() if s.short is not None},
+         **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS}}
 
 
 # curves: each run's scores against iterations (Figures 3 and 5); bands: the runs that share a label (the

@@ -22,6 +22,7 @@ import urllib.request
 from services.common import scheduling
 from mdgan.algorithms.base import RUN_FAILED
 from mdgan.config import ConfigError
+from mdgan.settings import TRAINING_KEYS
 from mdgan_app.run_folder import save_launch_settings
 
 def _eval_root(args) -> str | None:
@@ -33,20 +34,22 @@ def _eval_root(args) -> str | None:
     return None
 
 
+# the declared settings `mdgan local` hands its server as they are (mdgan/settings.py; the server defines their flags)
+SERVER_SETTINGS = (*TRAINING_KEYS, "checkpoint_every", "keep_checkpoints", "eval_every", "eval_samples",
+                   "eval_reference", "dataset")
+
+
 def _forwarded_training_flags(args) -> list[str]:
-    """The run's training and checkpoint settings, for mdgan-server (which defines the same flags)."""
-    from mdgan.settings import TRAINING_SETTINGS
-    from services.common.settings import DURABLE_FLAGS
+    """The run's declared settings the server takes, as mdgan-server's flags."""
+    from mdgan.settings import EVERY_SETTING
 
     flags = []
-    for setting in TRAINING_SETTINGS:
-        value = getattr(args, setting.key)
+    for key in SERVER_SETTINGS:
+        setting, value = EVERY_SETTING[key], getattr(args, key)
         if setting.kind is bool:
             flags += [] if value is None else [setting.flag if value else "--no-" + setting.flag[2:]]
         elif value is not None:
             flags += [setting.flag, str(value)]
-    for dest in DURABLE_FLAGS:
-        flags += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
     return flags
 
 
@@ -349,8 +352,7 @@ class LocalCluster:
             "--device", a.device, "--step-timeout", str(a.step_timeout),
             "--swap-timeout", str(a.swap_timeout), "--join-timeout", str(a.join_timeout),
             "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
-            "--eval-every", str(a.eval_every), "--eval-samples", str(a.eval_samples),
-            "--eval-reference", str(a.eval_reference), "--dataset", a.dataset, "--algorithm", a.algorithm,
+            "--algorithm", a.algorithm,
             "--stop-grace", str(a.stop_grace),
             *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
             *security["server"],

@@ -126,7 +126,7 @@ def test_a_config_file_sets_a_run_below_variables_and_flags(tmp_path, run):
     sha = [json.load(open(os.path.join(d, "summary.json")))["generator_sha256"] for d in (out, again)]
     assert sha[0] == sha[1]
     assert "worker-" not in run(["services.worker", "--config", str(config), "--print-config"]).stderr
-    for text, message in (("workerz = 2", "unknown key 'workerz'"), ('workers = "two"', "workers = 'two': invalid int"),
+    for text, message in (("workerz = 2", "unknown key 'workerz'"), ('workers = "two"', "workers = 'two': must be a whole number"),
                           ("no-progress = 1", "true or false"), ('dataset = "imagenet"', "choose from"),
                           ("[training]\nworkers = 2", "unknown key 'training'"), ("workers = ", "not TOML")):
         bad = tmp_path / "bad.toml"
@@ -173,12 +173,12 @@ def test_mdgan_certs_runs_without_the_training_code(tmp_path):
     (["mdgan_app.cli", "simulate", "--iter", "3", "--dataset", "synthetic", "--out", "{pki}"],
      r"unrecognized arguments: --iter 3"),
     (["mdgan_app.cli", "local", "--keep-checkpoints", "0", "--dataset", "synthetic", "--out", "{pki}"],
-     r"--keep-checkpoints: must be at least 1, got 0"),  # (the server refused it, after the run folder was made)
-    (["services.worker", "--keep-checkpoints", "0"], r"--keep-checkpoints: must be at least 1, got 0"),
+     r"--keep-checkpoints: must be at least 1, not 0"),  # (the server refused it, after the run folder was made)
+    (["services.worker", "--keep-checkpoints", "0"], r"--keep-checkpoints: must be at least 1, not 0"),
     (["mdgan_app.cli", "simulate", "--eval-samples", "1", "--dataset", "synthetic", "--out", "{pki}"],
-     r"--eval-samples: at least 2 images \(a FID needs two to compare\), got 1"),  # (FID's traceback at the end)
+     r"--eval-samples: must be at least 2 images \(a FID needs two to compare\), not 1"),  # (FID's traceback at the end)
     (["mdgan_app.cli", "simulate", "--eval-every", "-5", "--dataset", "synthetic", "--out", "{pki}"],
-     r"--eval-every: iterations, or 0 \(only at the end\) or -1 \(never\), got -5"),
+     r"--eval-every: must be a number of iterations, or 0 \(only at the end\) or -1 \(never\), not -5"),
 ])
 def test_a_flag_out_of_range_or_cut_short_is_refused_before_anything_is_written(tmp_path, run, argv, message):
     """A certificate valid for no day or past X.509's dates, a port no one can reach; and a flag cut short, which

@@ -461,7 +461,7 @@ def test_an_experiments_device_is_every_runs_and_a_missing_one_is_one_line(tmp_p
     runs = expand(load_config(_write(tmp_path, {"out": str(tmp_path / "o"), "runs": [{"kappa": 1}, {"kappa": 2}]})))
     assert {r["device"] for r in _on_device(runs, None)} == {"cpu"}
     assert {r["device"] for r in _on_device(runs, "cpu")} == {"cpu"}
-    with pytest.raises(ConfigError, match="--device must be cpu, cuda or cuda:N, got 'tpu'"):
+    with pytest.raises(ConfigError, match="device must be cpu, cuda or cuda:N, got 'tpu'"):
         _on_device(runs, "tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):

@@ -138,9 +138,9 @@ def test_waiting_for_all_stops_the_run_when_a_worker_is_lost(tmp_path):
 
 
 def test_threshold_out_of_range_is_a_config_error():
-    with pytest.raises(ConfigError, match="ps-threshold"):
+    with pytest.raises(ConfigError, match="ps_threshold"):
         PSGANOptions(threshold=4).resolve(3)
-    with pytest.raises(ConfigError, match="ps-threshold"):
+    with pytest.raises(ConfigError, match="ps_threshold"):
         PSGANOptions(threshold=0).resolve(3)
 
 

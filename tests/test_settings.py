@@ -203,3 +203,113 @@ def test_every_training_setting_that_varies_names_its_runs(tmp_path, key):
     runs = expand({"out": str(tmp_path), "base": {}, "runs": [{}, {key: value}], "name": "x"})
     assert len({r["name"] for r in runs}) == 2
     assert str(value).lower() in runs[1]["name"].lower(), runs[1]["name"]
+
+
+# Where each of the run's other settings lands in its RunSpec (a new setting without a place here fails below).
+SPEC_FIELDS = {"dataset": "data.dataset", "data_root": "data.data_root", "split_seed": "data.split_seed",
+               "max_samples": "data.max_samples", "split": "data.split", "dirichlet_alpha": "data.dirichlet_alpha",
+               "bad_images": "sites.bad_images", "eval_every": "evaluation.every", "eval_samples": "evaluation.samples",
+               "eval_reference": "evaluation.reference", "eval_large_every": "evaluation.large_every",
+               "eval_large_samples": "evaluation.large_samples", "eval_downstream": "downstream",
+               "checkpoint_every": "durability.checkpoint_every", "keep_checkpoints": "durability.keep_checkpoints",
+               "byzantine": "emulation.byzantine", "attack": "emulation.attack",
+               "save_discriminators": "outputs.save_discriminators", "tensorboard": "outputs.tensorboard",
+               "mlflow": "outputs.mlflow"}
+RUN_ALTERNATIVES = {"dataset": "synthetic", "data_root": "elsewhere", "attack": "sign-flip", "byzantine": 1,
+                    "tensorboard": "tb", "mlflow": "mlruns", "eval_every": 50, "dirichlet_alpha": 0.25}
+RUN_COMPANIONS = {"byzantine": {"attack": "sign-flip"}, "attack": {"byzantine": 1},
+                  "dirichlet_alpha": {"split": "dirichlet"}}
+
+
+def spec_value(spec, key):
+    value = spec
+    for part in SPEC_FIELDS[key].split("."):
+        value = getattr(value, part)
+    return value
+
+
+def test_every_setting_is_declared_once_with_a_place_in_the_run():
+    assert set(settings.EVERY_SETTING) == set(TRAINING_KEYS) | set(SPEC_FIELDS)
+    for setting in settings.EVERY_SETTING.values():
+        assert setting.help and setting.group, setting.key
+        assert setting.check(setting.default) == setting.default, setting.key  # its default is one it takes
+
+
+@pytest.mark.parametrize("key", [s.key for s in settings.RUN_SETTINGS])
+def test_a_run_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeypatch):
+    """Each of the run's other settings (data, evaluation, durability, emulation, outputs): by a flag of
+    `mdgan simulate` and `mdgan local`, a variable, a `--config` file and an experiment's key, it ends in the same
+    RunSpec (RunSpec.from_values, the one builder); `mdgan local` hands the server its own as the server's flags."""
+    from mdgan.run_spec import RunSpec
+    from mdgan_app.experiment import DEFAULTS
+    from mdgan_app.launcher import SERVER_SETTINGS, _forwarded_training_flags
+    from services.common.settings import settings_toml
+
+    every = settings.EVERY_SETTING
+    value = RUN_ALTERNATIVES[key] if key in RUN_ALTERNATIVES else alternative(every[key])
+    given = {key: value, **RUN_COMPANIONS.get(key, {})}
+    base = {"dataset": "synthetic"} if key != "dataset" else {}
+    specs = {}
+    if every[key].experiment:
+        specs["experiment"] = RunSpec.from_values({**DEFAULTS, **base, **given})
+    for command in ("simulate", "local"):  # the commands that have its flag, and only those
+        dests = {a.dest for a in command_parser(command)._actions}
+        assert (key in dests) == (command in every[key].commands), f"{key} in mdgan {command}"
+    if every[key].commands:
+        tokens = [t for k, v in {**base, **given}.items() for t in flag_tokens(every[k], v)]
+
+        def command_spec(args):
+            if args.workers is None:
+                args.workers = 4
+            return RunSpec.from_values(vars(args), command=True)
+
+        specs["simulate flag"] = command_spec(command_parser("simulate").parse_args(tokens))
+        if "local" in every[key].commands:
+            local = command_parser("local").parse_args(tokens)
+            specs["local flag"] = command_spec(local)
+        config_file = tmp_path / "run.toml"
+        config_file.write_text(settings_toml({**base, **given}, "one setting"))
+        specs["--config"] = command_spec(command_parser("simulate").parse_args(["--config", str(config_file)]))
+        with monkeypatch.context() as env:
+            for k, v in {**base, **given}.items():
+                env.setenv(f"MDGAN_SIMULATE_{k.upper()}", "true" if v is True else str(v))
+            specs["variable"] = command_spec(command_parser("simulate").parse_args([]))
+        if key in SERVER_SETTINGS:
+            server = server_parser().parse_args(_forwarded_training_flags(local))
+            assert getattr(server, key) == value, f"{key}: mdgan local -> mdgan-server"
+    assert specs, f"{key} has no path into a run"
+    for path, spec in specs.items():
+        assert spec_value(spec, key) == value, f"{key} by {path}"
+        for other in SPEC_FIELDS:
+            if other not in (*given, *base, "data_root"):  # (evaluation.data_root follows the dataset)
+                expected = every[other].default
+                assert spec_value(spec, other) == expected, f"{key} by {path} also set {other}"
+
+
+@pytest.mark.parametrize("key,bad", [("eval_samples", 1), ("kappa", 0), ("checkpoint_every", -2), ("split", "rows"),
+                                     ("swap_optimizer_state", "yes"), ("workers", 2.5)])
+def test_a_setting_out_of_range_is_named_by_its_key_in_the_library_and_by_its_flag_on_the_command_line(key, bad):
+    from mdgan.config import ConfigError
+    from mdgan.run_spec import RunSpec
+    from mdgan_app.experiment import DEFAULTS
+
+    with pytest.raises(ConfigError) as refused:
+        RunSpec.from_values({**DEFAULTS, "dataset": "synthetic", key: bad}).validate()
+    flag = "--" + key.replace("_", "-")
+    assert str(refused.value).startswith(key) and flag not in str(refused.value), str(refused.value)
+    assert refused.value.for_flags().startswith(flag), refused.value.for_flags()
+
+
+def test_an_experiment_is_refused_whole_before_it_writes_naming_the_run_and_the_setting(tmp_path, capsys):
+    """A bad setting of any run (a range only a declaration knows, eval_samples >= 2) refuses the experiment
+    before experiment.json or any run folder is written, in one line naming the YAML key, not a flag."""
+    from mdgan_app.cli import main
+
+    spec = tmp_path / "exp.yaml"
+    out = tmp_path / "out"
+    spec.write_text(f"out: {out}\nname: bad\nbase:\n  dataset: synthetic\n  iterations: 4\n  eval_every: -1\n"
+                    "runs:\n  - {workers: 2}\n  - {workers: 3}\n  - {workers: 4, eval_samples: 1}\n")
+    assert main(["experiment", str(spec)]) == 2
+    error = capsys.readouterr().err
+    assert "eval_samples must be at least 2" in error and "--eval-samples" not in error, error
+    assert not out.exists() or not any(out.iterdir())

@@ -101,8 +101,8 @@ def test_a_sample_shape_that_does_not_fit_is_refused():
 
 
 @pytest.mark.parametrize("kwargs,match", [({"split": "by-class"}, "unknown split"),
-                                          ({"split": "dirichlet", "dirichlet_alpha": 0.0}, "dirichlet-alpha"),
-                                          ({"dirichlet_alpha": float("nan")}, "dirichlet-alpha"),
+                                          ({"split": "dirichlet", "dirichlet_alpha": 0.0}, "dirichlet_alpha"),
+                                          ({"dirichlet_alpha": float("nan")}, "dirichlet_alpha"),
                                           ({"dataset": "imagenet"}, "unknown dataset")])
 def test_data_config_is_validated(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -177,7 +177,7 @@ def test_an_environment_value_outside_an_options_choices_is_a_usage_error(monkey
     (["local", "--swap-timeout", "soon"], "argument --swap-timeout: a number of seconds, got 'soon'"),
     (["local", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
     (["simulate", "--threads", "two"], "argument --threads: a whole number, got 'two'"),
-    (["local", "--checkpoint-every", "-1"], "argument --checkpoint-every: must be >= 0, got -1"),
+    (["local", "--checkpoint-every", "-1"], "argument --checkpoint-every: must be at least 0, not -1"),
 ])
 def test_durations_and_thread_counts_out_of_range_are_usage_errors(argv, message, capsys):
     # A deadline of 0 s used to start a run that timed out at once or not at all; --threads -2 ran

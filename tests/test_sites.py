@@ -126,7 +126,7 @@ def test_bad_site_folders_are_named_at_load(tmp_path):
         load_imagefolder(str(tmp_path / "site"))
     message = str(refused.value)
     assert "2 unusable image(s)" in message and "1/broken.png: unreadable" in message
-    assert "1/wide.png: 28x40, not the 28x28 aspect ratio" in message and "--bad-images skip" in message
+    assert "1/wide.png: 28x40, not the 28x28 aspect ratio" in message and "bad_images skip" in message
 
     skipped = load_imagefolder(str(tmp_path / "site"), bad_images="skip")
     assert len(skipped) == 3 and skipped.class_names == ("0", "1")  # class 1 is kept, empty at this site

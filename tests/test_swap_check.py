@@ -69,10 +69,10 @@ def test_with_the_check_off_a_poisoned_push_is_installed(tmp_path):
 def test_bad_check_settings_are_one_line(tmp_path):
     from mdgan.algorithms.mdgan.options import MDGANOptions
 
-    for options, message in ((MDGANOptions(swap_check_norm_ratio=1.0), "norm-ratio must be a number > 1"),
-                             (MDGANOptions(swap_check_min_cosine=2.0), "min-cosine must be in"),
-                             (MDGANOptions(swap_check_loss_ratio=0.5), "loss-ratio must be a number >= 1"),
-                             (MDGANOptions(swap_check="maybe"), "--swap-check must be one of")):
+    for options, message in ((MDGANOptions(swap_check_norm_ratio=1.0), "norm_ratio must be a number > 1"),
+                             (MDGANOptions(swap_check_min_cosine=2.0), "min_cosine must be in"),
+                             (MDGANOptions(swap_check_loss_ratio=0.5), "loss_ratio must be a number >= 1"),
+                             (MDGANOptions(swap_check="maybe"), "swap_check must be one of")):
         with pytest.raises(ConfigError, match=message):
             _run(tmp_path, "bad", options=options)
 

@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 from mdgan.algorithms import psgan, flgan, pwgan, standalone
 from mdgan.algorithms import mdgan as mdgan_room
 from mdgan.algorithms.base import Algorithm, option_key
-from mdgan.config import ConfigError
+from mdgan.config import ConfigError, named
 from mdgan.renames import RENAMED, RENAMED_SETTINGS, canonical, renamed_settings  # noqa: F401
 
 
@@ -64,8 +64,8 @@ def refuse_foreign_options(name: str, settings: Mapping) -> None:
         for field in other.option_fields():
             key = option_key(field)
             if key in settings and settings[key] is not None and settings[key] != field.default:
-                raise ConfigError(f"{field.metadata['flag']} is an option of --algorithm {other.name}, not of "
-                                  f"--algorithm {name}: drop it, or run {other.name}")
+                raise ConfigError(f"{named(key)} is an option of {named('algorithm')} {other.name}, not of "
+                                  f"{named('algorithm')} {name}: drop it, or run {other.name}")
 
 
 def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = False, churn: bool = False, byzantine: int = 0,
@@ -74,22 +74,22 @@ def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = Fa
     """One clear line (ConfigError) for the first thing asked of `algorithm` that it cannot do: the one place
     that says which algorithm refuses what (simulate, mdgan local, experiments and mdgan-server ask it)."""
     if not (in_process or algorithm.served):
-        raise ConfigError(f"{algorithm.title} has no workers: run it with `mdgan simulate --algorithm {algorithm.name}`")
+        raise ConfigError(f"{algorithm.title} has no workers: run it with `mdgan simulate {named('algorithm')} {algorithm.name}`")
     if not algorithm.durable and (checkpoint_every or resume or churn):
-        raise ConfigError(f"--churn, --checkpoint-every and --resume work with {durable_names()} only, "
-                          f"not --algorithm {algorithm.name}")
+        raise ConfigError(f"{named('churn')}, {named('checkpoint_every')} and {named('resume')} work with {durable_names()} only, "
+                          f"not {named('algorithm')} {algorithm.name}")
     if not algorithm.attackers and byzantine:
-        raise ConfigError(f"emulated attackers (--byzantine) apply to {_names(lambda a: a.attackers)} runs, "
-                          f"not --algorithm {algorithm.name}")
+        raise ConfigError(f"emulated attackers ({named('byzantine')}) apply to {_names(lambda a: a.attackers)} runs, "
+                          f"not {named('algorithm')} {algorithm.name}")
     if not algorithm.crashes and crash_every:
-        raise ConfigError(f"crash schedules apply to {_names(lambda a: a.crashes)} runs, not --algorithm "
+        raise ConfigError(f"crash schedules apply to {_names(lambda a: a.crashes)} runs, not {named('algorithm')} "
                           f"{algorithm.name}")
     if private and not algorithm.private:
         raise ConfigError(f"differential privacy (--dp-*) is implemented for {_names(lambda a: a.private)} only, "
-                          f"not --algorithm {algorithm.name} (its workers' real-data steps are not clipped and "
+                          f"not {named('algorithm')} {algorithm.name} (its workers' real-data steps are not clipped and "
                           "noised): run one of those, or drop the --dp-* flags")
     if private and private not in algorithm.private:
-        raise ConfigError(f"--dp-mechanism {private} is implemented for "
-                          f"{_names(lambda a: private in a.private)} only, not --algorithm {algorithm.name}")
+        raise ConfigError(f"{named('dp_mechanism')} {private} is implemented for "
+                          f"{_names(lambda a: private in a.private)} only, not {named('algorithm')} {algorithm.name}")
     if algorithm.whole_dataset and site_dirs:
-        raise ConfigError(f"{algorithm.title} trains on one dataset: give it --data-root, not --site-dirs")
+        raise ConfigError(f"{algorithm.title} trains on one dataset: give it {named('data_root')}, not {named('site_dirs')}")

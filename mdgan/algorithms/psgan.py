@@ -57,7 +57,7 @@ from mdgan.algorithms.base import (Algorithm, InProcessRun, InputRejected, Itera
 from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
 from mdgan.algorithms.traffic import rounds_run_traffic
-from mdgan.config import ConfigError, ModelSpec, TrainingConfig
+from mdgan.config import ConfigError, ModelSpec, TrainingConfig, named
 from mdgan.data import Shard, ShardSampler
 from mdgan.gan import GeneratorSide, derive_seed, discriminator_loss, generator_loss, make_adam
 from mdgan.models import build_discriminator, build_generator
@@ -79,7 +79,7 @@ class PSGANOptions:
     def resolve(self, workers: int) -> int:
         q = workers if self.threshold is None else self.threshold
         if not 1 <= q <= workers:
-            raise ConfigError(f"--ps-threshold must be in [1, workers={workers}], got {q}")
+            raise ConfigError(f"{named('ps_threshold')} must be in [1, workers={workers}], got {q}")
         return q
 
     def check(self, config: TrainingConfig) -> "PSGANOptions":

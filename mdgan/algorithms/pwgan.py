@@ -91,7 +91,7 @@ from mdgan.algorithms.base import (Algorithm, InProcessRun, InputRejected, Itera
 from mdgan.algorithms.fixed_set import FixedSetTrainer
 from mdgan.algorithms.inprocess import InProcessRounds
 from mdgan.algorithms.traffic import option_of_run, rounds_run_traffic
-from mdgan.config import ConfigError, TrainingConfig
+from mdgan.config import ConfigError, TrainingConfig, named
 from mdgan.data import Shard, ShardSampler
 from mdgan.gan import GeneratorSide, derive_seed, make_adam
 from mdgan.models import build_discriminator
@@ -119,11 +119,11 @@ class PWGANOptions:
 
     def validate(self) -> "PWGANOptions":
         if self.potential_rounds < 1:
-            raise ConfigError("--potential-rounds must be at least 1")
+            raise ConfigError(f"{named('potential_rounds')} must be at least 1")
         if not (math.isfinite(self.potential_lr) and self.potential_lr > 0):
-            raise ConfigError(f"--potential-lr must be a positive number, got {self.potential_lr}")
+            raise ConfigError(f"{named('potential_lr')} must be a positive number, got {self.potential_lr}")
         if not (math.isfinite(self.gradient_penalty) and self.gradient_penalty >= 0):
-            raise ConfigError(f"--gradient-penalty must be >= 0, got {self.gradient_penalty}")
+            raise ConfigError(f"{named('gradient_penalty')} must be >= 0, got {self.gradient_penalty}")
         return self
 
     def check(self, config: TrainingConfig) -> "PWGANOptions":
@@ -139,12 +139,12 @@ class PWGANOptions:
 def check_config(config: TrainingConfig) -> None:
     """Refuses MD-GAN's options that P-WGAN does not implement (in simulate as over gRPC)."""
     if config.wire_dtype != "float32":
-        raise ConfigError(f"--wire-dtype {config.wire_dtype}: P-WGAN's batches, potentials and feedback travel "
+        raise ConfigError(f"{named('wire_dtype')} {config.wire_dtype}: P-WGAN's batches, potentials and feedback travel "
                           "as float32 only")
     if config.aggregation != "mean":
-        raise ConfigError(f"--aggregation {config.aggregation}: P-WGAN averages its critics' feedback (mean only)")
+        raise ConfigError(f"{named('aggregation')} {config.aggregation}: P-WGAN averages its critics' feedback (mean only)")
     if config.sync != "all":
-        raise ConfigError(f"--sync {config.sync}: P-WGAN's rounds wait for every live worker (all only)")
+        raise ConfigError(f"{named('sync')} {config.sync}: P-WGAN's rounds wait for every live worker (all only)")
 
 
 # ---------------------------------------------------------------------------------------------

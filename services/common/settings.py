@@ -22,7 +22,7 @@ import sys
 
 from services.common import allocator, scheduling
 from mdgan.renames import RENAMED_SETTINGS
-from mdgan.config import DATASETS, SPLITS, ConfigError, DataConfig, TrainingConfig
+from mdgan.config import ConfigError, DataConfig, TrainingConfig
 
 ENV_PREFIX = "MDGAN_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -353,70 +353,76 @@ def algorithm_flags(name: str, args: argparse.Namespace) -> list[str]:
 
 def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the run's scalars, scores and samples go besides its folder (mdgan/tracking.py)."""
-    g = parser.add_argument_group("experiment tracking (pip install 'mdgan[tracking]')")
-    g.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="write TensorBoard event files under DIR/<run id>: losses, accuracies, workers, swaps, "
-                        "scores and a sample grid at every evaluation")
-    g.add_argument("--mlflow", metavar="URI", default=None,
-                   help="log the run to an MLflow tracking store: a folder (./mlruns), file:///path or "
-                        "http(s)://server; parameters, metrics, the final samples and generator. A slow or absent "
-                        "server never slows training: it is said once in the log")
+    add_setting_groups(parser, ("tensorboard", "mlflow"))
 
 
 def add_durable_arguments(group, *, keep_help: str, stop_grace: bool = False) -> None:
     """--checkpoint-every and --keep-checkpoints, the same for mdgan simulate/local and mdgan-server;
     `stop_grace`: --stop-grace too (a served run's server stops on SIGTERM)."""
-    group.add_argument("--checkpoint-every", type=non_negative_int, default=0,
-                       help="checkpoint every this many iterations, and on SIGTERM (server and workers at the same "
-                            "iteration boundary; workers keep theirs in their state folder; 0: never)")
-    group.add_argument("--keep-checkpoints", type=positive_int, default=3, help=keep_help)
+    add_setting_arguments(group, ("checkpoint_every", "keep_checkpoints"), keep_checkpoints=keep_help)
     if stop_grace:
         group.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
                            help="on SIGTERM, how long the server waits for the iteration under way to end and be "
                                 "checkpointed (s)")
 
 
-DURABLE_FLAGS = ("checkpoint_every", "keep_checkpoints")  # what `mdgan local` hands its server as it is
+
+
+def setting_type(setting):
+    """argparse's `type` for a declared setting: its text parsed and checked by the declaration."""
+    def parse(text: str):
+        try:
+            return setting.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = setting.kind.__name__  # (argparse names the type in some of its messages)
+    return parse
+
+
+def add_setting_arguments(group, keys, **helps: str) -> None:
+    """The flags of the declared settings `keys` (mdgan/settings.py) in `group` (a parser or an argument
+    group); helps: a command's own help for a key, where it says more than the declaration's."""
+    from mdgan.settings import EVERY_SETTING
+
+    for key in keys:
+        setting = EVERY_SETTING[key]
+        help_text = helps.get(key, setting.help)
+        if setting.kind is bool:
+            group.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=setting.default,
+                               help=help_text)
+        else:
+            group.add_argument(setting.flag, type=setting_type(setting), default=setting.default,
+                               choices=setting.choices, help=help_text, metavar=METAVARS.get(key))
+
+
+METAVARS = {"tensorboard": "DIR", "mlflow": "URI"}
+
+
+def add_setting_groups(parser: argparse.ArgumentParser, keys) -> None:
+    """The flags of the declared settings `keys`, each in its declared help group."""
+    from mdgan.settings import EVERY_SETTING
+
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for key in keys:
+        group = EVERY_SETTING[key].group
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        add_setting_arguments(groups[group], [key])
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Every training setting's flag (mdgan/settings.py declares them), in its help group."""
-    from mdgan.settings import TRAINING_SETTINGS
+    from mdgan.settings import TRAINING_KEYS
 
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for setting in TRAINING_SETTINGS:
-        if setting.group not in groups:
-            groups[setting.group] = parser.add_argument_group(setting.group)
-        group = groups[setting.group]
-        if setting.kind is bool:
-            group.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=setting.default,
-                               help=setting.help)
-        else:
-            group.add_argument(setting.flag, type=setting.kind, default=setting.default, choices=setting.choices,
-                               help=setting.help)
+    add_setting_groups(parser, TRAINING_KEYS)
+
+
+DATA_KEYS = ("dataset", "data_root", "bad_images", "split_seed", "max_samples", "split", "dirichlet_alpha")
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("data")
-    g.add_argument("--dataset", choices=DATASETS, default="mnist",
-                   help="mnist, cifar10, a small synthetic set, or imagefolder: a folder of images, one sub-folder "
-                        "per class (torchvision's ImageFolder layout) or unlabelled images for a plain GAN")
-    g.add_argument("--data-root", default="data",
-                   help="folder holding MNIST/raw or cifar-10-batches-py (torchvision's layout; never downloads), "
-                        "or the image folder")
-    g.add_argument("--bad-images", choices=("refuse", "skip"), default="refuse",
-                   help="imagefolder: an image that cannot be read, or cannot be resized like the others (another "
-                        "aspect ratio), stops the load with its name (refuse) or is left out with a warning (skip)")
-    g.add_argument("--split-seed", type=int, default=0,
-                   help="emulation (a shared dataset cut into shards): seed of the split (the same on every worker)")
-    g.add_argument("--max-samples", type=int, default=0,
-                   help="use only this many images of the dataset (a seeded choice, before the split; 0: all): "
-                        "small runs, and the memorisation experiment of docs/PRIVACY.md")
-    g.add_argument("--split", choices=SPLITS, default="iid",
-                   help="iid: equal random shards (the paper); dirichlet: non-i.i.d. shards, per class "
-                        "proportions ~ Dir(alpha) (workers then need an explicit --shard-index)")
-    g.add_argument("--dirichlet-alpha", type=float, default=0.5,
-                   help="concentration of the dirichlet split (smaller: more skewed shards)")
+    add_setting_groups(parser, DATA_KEYS)
 
 
 def add_site_arguments(parser: argparse.ArgumentParser, launcher: bool) -> None:
@@ -447,12 +453,7 @@ def class_names(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("evaluation (MNIST score and FID with the shipped MNIST classifier)")
-    g.add_argument("--eval-every", type=eval_period, default=1000,
-                   help="score the generator every this many iterations, in the background (0: only at the end, "
-                        "-1: never); MNIST-shaped samples only")
-    g.add_argument("--eval-samples", type=image_count, default=500, help="generated images per evaluation")
-    g.add_argument("--eval-reference", type=image_count, default=2000, help="MNIST test images FID compares against")
+    add_setting_groups(parser, ("eval_every", "eval_samples", "eval_reference"))
 
 
 def evaluation_options(args: argparse.Namespace, data_root: str | None):
@@ -581,16 +582,6 @@ def non_negative_int(text: str) -> int:
 
 def positive_int(text: str) -> int:
     return _whole_number(text, 1, None, "must be at least 1")
-
-
-def eval_period(text: str) -> int:
-    """--eval-every: a number of iterations, 0 (only at the end) or -1 (never)."""
-    return _whole_number(text, -1, None, "iterations, or 0 (only at the end) or -1 (never)")
-
-
-def image_count(text: str) -> int:
-    """How many images a FID compares: at least 2 (a covariance needs two)."""
-    return _whole_number(text, 2, None, "at least 2 images (a FID needs two to compare)")
 
 
 def _whole_number(text: str, low: int, high: int | None, expected: str) -> int:

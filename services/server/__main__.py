@@ -271,7 +271,10 @@ def exit_code(exc: Exception) -> int:
     """How the server exits when serve() raised `exc`, its cause logged as the log's last line: 1 the run
     stopped early, its workers failed, or the server did; 2 a configuration, a checkpoint or the system
     (a folder it cannot make, a full disk) refused it."""
-    if isinstance(exc, (ConfigError, CheckpointError, OSError)):
+    if isinstance(exc, ConfigError):
+        log.error("%s", exc.for_flags())  # a setting named by its flag, as the operator gave it
+        return 2
+    if isinstance(exc, (CheckpointError, OSError)):
         log.error("%s", exc or type(exc).__name__)
         return 2
     if isinstance(exc, (RunStopped, WorkersFailed)):

@@ -25,7 +25,7 @@ from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
 from services.common import scheduling
-from services.common.settings import (positive_int, add_version, EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
+from services.common.settings import (add_setting_arguments, add_version, EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
                             add_threads_argument, configure_compute, data_config, dial_address, listen_address,
                             log_level, port_number, positive_seconds)
 from services.common import codec, pki, rpc, tls
@@ -70,8 +70,7 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--state-dir", default=None,
                         help="where this worker keeps its run id and checkpoints (D, Adam, sampler state); "
                              "without it the worker cannot take part in checkpoints or restore after a crash")
-    parser.add_argument("--keep-checkpoints", type=positive_int, default=3,
-                        help="saved states kept in --state-dir")
+    add_setting_arguments(parser, ("keep_checkpoints",), keep_checkpoints="saved states kept in --state-dir")
     parser.add_argument("--run-id", default=None,
                         help="join this run only (default: the run recorded in --state-dir, else any)")
     parser.add_argument("--metrics-port", type=port_number, default=9101, help="HTTP port of /metrics (0: none)")
@@ -283,7 +282,7 @@ def exit_code(exc: BaseException) -> int | None:
         log.error("the server refused us: %s", exc)
         return 3
     if isinstance(exc, (ConfigError, ServerGone, CheckpointError)):
-        log.error("%s", exc)
+        log.error("%s", exc.for_flags() if isinstance(exc, ConfigError) else exc)
         return 2
     if isinstance(exc, grpc.aio.AioRpcError):
         log.error("the server refused us: %s %s", exc.code().name, exc.details())

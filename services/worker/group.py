@@ -116,7 +116,7 @@ def main(members: list[Member], status_path: str) -> int:
         codes = rpc.run(serve_group(parsed, status_path))
         log.info("exit codes: %s", codes)
     except ConfigError as exc:  # before any worker started: the process's own error, in its log
-        log.error("%s", exc)
+        log.error("%s", exc.for_flags())
         return 2
     finally:
         root.removeHandler(router)

@@ -20,7 +20,7 @@ from mdgan.algorithms.mdgan.private_feedback import PrivateFeedbackSide, worker_
 from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
 from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
 from mdgan.checkpoint import CheckpointStore
-from mdgan.config import ConfigError, TrainingConfig
+from mdgan.config import ConfigError, TrainingConfig, named
 from mdgan.cuda_lanes import Lanes
 from mdgan.gan import DiscriminatorSide, WorkerBatch
 from mdgan.privacy_ledger import site_ledger
@@ -225,7 +225,7 @@ def parse_churn(text: str | None) -> list[tuple[int, str, int]]:
     for item in filter(None, (text or "").replace(" ", "").split(",")):
         parts = item.split(":")
         if len(parts) != 3 or parts[0] not in ("leave", "join") or not parts[1].isdigit() or not parts[2].isdigit():
-            raise ConfigError(f"--churn: {item!r} is not leave:ITERATION:SLOT or join:ITERATION:SLOT")
+            raise ConfigError(f"{named('churn')}: {item!r} is not leave:ITERATION:SLOT or join:ITERATION:SLOT")
         events.append((int(parts[1]), parts[0], int(parts[2])))
     return sorted(events)
 
@@ -286,7 +286,7 @@ async def _run(run: InProcessRun) -> RunResult:
             if at < t:
                 continue  # before the checkpoint this run resumed from
             if slot not in by_slot:
-                raise ConfigError(f"--churn: no slot {slot} in a run of {config.workers} workers")
+                raise ConfigError(f"{named('churn')}: no slot {slot} in a run of {config.workers} workers")
             current = by_slot[slot]
             if action == "leave":
                 leave(current, t, "churn")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from mdgan.algorithms.base import option
 from mdgan.algorithms.mdgan.swapcheck import SWAP_CHECKS, SwapCheck
-from mdgan.config import ConfigError, TrainingConfig
+from mdgan.config import ConfigError, TrainingConfig, named
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,12 @@ class MDGANOptions:
 
     def validate(self) -> "MDGANOptions":
         if self.swap_check not in SWAP_CHECKS:
-            raise ConfigError(f"--swap-check must be one of {SWAP_CHECKS}, got {self.swap_check!r}")
+            raise ConfigError(f"{named('swap_check')} must be one of {SWAP_CHECKS}, got {self.swap_check!r}")
         if isinstance(self.swap_lag, bool) or not isinstance(self.swap_lag, int) or self.swap_lag < 0:
-            raise ConfigError(f"--swap-lag must be a whole number of iterations >= 0, got {self.swap_lag!r}")
+            raise ConfigError(f"{named('swap_lag')} must be a whole number of iterations >= 0, got {self.swap_lag!r}")
         depth = self.pipeline_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_PIPELINE_DEPTH:
-            raise ConfigError(f"--pipeline-depth must be a whole number of iterations from 0 to "
+            raise ConfigError(f"{named('pipeline_depth')} must be a whole number of iterations from 0 to "
                               f"{MAX_PIPELINE_DEPTH}, got {depth!r}")
         self.as_check()
         return self
@@ -57,14 +57,14 @@ class MDGANOptions:
         fixes the period; otherwise when the shards are, trainer.py)."""
         self.validate()
         if self.pipeline_depth and config.sync != "all":
-            raise ConfigError(f"--pipeline-depth {self.pipeline_depth} needs --sync all: a pipeline of fixed depth "
-                              f"waits for every worker's answer, D iterations later (--sync {config.sync} does not)")
+            raise ConfigError(f"{named('pipeline_depth')} {self.pipeline_depth} needs {named('sync')} all: a pipeline of fixed depth "
+                              f"waits for every worker's answer, D iterations later ({named('sync')} {config.sync} does not)")
         if self.pipeline_depth and self.pipeline_depth >= config.iterations:
-            raise ConfigError(f"--pipeline-depth {self.pipeline_depth} must be below --iterations "
+            raise ConfigError(f"{named('pipeline_depth')} {self.pipeline_depth} must be below {named('iterations')} "
                               f"{config.iterations} (G is first updated at iteration D + 1)")
         if self.swap_lag and config.privacy.keeps_discriminators:
-            raise ConfigError(f"--swap-lag {self.swap_lag}: with --dp-mechanism feedback no discriminator leaves its "
-                              "site, so there are no swaps to lag (leave --swap-lag out)")
+            raise ConfigError(f"{named('swap_lag')} {self.swap_lag}: with {named('dp_mechanism')} feedback no discriminator leaves its "
+                              f"site, so there are no swaps to lag (leave {named('swap_lag')} out)")
         if self.swap_lag and config.swap_every is not None:
             check_lag(self.swap_lag, config.swap_every)
         return self
@@ -80,5 +80,5 @@ def check_lag(lag: int, swap_period: int | None) -> None:
     """One round in flight at a time: its discriminators are installed before the next round's snapshot.
     (swap_period None: no rounds; a lag there is refused with the mechanism, mdgan/config.py)"""
     if swap_period is not None and lag >= swap_period:
-        raise ConfigError(f"--swap-lag {lag} must be below the swap period S = {swap_period} iterations "
+        raise ConfigError(f"{named('swap_lag')} {lag} must be below the swap period S = {swap_period} iterations "
                           "(a round's discriminators are installed before the next round starts)")

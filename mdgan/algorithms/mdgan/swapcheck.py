@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mdgan.config import ConfigError
+from mdgan.config import ConfigError, named
 from mdgan.gan import DiscriminatorSide
 
 SWAP_CHECKS = ("on", "off")
@@ -51,11 +51,11 @@ class SwapCheck:
 
     def validate(self) -> "SwapCheck":
         if not (math.isfinite(self.norm_ratio) and self.norm_ratio > 1):
-            raise ConfigError(f"--swap-check-norm-ratio must be a number > 1, got {self.norm_ratio}")
+            raise ConfigError(f"{named('swap_check_norm_ratio')} must be a number > 1, got {self.norm_ratio}")
         if not (math.isfinite(self.loss_ratio) and self.loss_ratio >= 1):
-            raise ConfigError(f"--swap-check-loss-ratio must be a number >= 1, got {self.loss_ratio}")
+            raise ConfigError(f"{named('swap_check_loss_ratio')} must be a number >= 1, got {self.loss_ratio}")
         if not (math.isfinite(self.min_cosine) and -1 <= self.min_cosine <= 1):
-            raise ConfigError(f"--swap-check-min-cosine must be in [-1, 1], got {self.min_cosine}")
+            raise ConfigError(f"{named('swap_check_min_cosine')} must be in [-1, 1], got {self.min_cosine}")
         if self.samples < 1:
             raise ConfigError(f"--swap-check-samples must be at least 1, got {self.samples}")
         return self
