@@ -41,29 +41,22 @@ def train(spec: RunSpec, out_dir: str, progress: bool = True, before_writing=Non
     Every refusal comes before it: a refused run leaves out_dir as it was.
     """
     spec = spec.validate()
-    config, data, algorithm, options, evaluation = spec.config, spec.data, spec.algorithm, spec.options, spec.evaluation
-    durability, emulation, sites, outputs, stop_after = (spec.durability, spec.emulation, spec.sites, spec.outputs,
-                                                         spec.stop_after)
-    checkpoint_every, keep_checkpoints, resume = (durability.checkpoint_every, durability.keep_checkpoints,
-                                                  durability.resume)
-    run_id, overwrite = durability.run_id, durability.overwrite
-    crash_every, byzantine, attack = emulation.crash_every, emulation.byzantine, emulation.attack
-    site_dirs, bad_images, classes = sites.site_dirs, sites.bad_images, sites.classes
-    entry = algorithms.get(algorithm)
-    devices.deterministic(config.device)
+    entry = algorithms.get(spec.algorithm)
+    d, sites, outputs = spec.durability, spec.sites, spec.outputs
+    devices.deterministic(spec.config.device)
     if entry.durable:
-        run = plan_run(out_dir, config, resume, run_id, overwrite)
+        run = plan_run(out_dir, spec.config, d.resume, d.run_id, d.overwrite)
     else:
-        check_out_dir(out_dir, resume, overwrite)
-        run = RunStart(run_id or "", config)
-    config = run.config
-    options = None if options is None else options.check(config)  # (a resumed run's own config)
-    if site_dirs:
-        run_classes = RunClasses(classes, config.model.num_classes, config.model.conditional)
-        shards = site_shards(site_dirs, data.dataset, config.workers, config.model.sample_shape, run_classes,
-                             bad_images)
+        check_out_dir(out_dir, d.resume, d.overwrite)
+        run = RunStart(d.run_id or "", spec.config)
+    config = run.config  # (a resumed run's own)
+    options = None if spec.options is None else spec.options.check(config)
+    if sites.site_dirs:
+        run_classes = RunClasses(sites.classes, config.model.num_classes, config.model.conditional)
+        shards = site_shards(sites.site_dirs, spec.data.dataset, config.workers, config.model.sample_shape,
+                             run_classes, sites.bad_images)
     else:
-        shards = load_all_shards(data, config.model.sample_shape)
+        shards = load_all_shards(spec.data, config.model.sample_shape)
     if config.privacy.enabled:  # (before anything is written or spent)
         from mdgan import privacy
 
@@ -72,37 +65,43 @@ def train(spec: RunSpec, out_dir: str, progress: bool = True, before_writing=Non
         before_writing()
     start_run(out_dir, run)
     generator_side = GeneratorSide(config)
-    evaluator = make_evaluator(generator_side, evaluation.data_root, evaluation.every, evaluation.samples,
-                               evaluation.reference, evaluation.large_every, evaluation.large_samples)
+    e = spec.evaluation
+    evaluator = make_evaluator(generator_side, e.data_root, e.every, e.samples, e.reference, e.large_every,
+                               e.large_samples)
     from mdgan.tracking import Tracking
 
-    tracking = Tracking.open(run.run_id or algorithm, outputs.tensorboard, outputs.mlflow)
-    recorder = RunRecorder(out_dir, stop_after or config.iterations, progress, algorithm, evaluator,
+    tracking = Tracking.open(run.run_id or spec.algorithm, outputs.tensorboard, outputs.mlflow)
+    recorder = RunRecorder(out_dir, spec.stop_after or config.iterations, progress, spec.algorithm, evaluator,
                            resume_at=run.resumed_from, tracking=tracking)
     result = None
     discriminators = {} if outputs.save_discriminators else None
     try:
         result = entry.run_in_process(InProcessRun(
-            config, shards, generator_side, recorder, out_dir, run, options, emulation, checkpoint_every,
-            keep_checkpoints, discriminators, stop_after))
+            config, shards, generator_side, recorder, out_dir, run, options, spec.emulation, d.checkpoint_every,
+            d.keep_checkpoints, discriminators, spec.stop_after))
     finally:
         wall = recorder.close(result.iterations if result else None)
     if discriminators:
         checkpoint.atomic_save({"discriminators": discriminators, "config": config.to_dict()},
                                os.path.join(out_dir, DISCRIMINATORS_FILE))
-    extra = {"algorithm": algorithm, "crash_every": crash_every, "run_id": run.run_id or None,
-             "resumed_from": run.resumed_from, "byzantine": byzantine, "attack": attack,
+    extra = _record(spec, config, run, shards)
+    if options is not None:  # the options its traffic formula (`mdgan traffic`) and its record need
+        extra[spec.algorithm] = options.summary(config)
+    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores,
+                         tracking=tracking)
+
+
+def _record(spec: RunSpec, config: TrainingConfig, run: RunStart, shards) -> dict:
+    """What summary.json records of the run beyond its config: algorithm, emulation, ids, where its data was."""
+    data, site_dirs, emulation = spec.data, spec.sites.site_dirs, spec.emulation
+    extra = {"algorithm": spec.algorithm, "crash_every": emulation.crash_every, "run_id": run.run_id or None,
+             "resumed_from": run.resumed_from, "byzantine": emulation.byzantine, "attack": emulation.attack,
              "worker_sizes": {f"worker-{s.index}": len(s) for s in shards},
              # what `mdgan audit` needs to recover each worker's members, from wherever it is run
              "data": None if site_dirs else dataclasses.asdict(replace(
                  data, num_shards=config.workers,
                  data_root=None if data.data_root is None else os.path.abspath(data.data_root))),
              "site_dirs": os.path.abspath(site_dirs) if site_dirs else None}
-    if stop_after is not None:
-        extra["stop_after"] = stop_after
-    if options is not None:  # the options its traffic formula (`mdgan traffic`) and its record need
-        extra[algorithm] = options.summary(config)
-    return write_outputs(out_dir, config, generator_side, result, wall, "simulate", extra, scores=recorder.scores,
-                         tracking=tracking)
-
-
+    if spec.stop_after is not None:
+        extra["stop_after"] = spec.stop_after
+    return extra

@@ -505,11 +505,11 @@ def add_certs_command(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from mdgan.algorithms import NAMES, SERVED
+    from mdgan.settings import DURABLE, RUN_SETTINGS
     from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
-                                          add_data_arguments, add_durable_arguments, add_evaluation_arguments,
-                                          add_scheduling_argument, add_setting_arguments, add_setting_groups,
-                                          add_site_arguments, add_threads_argument, add_tracking_arguments,
-                                          add_training_arguments, add_version, positive_seconds)
+                                          add_scheduling_argument, add_setting_groups, add_site_arguments,
+                                          add_stop_grace_argument, add_threads_argument, add_training_arguments,
+                                          add_version, positive_seconds)
 
     # Each command reads its own variables (MDGAN_LOCAL_WORKERS, ...), never the services' MDGAN_<FLAG>:
     # a worker's MDGAN_SERVER must not become `certs issue`'s --server. `certs` reads none.
@@ -526,11 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_algorithm_argument(p, NAMES if name == "simulate" else SERVED)  # a standalone GAN has no workers
         add_training_arguments(p)
         p.set_defaults(workers=None)  # 4, or the number of --site-dirs
-        add_data_arguments(p)
+        # every other declared setting this command takes (mdgan/settings.py: `commands`), in its help group
+        groups = add_setting_groups(p, [s.key for s in RUN_SETTINGS if name in s.commands])
         add_site_arguments(p, launcher=True)
-        add_evaluation_arguments(p)
         add_algorithm_options(p)
-        add_tracking_arguments(p)
         # One thread per process by default: the same arithmetic in every process, so the
         # in-process run and the gRPC cluster agree bit for bit.
         add_threads_argument(p, default=1)
@@ -539,15 +538,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace a finished run in --out with this one (without it such a run is refused, and "
                             "the finished run is left as it is)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        durable = p.add_argument_group("durable runs (MD-GAN)")
-        add_durable_arguments(durable, keep_help="complete checkpoints kept (in OUT/checkpoints; workers keep theirs "
-                                                 "in OUT/workers/)", stop_grace=name == "local")
+        durable = groups[DURABLE]
+        if name == "local":
+            add_stop_grace_argument(durable)
         durable.add_argument("--resume", metavar="RUN", default=None,
                              help="continue the run in directory RUN from its last complete checkpoint, with the "
                                   "settings it was launched with (RUN/launch.toml); an option given with --resume "
                                   "overrides one of them (a moved --data-root, say), except the training ones")
         durable.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
-        add_setting_groups(p, ("byzantine", "attack"))
         return p
 
     simulate = run_parser("simulate", "Train in one process: every worker is an object.")
@@ -555,7 +553,6 @@ def build_parser() -> argparse.ArgumentParser:
                           help="workers leaving and coming back, e.g. leave:300:2,join:450:2 (at the boundary after "
                                "iteration 300 the worker of slot 2 leaves; after 450 it comes back, with its saved "
                                "state or a copy of a live peer's discriminator)")
-    add_setting_arguments(simulate, ("save_discriminators",))
     simulate.set_defaults(func=cmd_simulate)
     local = run_parser("local", "Train on a real gRPC cluster of processes on loopback.")
     local.add_argument("--step-timeout", type=positive_seconds, default=60.0, help="deadline for a worker's feedback (s)")

@@ -90,6 +90,8 @@ NAME_KEYS = ("algorithm", "workers", "batch_size", "kappa", "disc_steps", "swap_
              "dp_target_epsilon", "dp_max_grad_norm", "dp_delta", "dp_mechanism", "dp_discriminators",
              "dp_clip_generated", "dp_fixed_noise", *(option_key(f) for f in OPTION_FIELDS), "gen_lr", "disc_lr",
              "beta1", "beta2", "seed")
+# a setting declared later with a short name names runs too, after these (the names of kept runs stay as they are)
+NAME_KEYS += tuple(s.key for s in settings.EVERY_SETTING.values() if s.short is not None and s.key not in NAME_KEYS)
 SHORT = {"algorithm": "", "crash": "crash",
          **{s.key: s.short for s in settings.EVERY_SETTING.values() if s.short is not None},
          **{option_key(f): f.metadata["short"] for f in OPTION_FIELDS}}

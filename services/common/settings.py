@@ -361,9 +361,13 @@ def add_durable_arguments(group, *, keep_help: str, stop_grace: bool = False) ->
     `stop_grace`: --stop-grace too (a served run's server stops on SIGTERM)."""
     add_setting_arguments(group, ("checkpoint_every", "keep_checkpoints"), keep_checkpoints=keep_help)
     if stop_grace:
-        group.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
-                           help="on SIGTERM, how long the server waits for the iteration under way to end and be "
-                                "checkpointed (s)")
+        add_stop_grace_argument(group)
+
+
+def add_stop_grace_argument(group) -> None:
+    group.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
+                       help="on SIGTERM, how long the server waits for the iteration under way to end and be "
+                            "checkpointed (s)")
 
 
 
@@ -399,8 +403,8 @@ def add_setting_arguments(group, keys, **helps: str) -> None:
 METAVARS = {"tensorboard": "DIR", "mlflow": "URI"}
 
 
-def add_setting_groups(parser: argparse.ArgumentParser, keys) -> None:
-    """The flags of the declared settings `keys`, each in its declared help group."""
+def add_setting_groups(parser: argparse.ArgumentParser, keys) -> dict[str, argparse._ArgumentGroup]:
+    """The flags of the declared settings `keys`, each in its declared help group; the groups by title."""
     from mdgan.settings import EVERY_SETTING
 
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -409,6 +413,7 @@ def add_setting_groups(parser: argparse.ArgumentParser, keys) -> None:
         if group not in groups:
             groups[group] = parser.add_argument_group(group)
         add_setting_arguments(groups[group], [key])
+    return groups
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
