@@ -93,6 +93,7 @@ class RunSpec:
     outputs: Outputs = field(default_factory=Outputs)
     stop_after: int | None = None
     downstream: int = 0
+    validated: bool = field(default=False, compare=False, repr=False)  # validate() made it: validated once
 
     def validate(self, in_process: bool = True) -> "RunSpec":
         """The spec as it trains (an algorithm on the whole dataset: one worker, kappa 1; the options
@@ -100,6 +101,8 @@ class RunSpec:
         data and writes nothing: what depends on the data (a site's privacy budget, its folders) is
         checked again when the data is loaded. in_process: the run trains in this process (False: on the
         services, `mdgan local`)."""
+        if self.validated:
+            return self
         entry = algorithms.get(self.algorithm)
         d, e = self.durability, self.emulation
         algorithms.refuse(entry, checkpoint_every=d.checkpoint_every, resume=d.resume != "no", churn=bool(e.churn),
@@ -131,7 +134,7 @@ class RunSpec:
             from mdgan import privacy
 
             privacy.check_run(config, [] if self.sites.site_dirs else known_shard_sizes(data, config.workers))
-        return replace(self, config=config, data=data, options=options)
+        return replace(self, config=config, data=data, options=options, validated=True)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any], first: int | None = None, score_first: bool = False, *,

@@ -13,7 +13,7 @@ import pytest
 
 from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.algorithms.mdgan.options import MDGANOptions
-from mdgan.algorithms.mdgan.trainer import Trainer
+from mdgan.algorithms.mdgan.trainer import Trainer, TrainerHooks, TrainerPlan
 from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
@@ -36,8 +36,10 @@ def _trace(lag: int, iterations: int = 14, swap_every: int = 6):
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=3)))
     after: dict[int, dict[str, str]] = {}
     swaps: list[dict] = []
-    trainer = Trainer(config, GeneratorSide(config), workers, swap_lag=lag, on_swap=swaps.append,
-                      on_iteration=lambda r: after.__setitem__(r.iteration, {w.worker_id: _digest(w) for w in workers}))
+    trainer = Trainer(config, GeneratorSide(config), workers,
+                      plan=TrainerPlan(swap_lag=lag),
+                      hooks=TrainerHooks(on_swap=swaps.append, on_iteration=lambda r: after.__setitem__(
+                          r.iteration, {w.worker_id: _digest(w) for w in workers})))
     result = asyncio.run(trainer.run())
     return after, swaps, result
 
@@ -95,8 +97,9 @@ def test_a_stop_inside_a_round_installs_it_first_and_checkpoints(tmp_path):
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=3)),
                                        str(tmp_path / "state"))
     saved, swaps = [], []
-    trainer = Trainer(config, GeneratorSide(config), workers, checkpoint_every=100, swap_lag=4,
-                      save_checkpoint=lambda t, ok: saved.append((t, ok)), on_swap=swaps.append)
+    trainer = Trainer(config, GeneratorSide(config), workers,
+                      plan=TrainerPlan(checkpoint_every=100, swap_lag=4),
+                      hooks=TrainerHooks(save_checkpoint=lambda t, ok: saved.append((t, ok)), on_swap=swaps.append))
 
     def on_iteration(record):
         if record.iteration == 8:
@@ -113,7 +116,9 @@ def test_a_worker_crashing_inside_a_round_is_dropped_and_the_others_install(tmp_
     config = TrainingConfig(workers=4, iterations=14, batch_size=8, swap_every=6, seed=2).validate()
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=4)))
     swaps = []
-    trainer = Trainer(config, GeneratorSide(config), workers, swap_lag=3, on_swap=swaps.append)
+    trainer = Trainer(config, GeneratorSide(config), workers,
+                      plan=TrainerPlan(swap_lag=3),
+                      hooks=TrainerHooks(on_swap=swaps.append))
     trainer.on_iteration = lambda r: workers[3].crash() if r.iteration == 7 else None
     result = asyncio.run(trainer.run())
     first = swaps[0]
@@ -138,4 +143,4 @@ def test_a_lag_past_the_period_found_from_the_shards_is_refused_before_training(
     config = TrainingConfig(workers=3, iterations=10, batch_size=8, swap_epochs=0.01).validate()
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=3)))
     with pytest.raises(ConfigError, match="below the swap period S = "):
-        Trainer(config, GeneratorSide(config), workers, swap_lag=50)
+        Trainer(config, GeneratorSide(config), workers, plan=TrainerPlan(swap_lag=50))

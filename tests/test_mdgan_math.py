@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from mdgan.algorithms.mdgan.trainer import Trainer
+from mdgan.algorithms.mdgan.trainer import Trainer, TrainerHooks
 from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.config import DataConfig, ModelSpec, TrainingConfig
 from mdgan.data import load_all_shards
@@ -102,7 +102,7 @@ def _run_in_process(config, shards=None):
     generator = GeneratorSide(config)
     workers = build_in_process_workers(config, shards)
     swaps = []
-    result = asyncio.run(Trainer(config, generator, workers, on_swap=swaps.append).run())
+    result = asyncio.run(Trainer(config, generator, workers, hooks=TrainerHooks(on_swap=swaps.append)).run())
     return generator, workers, result, swaps
 
 
@@ -155,7 +155,7 @@ def test_a_crashed_worker_leaves_and_the_generator_averages_over_those_that_answ
         if record.iteration == 2:
             workers[1].crash()
 
-    result = asyncio.run(Trainer(config, generator, workers, on_iteration=on_iteration).run())
+    result = asyncio.run(Trainer(config, generator, workers, hooks=TrainerHooks(on_iteration=on_iteration)).run())
     assert result.iterations == 6 and result.workers_alive == 2
     assert [r.active_workers for r in records] == [3, 3, 3, 2, 2, 2]
     assert [r.answered for r in records] == [3, 3, 2, 2, 2, 2]
@@ -180,7 +180,8 @@ def test_a_worker_lost_during_a_swap_does_not_leave_its_receiver_waiting():
     records, swaps = [], []
 
     async def run():
-        trainer = Trainer(config, GeneratorSide(config), workers, on_iteration=records.append, on_swap=swaps.append)
+        trainer = Trainer(config, GeneratorSide(config), workers,
+                          hooks=TrainerHooks(on_iteration=records.append, on_swap=swaps.append))
         return await asyncio.wait_for(trainer.run(), 60)
 
     result = asyncio.run(run())

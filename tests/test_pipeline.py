@@ -15,7 +15,7 @@ import torch
 from procs import drop_checkpoints, mdgan
 from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
 from mdgan.algorithms.mdgan.options import MAX_PIPELINE_DEPTH, MDGANOptions
-from mdgan.algorithms.mdgan.trainer import Trainer
+from mdgan.algorithms.mdgan.trainer import Trainer, TrainerHooks, TrainerPlan
 from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
@@ -36,11 +36,12 @@ def _config(**overrides) -> TrainingConfig:
     return TrainingConfig(**{**settings, **overrides}).validate()
 
 
-def _trainer_run(config: TrainingConfig, depth: int, **trainer_kwargs):
+def _trainer_run(config: TrainingConfig, depth: int):
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=config.workers)))
     generator = GeneratorSide(config)
     records = []
-    trainer = Trainer(config, generator, workers, pipeline_depth=depth, on_iteration=records.append, **trainer_kwargs)
+    trainer = Trainer(config, generator, workers, plan=TrainerPlan(pipeline_depth=depth),
+                      hooks=TrainerHooks(on_iteration=records.append))
     result = asyncio.run(trainer.run())
     return generator, workers, records, result
 
@@ -122,8 +123,10 @@ def test_a_stop_waits_for_the_answers_out_and_checkpoints_them(tmp_path):
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=3)),
                                        str(tmp_path / "state"))
     saved = []
-    trainer = Trainer(config, GeneratorSide(config), workers, checkpoint_every=100, pipeline_depth=2,
-                      save_checkpoint=lambda t, ok: saved.append((t, ok, trainer.state_dict()["pipeline"])))
+    trainer = Trainer(config, GeneratorSide(config), workers,
+                      plan=TrainerPlan(checkpoint_every=100, pipeline_depth=2),
+                      hooks=TrainerHooks(save_checkpoint=lambda t, ok: saved.append(
+                          (t, ok, trainer.state_dict()["pipeline"]))))
 
     def on_iteration(record):
         if record.iteration == 9:
@@ -139,7 +142,7 @@ def test_a_worker_crashing_or_leaving_with_batches_in_flight_is_dropped_and_the_
     config = _config(workers=4, iterations=20, swap_every=6)
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=4)))
     records = []
-    trainer = Trainer(config, GeneratorSide(config), workers, pipeline_depth=2)
+    trainer = Trainer(config, GeneratorSide(config), workers, plan=TrainerPlan(pipeline_depth=2))
     trainer.on_iteration = lambda r: (records.append(r), workers[3].crash() if r.iteration == 7 else None)
     result = asyncio.run(trainer.run())
     assert result.iterations == 20 and result.workers_alive == 3 and result.stopped_early is None
@@ -156,7 +159,7 @@ def test_a_worker_crashing_or_leaving_with_batches_in_flight_is_dropped_and_the_
 
 @pytest.mark.parametrize("depth, sync, message", [
     (-1, "all", "from 0 to 64"), (MAX_PIPELINE_DEPTH + 1, "all", "from 0 to 64"), (True, "all", "whole number"),
-    (2, "async", "needs --sync all"), (2, "quorum", "needs --sync all"), (12, "all", "below --iterations 12")])
+    (2, "async", "needs sync all"), (2, "quorum", "needs sync all"), (12, "all", "below iterations 12")])
 def test_a_bad_depth_is_one_line_and_nothing_is_written(tmp_path, depth, sync, message):
     config = _config(sync=sync, quorum=2) if sync == "quorum" else _config(sync=sync)
     with pytest.raises(ConfigError, match=message):

@@ -13,7 +13,8 @@ import torch
 from mdgan import checkpoint
 from mdgan import run as run_module
 from mdgan.checkpoint import CheckpointError, CheckpointStore
-from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.algorithms.mdgan.trainer import (COPY, SWAP, SwapOrder, SwapReport, Trainer, TrainerHooks, TrainerPlan,
+                                           WorkerHandle)
 from mdgan.algorithms.base import WorkerLost
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.roster import RejoinPlan, Roster, SlotRefused
@@ -139,7 +140,7 @@ def test_a_copy_tried_again_at_a_boundary_has_a_new_number_and_a_lost_donor_ends
     config = TrainingConfig(workers=3, batch_size=10).validate()
     lost, donor, joiner = CopyPeer(0, lost=True), CopyPeer(1), CopyPeer(2, needs_copy=True)
     lost.peers = donor.peers = {joiner.worker_id: joiner}
-    trainer = Trainer(config, None, [lost, donor, joiner], swap_timeout=3600)
+    trainer = Trainer(config, None, [lost, donor, joiner], plan=TrainerPlan(swap_timeout=3600))
 
     async def admit_twice():
         await asyncio.wait_for(trainer.membership.admit([joiner], 7), 30)  # not the hour of the swap deadline
@@ -158,7 +159,7 @@ def test_a_copy_whose_push_failed_ends_the_joiners_wait_and_the_donor_stays():
     config = TrainingConfig(workers=2, batch_size=10).validate()
     donor, joiner = CopyPeer(0, push_fails=True), CopyPeer(1, needs_copy=True)
     donor.peers = {joiner.worker_id: joiner}
-    trainer = Trainer(config, None, [donor, joiner], swap_timeout=3600)
+    trainer = Trainer(config, None, [donor, joiner], plan=TrainerPlan(swap_timeout=3600))
     asyncio.run(asyncio.wait_for(trainer.membership.admit([joiner], 3), 30))  # not the hour of the swap deadline
     assert joiner.cancels == [(3, "worker-0", COPY)] and joiner.needs_copy
     assert donor in trainer.roster.members()  # alive: it may give the copy at the next boundary
@@ -183,8 +184,10 @@ def test_the_end_is_saved_before_any_worker_hears_it_and_a_server_resumed_there_
     config = TrainingConfig(workers=2, batch_size=10, iterations=4).validate()
     saved, told_at_save = [], []
     workers = [Listener(0), Listener(1)]
-    first = Trainer(config, None, workers, checkpoint_every=3, save_checkpoint=lambda t, ok: (
-        saved.append((t, ok)), told_at_save.append([list(w.told) for w in workers])))
+    first = Trainer(config, None, workers,
+                    plan=TrainerPlan(checkpoint_every=3),
+                    hooks=TrainerHooks(save_checkpoint=lambda t, ok: (
+        saved.append((t, ok)), told_at_save.append([list(w.told) for w in workers]))))
     first.iteration = lambda t: asyncio.sleep(0)  # the math is not what this is about
     asyncio.run(first.run())
     assert saved == [(3, True), (4, True)]  # the periodic one, then the end (not a multiple of 3)
@@ -193,7 +196,9 @@ def test_the_end_is_saved_before_any_worker_hears_it_and_a_server_resumed_there_
 
     # resumed from that end: one worker had heard it and left, the other comes back a moment later
     roster = Roster(2)
-    resumed = Trainer(config, None, roster=roster, checkpoint_every=3, save_checkpoint=lambda t, ok: None)
+    resumed = Trainer(config, None, roster=roster,
+                      plan=TrainerPlan(checkpoint_every=3),
+                      hooks=TrainerHooks(save_checkpoint=lambda t, ok: None))
     resumed.load_state_dict(first.state_dict())
     assert resumed.finished and roster.expected == {0, 1}
     late = Listener(1)
@@ -219,13 +224,17 @@ def test_a_checkpoint_a_worker_was_lost_during_is_not_complete():
     config = TrainingConfig(workers=2, batch_size=10).validate()
     for workers in ([LostAtCheckpoint(0), LostAtCheckpoint(1)], [Listener(0), LostAtCheckpoint(1)]):
         saved = []
-        trainer = Trainer(config, None, workers, checkpoint_every=5, save_checkpoint=lambda t, ok: saved.append(ok))
+        trainer = Trainer(config, None, workers,
+                          plan=TrainerPlan(checkpoint_every=5),
+                          hooks=TrainerHooks(save_checkpoint=lambda t, ok: saved.append(ok)))
         assert asyncio.run(trainer.checkpoint(5)) is False and saved == [False]
         assert [w.worker_id for w in trainer.roster.members()] == [w.worker_id for w in workers
                                                                    if type(w) is Listener]  # the lost are dropped
     gone = [Listener(0), Listener(1)]  # every worker lost before the boundary: a checkpoint of nobody's state
     saved = []
-    trainer = Trainer(config, None, gone, checkpoint_every=5, save_checkpoint=lambda t, ok: saved.append(ok))
+    trainer = Trainer(config, None, gone,
+                      plan=TrainerPlan(checkpoint_every=5),
+                      hooks=TrainerHooks(save_checkpoint=lambda t, ok: saved.append(ok)))
     for worker in gone:
         trainer.roster.depart(worker)
     assert asyncio.run(trainer.checkpoint(5)) is False and saved == [False]
@@ -392,7 +401,7 @@ def test_a_crash_run_is_the_same_wherever_its_checkpoints_fall_and_resumes_from_
 
 
 def test_a_stop_request_checkpoints_at_the_next_boundary_and_below_min_workers_training_pauses(tmp_path):
-    from mdgan.algorithms.mdgan.trainer import Trainer
+    from mdgan.algorithms.mdgan.trainer import Trainer, TrainerHooks, TrainerPlan
     from mdgan.algorithms.mdgan.inprocess import build_in_process_workers
     from mdgan.data import load_all_shards
     from mdgan.gan import GeneratorSide
@@ -401,8 +410,9 @@ def test_a_stop_request_checkpoints_at_the_next_boundary_and_below_min_workers_t
     shards = load_all_shards(DataConfig("synthetic", num_shards=3))
     workers = build_in_process_workers(config, shards, str(tmp_path / "state"))
     saved = []
-    trainer = Trainer(config, GeneratorSide(config), workers, checkpoint_every=10,
-                      save_checkpoint=lambda t, ok: saved.append((t, ok)))
+    trainer = Trainer(config, GeneratorSide(config), workers,
+                      plan=TrainerPlan(checkpoint_every=10),
+                      hooks=TrainerHooks(save_checkpoint=lambda t, ok: saved.append((t, ok))))
 
     def on_iteration(record):
         if record.iteration == 13:

@@ -18,7 +18,8 @@ from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from mdgan.algorithms.mdgan.options import MDGANOptions
 from mdgan.algorithms.mdgan.private_feedback import PrivateFeedbackSide, worker_side
 from mdgan.algorithms.mdgan.swapcheck import SwapCheck, check_incoming
-from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.algorithms.mdgan.trainer import (COPY, SWAP, SwapOrder, SwapReport, Trainer, TrainerHooks, TrainerPlan,
+                                           WorkerHandle)
 from mdgan.checkpoint import CheckpointStore
 from mdgan.config import ConfigError, TrainingConfig, named
 from mdgan.cuda_lanes import Lanes
@@ -248,10 +249,11 @@ async def _run(run: InProcessRun) -> RunResult:
     by_slot = {w.shard_index: w for w in workers}
     roster = Roster(config.workers, pause_timeout=0, copies=not config.privacy.keeps_discriminators)
     saver = ServerCheckpoints(run.out_dir, run.run.run_id, keep)
-    trainer = Trainer(config, generator_side, roster=roster, on_swap=recorder.swap, checkpoint_every=checkpoint_every,
-                      save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder),
-                      swap_lag=options.swap_lag, pipeline_depth=options.pipeline_depth,
-                      stop_after=run.stop_after)
+    plan = TrainerPlan(checkpoint_every=checkpoint_every, swap_lag=options.swap_lag,
+                       pipeline_depth=options.pipeline_depth, stop_after=run.stop_after)
+    hooks = TrainerHooks(on_swap=recorder.swap,
+                         save_checkpoint=lambda t, ok: saver.save(t, ok, generator_side, trainer, recorder))
+    trainer = Trainer(config, generator_side, roster=roster, plan=plan, hooks=hooks)
     if run.run.state is not None:
         ServerCheckpoints.restore(run.run.state, generator_side, trainer, recorder)
 

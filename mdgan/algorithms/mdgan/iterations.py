@@ -59,8 +59,8 @@ class IterationStrategy:
         """What a checkpoint keeps of the strategy, merged into the Trainer's state."""
         return {}
 
-    def restore(self, state: dict, device) -> None:
-        """The strategy as `state` (a Trainer's state) left it."""
+    def restore(self, state: dict, generator) -> None:
+        """The strategy as `state` (a Trainer's state) left it; generator: the run's GeneratorSide."""
 
 
 class Synchronous(IterationStrategy):
@@ -140,11 +140,11 @@ class Pipelined(IterationStrategy):
     def state(self) -> dict:
         return {"pipeline": self.pipeline.state_dict()}
 
-    def restore(self, state: dict, device) -> None:
+    def restore(self, state: dict, generator) -> None:
         if "pipeline" not in state:
             raise ValueError("this checkpoint was written without --pipeline-depth: resume it with the depth "
                              "it was started with")
-        self.pipeline.load_state_dict(state["pipeline"], device)
+        self.pipeline.load_state_dict(state["pipeline"], generator.device)
 
 
 def iteration_strategy(config: TrainingConfig, pipeline_depth: int = 0) -> IterationStrategy:

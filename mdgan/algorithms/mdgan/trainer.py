@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -46,6 +47,33 @@ def _wire_nbytes(t: torch.Tensor, wire_dtype: str) -> int:
     return compression.packed_nbytes(tuple(t.shape), wire_dtype)
 
 
+@dataclass(frozen=True)
+class TrainerPlan:
+    """What a run asks of the loop beyond its config: deadlines in seconds (None: none) for a step, a swap
+    round and a checkpoint (default: the swap's); a checkpoint every `checkpoint_every` iterations (0: none);
+    background swaps installed `swap_lag` iterations later; `pipeline_depth` iterations of batches in flight;
+    stop after `stop_after` iterations, as the whole run trains them (experiments/replay.py)."""
+
+    step_timeout: float | None = None
+    swap_timeout: float | None = None
+    checkpoint_every: int = 0
+    checkpoint_timeout: float | None = None
+    swap_lag: int = 0
+    pipeline_depth: int = 0
+    stop_after: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainerHooks:
+    """What the loop tells its run: each iteration's record, each swap round's record, each boundary before
+    it is crossed, and `save_checkpoint(iteration, wrote_all)` (the server's part of a checkpoint)."""
+
+    on_iteration: Callable[[IterationRecord], None] | None = None
+    on_swap: Callable[[dict], None] | None = None
+    on_boundary: Callable[[int], None] | None = None
+    save_checkpoint: Callable[[int, bool], None] | None = None
+
+
 class Trainer:
     """Runs I global iterations of MD-GAN against worker handles: the loop, and the accounting of each
     iteration (traffic, rejections, what each private site spent). Its parts: Membership (the roster
@@ -55,15 +83,9 @@ class Trainer:
     """
 
     def __init__(self, config: TrainingConfig, generator: GeneratorSide, workers: list[WorkerHandle] | None = None, *,
-                 roster: Roster | None = None, step_timeout: float | None = None, swap_timeout: float | None = None,
-                 on_iteration: Callable[[IterationRecord], None] | None = None,
-                 on_swap: Callable[[dict], None] | None = None,
-                 on_boundary: Callable[[int], None] | None = None,
-                 checkpoint_every: int = 0, checkpoint_timeout: float | None = None,
-                 save_checkpoint: Callable[[int, bool], None] | None = None, swap_lag: int = 0,
-                 pipeline_depth: int = 0, stop_after: int | None = None):
+                 roster: Roster | None = None, plan: TrainerPlan = TrainerPlan(), hooks: TrainerHooks = TrainerHooks()):
         self.config = config
-        self.until = last_iteration(config, stop_after)  # (stop_after: no checkpoints; simulate refuses both)
+        self.until = last_iteration(config, plan.stop_after)  # (stop_after: no checkpoints; simulate refuses both)
         self.generator = generator
         if roster is None:  # a fixed set of workers, all present from the start
             roster = Roster(config.workers, copies=not config.privacy.keeps_discriminators)
@@ -71,14 +93,15 @@ class Trainer:
                 roster.arrive(w.shard_index, w.worker_id, w)
             roster.at_boundary(0)  # all of them members from the first iteration
             roster.started = True
-        self.step_timeout = step_timeout
-        self.on_iteration = on_iteration
-        self.on_boundary = on_boundary
+        self.step_timeout = plan.step_timeout
+        self.on_iteration = hooks.on_iteration
+        self.on_boundary = hooks.on_boundary
         self.traffic = Traffic()
-        self.membership = Membership(roster, self.traffic, swap_timeout, on_swap)
-        self.swap_rounds = SwapRounds(config.seed, self.membership, self.traffic, swap_timeout, swap_lag, on_swap)
-        self.checkpoints = BoundaryCheckpoints(self.membership, checkpoint_every, checkpoint_timeout or swap_timeout,
-                                               save_checkpoint)
+        self.membership = Membership(roster, self.traffic, plan.swap_timeout, hooks.on_swap)
+        self.swap_rounds = SwapRounds(config.seed, self.membership, self.traffic, plan.swap_timeout, plan.swap_lag,
+                                      hooks.on_swap)
+        self.checkpoints = BoundaryCheckpoints(self.membership, plan.checkpoint_every,
+                                               plan.checkpoint_timeout or plan.swap_timeout, hooks.save_checkpoint)
         self._checkpoint_due = False  # a checkpoint boundary fell inside a background round: taken after it
         self.rejections = 0
         self.privacy: dict[str, dict] = {}  # DP: worker id -> the (epsilon, delta) it last reported
@@ -86,9 +109,9 @@ class Trainer:
         self.swap_period: int | None = None  # S; None also where no discriminator leaves its site
         if workers:  # a fixed set: each worker's own m_n is known now (S from the smallest, see swap_period)
             self.swap_period = config.swap_period(min(w.shard_size for w in workers))
-            check_lag(swap_lag, self.swap_period)
+            check_lag(plan.swap_lag, self.swap_period)
         self.stop_requested = False  # set by a signal handler: checkpoint at the next boundary and stop
-        self.strategy = iteration_strategy(config, pipeline_depth)  # all, quorum|async, or pipelined
+        self.strategy = iteration_strategy(config, plan.pipeline_depth)  # all, quorum|async, or pipelined
 
     # -- its parts, as the services and the in-process run see them ----------------------------
     @property
@@ -141,7 +164,7 @@ class Trainer:
         self.traffic.payload_bytes.update(state["payload_bytes"])
         self.traffic.label_bytes = int(state["label_bytes"])
         self.roster.load_state_dict(state["roster"], self.completed)
-        self.strategy.restore(state, self.generator.device)
+        self.strategy.restore(state, self.generator)
 
     def count_batch(self, batch: WorkerBatch) -> None:
         """Traffic of one worker's batches, as they travel."""

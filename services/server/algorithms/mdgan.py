@@ -7,7 +7,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from mdgan.algorithms.mdgan.trainer import COPY, SWAP, SwapOrder, SwapReport, Trainer, WorkerHandle
+from mdgan.algorithms.mdgan.trainer import (COPY, SWAP, SwapOrder, SwapReport, Trainer, TrainerHooks, TrainerPlan,
+                                           WorkerHandle)
 from mdgan.algorithms.base import InputRejected, IterationRecord
 from mdgan.config import TrainingConfig
 from mdgan import privacy
@@ -181,11 +182,11 @@ class MDGANServer:
             ctx.saver.save(iteration, wrote_all, ctx.generator, self.trainer, recorder)
             telemetry.checkpoints.labels("complete" if wrote_all else "incomplete").inc()
 
-        self.trainer = Trainer(ctx.config, ctx.generator, roster=ctx.roster, step_timeout=args.step_timeout,
-                               swap_timeout=args.swap_timeout + args.step_timeout, on_iteration=self._on_iteration,
-                               on_swap=on_swap, checkpoint_every=args.checkpoint_every,
-                               save_checkpoint=save_checkpoint, swap_lag=self.options.swap_lag,
-                               pipeline_depth=self.options.pipeline_depth)
+        plan = TrainerPlan(step_timeout=args.step_timeout, swap_timeout=args.swap_timeout + args.step_timeout,
+                           checkpoint_every=args.checkpoint_every, swap_lag=self.options.swap_lag,
+                           pipeline_depth=self.options.pipeline_depth)
+        hooks = TrainerHooks(on_iteration=self._on_iteration, on_swap=on_swap, save_checkpoint=save_checkpoint)
+        self.trainer = Trainer(ctx.config, ctx.generator, roster=ctx.roster, plan=plan, hooks=hooks)
         if ctx.run.state is not None:
             ServerCheckpoints.restore(ctx.run.state, ctx.generator, self.trainer, recorder)
 
