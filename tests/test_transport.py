@@ -647,7 +647,7 @@ def test_the_swap_check_passes_honest_discriminators_and_refuses_each_attack():
 def test_a_push_that_finds_its_peer_unreachable_is_tried_again_until_the_peer_is_up(caplog):
     """A push failing with UNAVAILABLE (a link down, a peer restarting, a cached channel whose
     connection broke) is tried again on a fresh channel within the swap deadline, and arrives whole;
-    the swap round no longer waits out a deadline for it (docs/WIDE_AREA.md, the 121 s round)."""
+    the swap round no longer waits out a deadline for it (docs/results/stragglers/README.md, the 121 s round)."""
     config = TrainingConfig(workers=2, batch_size=B).validate()
     shards = [load_shard(DataConfig("synthetic", num_shards=2), i) for i in range(2)]
     receiver_node = WorkerNode(ServerLink("127.0.0.1:9"), WorkerData(shard=shards[0]), advertise_address="127.0.0.1:9")
