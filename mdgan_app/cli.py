@@ -285,20 +285,22 @@ def cmd_traffic(args) -> int:
         relay is None or relay["forwarded_matches_reported"]) else 1
 
 
+# the declared settings `mdgan traffic` takes for its formulas (the others: their defaults)
+TRAFFIC_SETTINGS = ("workers", "batch_size", "disc_steps", "swap_epochs", "swap_every", "swap_optimizer_state",
+                    "architecture", "gan", "wire_dtype")
+
+
 def _traffic_formulas(args) -> dict:
+    from mdgan import settings
     from mdgan.algorithms import SERVED
-    from mdgan.config import TrainingConfig
-    from mdgan.data import DATASET_SAMPLE_SHAPES
     from mdgan_app.traffic import DATASET_TRAIN_SIZES, formula_table
     from services.common.settings import algorithm_options
 
     if args.shard_size is None and args.dataset not in DATASET_TRAIN_SIZES:
         raise ConfigError(f"--dataset {args.dataset}: give the worker's shard size with --shard-size")
-    config = TrainingConfig(workers=args.workers, iterations=1, batch_size=args.batch_size, disc_steps=args.disc_steps,
-                            swap_epochs=args.swap_epochs, swap_every=args.swap_every,
-                            swap_optimizer_state=args.swap_optimizer_state, wire_dtype=args.wire_dtype,
-                            model=ModelSpec(architecture=args.architecture, gan=args.gan,
-                                            sample_shape=tuple(DATASET_SAMPLE_SHAPES[args.dataset]))).validate()
+    # the run the formulas describe: the settings given, the others at their defaults (one iteration)
+    given = {key: getattr(args, key) for key in TRAFFIC_SETTINGS}
+    config = settings.training_config({**settings.defaults(), **given, "iterations": 1}, dataset=args.dataset)
     if args.shard_size is not None and args.shard_size < 1:
         raise ConfigError(f"--shard-size must be at least 1, got {args.shard_size}")
     shard_size = args.shard_size or DATASET_TRAIN_SIZES[args.dataset] // args.workers
@@ -507,9 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mdgan.algorithms import NAMES, SERVED
     from mdgan.settings import DURABLE, RUN_SETTINGS
     from services.common.settings import (EnvArgumentParser, add_algorithm_argument, add_algorithm_options,
-                                          add_scheduling_argument, add_setting_groups, add_site_arguments,
-                                          add_stop_grace_argument, add_threads_argument, add_training_arguments,
-                                          add_version, positive_seconds)
+                                          add_scheduling_argument, add_setting_arguments, add_setting_groups,
+                                          add_site_arguments, add_stop_grace_argument, add_threads_argument,
+                                          add_training_arguments, add_version, positive_seconds)
 
     # Each command reads its own variables (MDGAN_LOCAL_WORKERS, ...), never the services' MDGAN_<FLAG>:
     # a worker's MDGAN_SERVER must not become `certs issue`'s --server. `certs` reads none.
@@ -609,22 +611,14 @@ def build_parser() -> argparse.ArgumentParser:
     formulas = traffic.add_argument_group("the formulas alone (without RUN)")
     formulas.add_argument("--algorithm", choices=("all", *SERVED), default="all",
                           help="one algorithm, or all of them side by side")
-    formulas.add_argument("--workers", type=int, default=10, help="N")
-    formulas.add_argument("--batch-size", type=int, default=10, help="b (pwgan: n_g = n_r = b)")
-    formulas.add_argument("--disc-steps", type=int, default=1, help="L (psgan: D rounds per iteration)")
-    formulas.add_argument("--swap-epochs", type=float, default=1.0, help="E: S = ceil(E m / b) (MD-GAN swaps, "
-                                                                         "FL-GAN rounds)")
-    formulas.add_argument("--swap-every", type=int, default=None, help="S, instead of ceil(E m / b)")
-    formulas.add_argument("--swap-optimizer-state", action="store_true",
-                          help="MD-GAN: Adam moments travel with a swapped discriminator")
-    formulas.add_argument("--architecture", default="mlp", help="see `mdgan models`")
-    formulas.add_argument("--gan", choices=GAN_KINDS, default="acgan")
+    add_setting_arguments(formulas, TRAFFIC_SETTINGS, workers="N (default here: the paper's 10)",
+                          batch_size="b (pwgan: n_g = n_r = b)", disc_steps="L (psgan: D rounds per iteration)",
+                          swap_epochs="E: S = ceil(E m / b) (MD-GAN swaps, FL-GAN rounds)")
+    traffic.set_defaults(workers=10)
     formulas.add_argument("--dataset", choices=("mnist", "cifar10", "synthetic"), default="mnist",
                           help="sets d (and m, with --shard-size unset)")
     formulas.add_argument("--shard-size", type=int, default=None, help="m, samples per worker (default: the "
                                                                        "dataset's training set / N)")
-    formulas.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16", "int8"), default="float32",
-                          help="MD-GAN's compressed wire")
     add_algorithm_options(traffic)  # each algorithm's own options (P-WGAN's T, ...)
     traffic.set_defaults(func=cmd_traffic)
     experiment = command("experiment", help="Run a grid of trainings and plot the paper's figures.")
