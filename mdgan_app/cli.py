@@ -49,7 +49,6 @@ def _print_summary(summary: dict, out: str) -> None:
 
 
 def cmd_simulate(args) -> int:
-    from mdgan import settings
     from mdgan.algorithms.mdgan.inprocess import parse_churn
     from mdgan.run import check_out_dir
     from mdgan.run_spec import RunSpec
@@ -60,7 +59,6 @@ def cmd_simulate(args) -> int:
         take_launch_settings(args)
     configure_compute(args.threads)
     _resolve_workers(args)
-    vars(args).update(settings.resolved(vars(args)))  # launch.toml keeps what a derived setting came to
     resume = "yes" if args.resume else "no"
     spec = RunSpec.from_values({**vars(args), "resume": resume, "churn": parse_churn(args.churn),
                                 "classes": class_names(args)}, command=True)
@@ -100,7 +98,6 @@ def _resolve_workers(args) -> None:
 
 
 def cmd_local(args) -> int:
-    from mdgan import settings
     from mdgan.run import check_out_dir
     from mdgan.run_spec import RunSpec
     from mdgan_app.launcher import MACHINE_PORTS, workers_per_process
@@ -109,7 +106,6 @@ def cmd_local(args) -> int:
     if args.resume:  # the run's own settings, from its run directory
         take_launch_settings(args)
     _resolve_workers(args)
-    vars(args).update(settings.resolved(vars(args)))  # launch.toml and the server's flags carry what they came to
     resume = "yes" if args.resume else "no"
     # every setting checked here, with a clear message, rather than in a child process
     RunSpec.from_values({**vars(args), "resume": resume, "classes": class_names(args)},

@@ -43,10 +43,12 @@ _PATH_SETTINGS = ("data_root", "site_dirs")  # saved absolute: a resume may star
 def save_launch_settings(args) -> None:
     """RUN/launch.toml: every setting of this `mdgan local` or `simulate` but where it writes and whether
     it resumes, as a --config file (`mdgan local --config RUN/launch.toml --out ELSEWHERE` runs it again)."""
+    from mdgan import settings as declared
     from mdgan.checkpoint import atomic_write_bytes
     from services.common.settings import settings_toml
 
-    settings = {key: value for key, value in sorted(vars(args).items())
+    # a setting worked out from the others is kept as what it came to (a resume trains the same run)
+    settings = {key: value for key, value in sorted(declared.resolved(vars(args)).items())
                 if key not in _NOT_LAUNCH_SETTINGS and key not in ("config", "print_config")}
     for key in _PATH_SETTINGS:
         if settings.get(key):

@@ -170,7 +170,7 @@ RESUME_DAMAGES = {
                                   r"run_identity.json: not a run's identity \(its config: TypeError"),
     "identity's config out of range": (lambda run: _identity(run, lambda d: d["config"].update(batch_size=-3)),
                                        r"run_identity.json: not a run's identity \(its config: ConfigError: "
-                                       r"--batch-size must be at least 1"),
+                                       r"batch_size must be at least 1"),
     "latest checkpoint truncated": (lambda run: _truncate(_latest_server_checkpoint(run)),
                                     r"server.pt: unreadable checkpoint, truncated or not written by mdgan \(.*\); "
                                     r"to resume from the checkpoint before "

@@ -28,7 +28,7 @@ def test_disc_width_sets_the_mlp_discriminators_hidden_layers(width):
 @pytest.mark.parametrize("spec", [ModelSpec(disc_width=0), ModelSpec(disc_width=8193),
                                   ModelSpec(architecture="cnn-mnist", disc_width=128)])
 def test_a_disc_width_that_cannot_be_built_is_refused_in_one_line(spec):
-    with pytest.raises(ConfigError, match="--disc-width"):
+    with pytest.raises(ConfigError, match="disc_width"):
         spec.validate()
 
 

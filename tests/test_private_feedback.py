@@ -197,6 +197,6 @@ def test_the_settings_travel_to_the_workers():
     spec = training_spec.spec_from_config(config)
     assert (spec.dp_mechanism, spec.dp_discriminators) == ("feedback", 4)
     assert training_spec.config_from_spec(spec).privacy == config.privacy
-    with pytest.raises(ConfigError, match="--dp-mechanism must be one of"):
+    with pytest.raises(ConfigError, match="dp_mechanism must be one of"):
         spec.dp_mechanism = "laplace"
         training_spec.config_from_spec(spec)

@@ -476,14 +476,11 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:
 
 def training_config(args: argparse.Namespace) -> TrainingConfig:
     """The run's TrainingConfig from its parsed flags (mdgan.settings.training_config: the samples' shape
-    from --dataset where the command has one, else from --architecture). A setting whose default is worked out
-    from the others (mdgan.settings.resolved) is set in `args` to what it came to."""
+    from --dataset where the command has one, else from --architecture); `args` is left as it is."""
     from mdgan import settings
 
-    config = settings.training_config(vars(args), dataset=getattr(args, "dataset", None),
-                                      device=getattr(args, "device", "cpu"), classes=class_names(args))
-    vars(args).update(settings.resolved(vars(args)))  # what launch.toml and mdgan local's server get
-    return config
+    return settings.training_config(vars(args), dataset=getattr(args, "dataset", None),
+                                    device=getattr(args, "device", "cpu"), classes=class_names(args))
 
 
 def add_scheduling_argument(parser: argparse.ArgumentParser, default: str) -> None:
