@@ -42,8 +42,9 @@ class Setting:
     --flag sets it and --no-flag clears it), its choices; optional: None is a value (unset); low: the least
     value (None: any), `expected` saying the range in words; short: its name in an experiment's run labels
     (None: it names no run); to_workers: the server sends it to its workers in the run's TrainingSpec
-    (services/common/training_spec.py); experiment: an experiment's YAML takes it; commands: the `mdgan` commands that
-    have its flag (none: an experiment's only); before: what a record
+    (services/common/training_spec.py); experiment: an experiment's YAML takes it; commands: the commands that
+    have its flag (simulate, local: `mdgan`'s; server, worker: the services'; none: an experiment's only); before:
+    what a record
     written before the setting existed (launch.toml, an experiment's run.json) stands for. A setting whose
     default (None) is worked out from the others is worked out in `resolved`."""
 
@@ -209,33 +210,39 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting("dataset", _default(DataConfig, "dataset"),
             "mnist, cifar10, a small synthetic set, or imagefolder: a folder of images, one sub-folder per class "
             "(torchvision's ImageFolder layout) or unlabelled images for a plain GAN", DATA, str, DATASETS,
-            to_workers=False),
+            to_workers=False, commands=("simulate", "local", "worker")),
     Setting("data_root", _default(DataConfig, "data_root"),
             "folder holding MNIST/raw or cifar-10-batches-py (torchvision's layout; never downloads), or the image "
-            "folder", DATA, str, to_workers=False),
+            "folder", DATA, str, to_workers=False, commands=("simulate", "local", "worker")),
     Setting("bad_images", "refuse",
             "imagefolder: an image that cannot be read, or cannot be resized like the others (another aspect "
             "ratio), stops the load with its name (refuse) or is left out with a warning (skip)", DATA, str,
-            ("refuse", "skip"), to_workers=False, experiment=False),
+            ("refuse", "skip"), to_workers=False, experiment=False, commands=("simulate", "local", "worker")),
     Setting("split_seed", _default(DataConfig, "split_seed"),
             "emulation (a shared dataset cut into shards): seed of the split (the same on every worker)", DATA, int,
-            to_workers=False, experiment=False),
+            to_workers=False, experiment=False, commands=("simulate", "local", "worker")),
     Setting("max_samples", _default(DataConfig, "max_samples"),
             "use only this many images of the dataset (a seeded choice, before the split; 0: all): small runs, and "
-            "the memorisation experiment of docs/PRIVACY.md", DATA, int, low=0, to_workers=False, experiment=False),
+            "the memorisation experiment of docs/PRIVACY.md", DATA, int, low=0, to_workers=False, experiment=False,
+            commands=("simulate", "local", "worker")),
     Setting("split", _default(DataConfig, "split"),
             "iid: equal random shards (the paper); dirichlet: non-i.i.d. shards, per class proportions ~ Dir(alpha) "
-            "(workers then need an explicit --shard-index)", DATA, str, SPLITS, to_workers=False, short=""),
+            "(workers then need an explicit --shard-index)", DATA, str, SPLITS, to_workers=False, short="",
+            commands=("simulate", "local", "worker")),
     Setting("dirichlet_alpha", _default(DataConfig, "dirichlet_alpha"),
-            "concentration of the dirichlet split (smaller: more skewed shards)", DATA, float, to_workers=False),
+            "concentration of the dirichlet split (smaller: more skewed shards)", DATA, float, to_workers=False,
+            commands=("simulate", "local", "worker")),
     Setting("eval_every", 1000,
             "score the generator every this many iterations, in the background (0: only at the end, -1: never); "
             "MNIST-shaped samples only", EVALUATION, int, low=-1,
-            expected="a number of iterations, or 0 (only at the end) or -1 (never)", to_workers=False),
+            expected="a number of iterations, or 0 (only at the end) or -1 (never)", to_workers=False,
+            commands=("simulate", "local", "server")),
     Setting("eval_samples", 500, "generated images per evaluation", EVALUATION, int, low=2,
-            expected="at least 2 images (a FID needs two to compare)", to_workers=False),
+            expected="at least 2 images (a FID needs two to compare)", to_workers=False,
+            commands=("simulate", "local", "server")),
     Setting("eval_reference", 2000, "MNIST test images FID compares against", EVALUATION, int, low=2,
-            expected="at least 2 images (a FID needs two to compare)", to_workers=False),
+            expected="at least 2 images (a FID needs two to compare)", to_workers=False,
+            commands=("simulate", "local", "server")),
     Setting("eval_large_every", 0, "long runs: also score on eval_large_samples images every this many iterations "
             "and at the end (0: never)", EVALUATION, int, low=0, to_workers=False, commands=()),
     Setting("eval_large_samples", 5000, "images of the large evaluation", EVALUATION, int, low=2,
@@ -244,24 +251,25 @@ RUN_SETTINGS: tuple[Setting, ...] = (
             "(mdgan/downstream.py; MNIST only)", EVALUATION, int, low=0, to_workers=False, commands=()),
     Setting("checkpoint_every", 0,
             "checkpoint every this many iterations, and on SIGTERM (server and workers at the same iteration "
-            "boundary; workers keep theirs in their state folder; 0: never)", DURABLE, int, low=0, to_workers=False),
+            "boundary; workers keep theirs in their state folder; 0: never)", DURABLE, int, low=0, to_workers=False,
+            commands=("simulate", "local", "server")),
     Setting("keep_checkpoints", 3, "complete checkpoints kept", DURABLE, int, low=1, to_workers=False,
-            experiment=False),
+            experiment=False, commands=("simulate", "local", "server", "worker")),
     Setting("byzantine", 0, "K: the last K workers by rank send wrong feedback (needs --attack)", EMULATION, int,
             low=0, to_workers=False, short="byz"),
     Setting("attack", None, "what they send: sign-flip (-F), scale (10 F), sign-flip-scale (-10 F), noise (10x F's "
             "RMS), free-ride (zeros); swap-*: the discriminators they push (docs/PRIVACY.md)", EMULATION, str, ATTACKS,
-            optional=True, to_workers=False, short=""),
+            optional=True, to_workers=False, short="", commands=("simulate", "local", "worker")),
     Setting("save_discriminators", False,
             "also write OUT/discriminators.pt, every worker's final discriminator (what `mdgan audit OUT` attacks; "
             "MD-GAN, FL-GAN and the standalone GAN)", OUTPUTS, bool, to_workers=False, commands=("simulate",)),
     Setting("tensorboard", None, "write TensorBoard event files under DIR/<run id>: losses, accuracies, workers, "
             "swaps, scores and a sample grid at every evaluation", TRACKING, str, optional=True, to_workers=False,
-            experiment=False),
+            experiment=False, commands=("simulate", "local", "server")),
     Setting("mlflow", None, "log the run to an MLflow tracking store: a folder (./mlruns), file:///path or "
             "http(s)://server; parameters, metrics, the final samples and generator. A slow or absent server never "
             "slows training: it is said once in the log", TRACKING, str, optional=True, to_workers=False,
-            experiment=False),
+            experiment=False, commands=("simulate", "local", "server")),
 )
 EVERY_SETTING: dict[str, Setting] = {s.key: s for s in (*TRAINING_SETTINGS, *RUN_SETTINGS)}
 assert len(EVERY_SETTING) == len(TRAINING_SETTINGS) + len(RUN_SETTINGS), "a key declared twice"

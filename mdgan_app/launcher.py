@@ -22,7 +22,7 @@ import urllib.request
 from services.common import scheduling
 from mdgan.algorithms.base import RUN_FAILED
 from mdgan.config import ConfigError
-from mdgan.settings import TRAINING_KEYS
+from mdgan.settings import RUN_SETTINGS, TRACKING, TRAINING_KEYS
 from mdgan_app.run_folder import save_launch_settings
 
 def _eval_root(args) -> str | None:
@@ -34,9 +34,11 @@ def _eval_root(args) -> str | None:
     return None
 
 
-# the declared settings `mdgan local` hands its server as they are (mdgan/settings.py; the server defines their flags)
-SERVER_SETTINGS = (*TRAINING_KEYS, "checkpoint_every", "keep_checkpoints", "eval_every", "eval_samples",
-                   "eval_reference", "dataset")
+# the declared settings `mdgan local` hands its server as they are (mdgan/settings.py `commands`; the server defines
+# their flags): training's, the run settings both take (but the tracking paths, made absolute below), and the dataset
+# (which sets the server's sample shape)
+SERVER_SETTINGS = (*TRAINING_KEYS, *(s.key for s in RUN_SETTINGS if {"local", "server"} <= set(s.commands)
+                                     and s.group != TRACKING), "dataset")
 
 
 def _forwarded_training_flags(args) -> list[str]:

@@ -252,9 +252,15 @@ def test_a_run_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, mon
     specs = {}
     if every[key].experiment:
         specs["experiment"] = RunSpec.from_values({**DEFAULTS, **base, **given})
-    for command in ("simulate", "local"):  # the commands that have its flag, and only those
-        dests = {a.dest for a in command_parser(command)._actions}
-        assert (key in dests) == (command in every[key].commands), f"{key} in mdgan {command}"
+    from services.worker.__main__ import build_parser as worker_parser
+
+    parsers = {"simulate": command_parser("simulate"), "local": command_parser("local"), "server": server_parser(),
+               "worker": worker_parser()}
+    for command, parser in parsers.items():  # the commands that have its flag, and only those
+        dests = {a.dest for a in parser._actions}
+        if command == "server" and key == "dataset":
+            continue  # (the server's own --dataset: the kind of data its workers hold, default none)
+        assert (key in dests) == (command in every[key].commands), f"{key} in {command}"
     if every[key].commands:
         tokens = [t for k, v in {**base, **given}.items() for t in flag_tokens(every[k], v)]
 

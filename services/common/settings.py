@@ -351,19 +351,6 @@ def algorithm_flags(name: str, args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the run's scalars, scores and samples go besides its folder (mdgan/tracking.py)."""
-    add_setting_groups(parser, ("tensorboard", "mlflow"))
-
-
-def add_durable_arguments(group, *, keep_help: str, stop_grace: bool = False) -> None:
-    """--checkpoint-every and --keep-checkpoints, the same for mdgan simulate/local and mdgan-server;
-    `stop_grace`: --stop-grace too (a served run's server stops on SIGTERM)."""
-    add_setting_arguments(group, ("checkpoint_every", "keep_checkpoints"), keep_checkpoints=keep_help)
-    if stop_grace:
-        add_stop_grace_argument(group)
-
-
 def add_stop_grace_argument(group) -> None:
     group.add_argument("--stop-grace", type=non_negative_seconds, default=20.0,
                        help="on SIGTERM, how long the server waits for the iteration under way to end and be "
@@ -403,7 +390,7 @@ def add_setting_arguments(group, keys, **helps: str) -> None:
 METAVARS = {"tensorboard": "DIR", "mlflow": "URI"}
 
 
-def add_setting_groups(parser: argparse.ArgumentParser, keys) -> dict[str, argparse._ArgumentGroup]:
+def add_setting_groups(parser: argparse.ArgumentParser, keys, **helps: str) -> dict[str, argparse._ArgumentGroup]:
     """The flags of the declared settings `keys`, each in its declared help group; the groups by title."""
     from mdgan.settings import EVERY_SETTING
 
@@ -412,8 +399,16 @@ def add_setting_groups(parser: argparse.ArgumentParser, keys) -> dict[str, argpa
         group = EVERY_SETTING[key].group
         if group not in groups:
             groups[group] = parser.add_argument_group(group)
-        add_setting_arguments(groups[group], [key])
+        add_setting_arguments(groups[group], [key], **{k: v for k, v in helps.items() if k == key})
     return groups
+
+
+def command_settings(command: str, *groups: str) -> list[str]:
+    """The run settings (beyond training's) whose flag `command` has (mdgan/settings.py `commands`): simulate,
+    local, server or worker; only those of `groups`, when given."""
+    from mdgan.settings import RUN_SETTINGS
+
+    return [s.key for s in RUN_SETTINGS if command in s.commands and (not groups or s.group in groups)]
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -423,11 +418,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_groups(parser, TRAINING_KEYS)
 
 
-DATA_KEYS = ("dataset", "data_root", "bad_images", "split_seed", "max_samples", "split", "dirichlet_alpha")
-
-
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    add_setting_groups(parser, DATA_KEYS)
+    """The data settings' flags (what a worker holds, and a run in one process trains on)."""
+    from mdgan.settings import DATA
+
+    add_setting_groups(parser, command_settings("worker", DATA))
 
 
 def add_site_arguments(parser: argparse.ArgumentParser, launcher: bool) -> None:
@@ -455,17 +450,6 @@ def class_names(args: argparse.Namespace) -> tuple[str, ...] | None:
     if malformed:
         raise ConfigError(f"--classes must be distinct names separated by commas ({malformed}), got {raw[:200]!r}")
     return names
-
-
-def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
-    add_setting_groups(parser, ("eval_every", "eval_samples", "eval_reference"))
-
-
-def evaluation_options(args: argparse.Namespace, data_root: str | None):
-    from mdgan.run import EvaluationOptions
-
-    return EvaluationOptions(data_root=data_root, every=args.eval_every, samples=args.eval_samples,
-                             reference=args.eval_reference)
 
 
 def add_threads_argument(parser: argparse.ArgumentParser, default: int) -> None:

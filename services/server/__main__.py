@@ -12,6 +12,7 @@ import sys
 
 from mdgan import algorithms, devices
 from mdgan.checkpoint import CheckpointError
+from mdgan.settings import DURABLE, EVALUATION, TRACKING
 from mdgan.config import DATASETS, ConfigError
 from mdgan.algorithms.base import IterationRecord
 from mdgan.gan import GeneratorSide, derive_seed
@@ -22,8 +23,9 @@ from mdgan.run import (RESUME_MODES, RunRecorder, finished_run_ids, make_evaluat
 from mdgan.algorithms.mdgan.checkpoints import ServerCheckpoints
 from services.common import scheduling
 from services.common.settings import (add_version, EnvArgumentParser, add_affinity_argument, add_algorithm_argument,
-                                      add_algorithm_options, add_durable_arguments, add_evaluation_arguments, add_tracking_arguments,
-                                      add_scheduling_argument, add_site_arguments, add_threads_argument,
+                                      add_algorithm_options, add_scheduling_argument, add_setting_arguments,
+                                      add_setting_groups, add_site_arguments, add_stop_grace_argument,
+                                      add_threads_argument, command_settings,
                                       add_training_arguments, class_names, configure_compute, listen_address,
                                       log_level, port_number, positive_seconds,
                                       training_config)
@@ -84,7 +86,9 @@ def build_parser() -> EnvArgumentParser:
                          help="continue the run in --out from its last complete checkpoint: 'yes' (bare --resume) "
                               "fails if there is none, 'auto' starts a new run then (for restart policies), 'no' "
                               "always starts a new run")
-    add_durable_arguments(durable, keep_help="complete checkpoints kept in OUT/checkpoints", stop_grace=True)
+    add_setting_arguments(durable, command_settings("server", DURABLE),
+                          keep_checkpoints="complete checkpoints kept in OUT/checkpoints")
+    add_stop_grace_argument(durable)
     durable.add_argument("--min-workers", type=int, default=None,
                          help="start once this many workers joined, go on while this many are alive, pause below "
                               "(default: start with all, go on while one is alive)")
@@ -95,9 +99,9 @@ def build_parser() -> EnvArgumentParser:
     add_affinity_argument(parser)
     add_training_arguments(parser)
     add_site_arguments(parser, launcher=False)
-    add_evaluation_arguments(parser)
     add_algorithm_options(parser)
-    add_tracking_arguments(parser)
+    # the declared run settings the server takes (mdgan/settings.py `commands`), in their help groups
+    add_setting_groups(parser, command_settings("server", EVALUATION, TRACKING))
     return parser
 
 

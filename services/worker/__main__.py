@@ -20,12 +20,12 @@ import uuid
 import grpc
 
 from mdgan import devices
-from mdgan.attacks import ATTACKS
+from mdgan.settings import DURABLE, EMULATION
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
 from services.common import scheduling
-from services.common.settings import (add_setting_arguments, add_version, EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
+from services.common.settings import (add_setting_arguments, add_version, command_settings, EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
                             add_threads_argument, configure_compute, data_config, dial_address, listen_address,
                             log_level, port_number, positive_seconds)
 from services.common import codec, pki, rpc, tls
@@ -70,7 +70,7 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--state-dir", default=None,
                         help="where this worker keeps its run id and checkpoints (D, Adam, sampler state); "
                              "without it the worker cannot take part in checkpoints or restore after a crash")
-    add_setting_arguments(parser, ("keep_checkpoints",), keep_checkpoints="saved states kept in --state-dir")
+    add_setting_arguments(parser, command_settings("worker", DURABLE), keep_checkpoints="saved states kept in --state-dir")
     parser.add_argument("--run-id", default=None,
                         help="join this run only (default: the run recorded in --state-dir, else any)")
     parser.add_argument("--metrics-port", type=port_number, default=9101, help="HTTP port of /metrics (0: none)")
@@ -106,10 +106,10 @@ def build_parser() -> EnvArgumentParser:
                              "slot instead of a secret it makes itself; the guarantee then holds only against those "
                              "who do not know the number, and the server's privacy record says it was set")
     g = parser.add_argument_group("emulation, for experiments and tests only")
-    g.add_argument("--attack", choices=ATTACKS, default=None,
-                   help="behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), both (-10 F), "
-                        "noise (10x F's RMS) or zero (free-ride) feedback instead of F, or (swap-*) push a zeroed, "
-                        "sign-flipped, scaled (10x) or random discriminator at each swap (mdgan/attacks.py)")
+    add_setting_arguments(g, command_settings("worker", EMULATION), attack=(
+        "behave as a Byzantine worker: send sign-flipped (-F), scaled (10 F), both (-10 F), noise (10x F's RMS) or "
+        "zero (free-ride) feedback instead of F, or (swap-*) push a zeroed, sign-flipped, scaled (10x) or random "
+        "discriminator at each swap (mdgan/attacks.py)"))
     g.add_argument("--slow-factor", type=float, default=1.0,
                    help="behave as a straggler: every iteration takes this many times as long (waits "
                         "(F - 1) x the time its compute took before answering)")
