@@ -1,10 +1,11 @@
 """One run, whole: what it trains (TrainingConfig), on which data, how it is scored, kept, emulated and
-written. `RunSpec.from_values` builds it from a run's settings by key (an experiment's run, a kept
-run.json); `validate` refuses, in one line naming the setting, everything the run would refuse later,
+written. `RunSpec.from_values` builds it from a run's settings by key (a command's flags, an experiment's
+run, a kept run.json); `validate` refuses, in one line naming the setting, everything the run would refuse later,
 before anything is written. `mdgan.simulation.train` trains it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -93,7 +94,6 @@ class RunSpec:
     outputs: Outputs = field(default_factory=Outputs)
     stop_after: int | None = None
     downstream: int = 0
-    validated: bool = field(default=False, compare=False, repr=False)  # validate() made it: validated once
 
     def validate(self, in_process: bool = True) -> "RunSpec":
         """The spec as it trains (an algorithm on the whole dataset: one worker, kappa 1; the options
@@ -101,8 +101,6 @@ class RunSpec:
         data and writes nothing: what depends on the data (a site's privacy budget, its folders) is
         checked again when the data is loaded. in_process: the run trains in this process (False: on the
         services, `mdgan local`)."""
-        if self.validated:
-            return self
         entry = algorithms.get(self.algorithm)
         d, e = self.durability, self.emulation
         algorithms.refuse(entry, checkpoint_every=d.checkpoint_every, resume=d.resume != "no", churn=bool(e.churn),
@@ -134,7 +132,7 @@ class RunSpec:
             from mdgan import privacy
 
             privacy.check_run(config, [] if self.sites.site_dirs else known_shard_sizes(data, config.workers))
-        return replace(self, config=config, data=data, options=options, validated=True)
+        return replace(self, config=config, data=data, options=options)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any], first: int | None = None, score_first: bool = False, *,
@@ -189,8 +187,6 @@ class RunSpec:
 def evaluation_root(values: Mapping[str, Any]) -> str | None:
     """Where the scores' MNIST test set is: an MNIST run's data root (with site folders, the data root if it
     holds MNIST); None: the run is not scored."""
-    import os
-
     if values["eval_every"] < 0:
         return None
     if values["dataset"] == "mnist" and not values.get("site_dirs"):

@@ -77,7 +77,7 @@ class Setting:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or isinstance(value, bool):
-            return f"must be {_KIND_WORDS[kind]}, not {value!r}"
+            return f"must be {KIND_WORDS[kind]}, not {value!r}"
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, not {value!r}"
         if self.low is not None and value < self.low:
@@ -99,14 +99,14 @@ class Setting:
         try:
             value = self.kind(text)
         except ValueError:
-            raise ValueError(f"must be {_KIND_WORDS[self.kind]}, not {text!r}") from None
+            raise ValueError(f"must be {KIND_WORDS[self.kind]}, not {text!r}") from None
         problem = self.problem(value) if self.choices is None else None  # (argparse says a wrong choice)
         if problem:
             raise ValueError(problem)
         return value
 
 
-_KIND_WORDS = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
+KIND_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a text"}  # (in errors)
 
 
 TRAINING_SETTINGS: tuple[Setting, ...] = (

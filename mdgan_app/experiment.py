@@ -222,7 +222,6 @@ def expand(config: dict) -> list[dict]:
 
 # words some keys take besides a value of their type
 SPELLINGS = {"kappa": ("log2",), "swap_every": ("never",)}
-WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a text"}
 
 
 @dataclass(frozen=True)
@@ -235,9 +234,9 @@ class KeyType:
 
 
 def _key_type(key: str) -> KeyType:
-    """From the key's declaration: a training setting's (mdgan/settings.py), an algorithm's option's, else the
+    """From the key's declaration: a setting's (mdgan/settings.py), an algorithm's option's, else the
     experiment's own default (None: a text or nothing)."""
-    setting, option = settings.SETTINGS.get(key), OPTIONS.get(key)
+    setting, option = settings.EVERY_SETTING.get(key), OPTIONS.get(key)
     if setting is not None:
         return KeyType(setting.kind, setting.optional or key == "swap_every", setting.choices)
     if option is not None:
@@ -270,7 +269,7 @@ def _check_types(run: dict) -> None:
                 value = run[key] = float(value)
         if not _fits(value, takes.kind):
             also = "".join(f" or {w!r}" for w in SPELLINGS.get(key, ())) + (" or null" if takes.optional else "")
-            raise ConfigError(f"{key} must be {WORDS[takes.kind]}{also}, not {value!r}")
+            raise ConfigError(f"{key} must be {settings.KIND_WORDS[takes.kind]}{also}, not {value!r}")
         if takes.choices is not None and value not in takes.choices:
             raise ConfigError(f"{key} must be one of {', '.join(map(str, takes.choices))}, not {value!r}")
 
@@ -302,7 +301,7 @@ def run_one(run: dict, out_dir: str, progress: bool, first: int | None = None, s
     with a kept run."""
     from mdgan.simulation import train
 
-    spec = run_spec(run, first, score_first)
+    spec = RunSpec.from_values(run, first, score_first)  # (train validates it)
     summary = train(spec, out_dir, progress=progress)
     if spec.downstream:
         summary = _score_downstream(run, out_dir, summary)

@@ -70,6 +70,16 @@ def _copy(tmp_path) -> str:
     return root
 
 
+def _edited_copy(tmp_path, what: str, edits: list, created: int = 0) -> str:
+    """A copy of the code with `edits` made (and `created` files the caller writes), after checking that their
+    number is the one docs/ARCHITECTURE.md states for `what`."""
+    assert stated_edits(what) == created + len(edits)
+    root = _copy(tmp_path)
+    for path, anchor, text, before in edits:
+        _edit(root, path, anchor, text, before)
+    return root
+
+
 def _check(root: str, script: str) -> None:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=root, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": root}, timeout=240)
@@ -95,10 +105,7 @@ TRAINING_SETTING_EDITS = [
 
 @pytest.mark.slow
 def test_a_run_setting_takes_the_edits_the_architecture_says(tmp_path):
-    assert stated_edits("A run setting") == len(RUN_SETTING_EDITS)
-    root = _copy(tmp_path)
-    for path, anchor, text, before in RUN_SETTING_EDITS:
-        _edit(root, path, anchor, text, before)
+    root = _edited_copy(tmp_path, "A run setting", RUN_SETTING_EDITS)
     _check(root, """
         import os
         from mdgan.config import ConfigError
@@ -132,10 +139,7 @@ def test_a_run_setting_takes_the_edits_the_architecture_says(tmp_path):
 
 @pytest.mark.slow
 def test_a_training_setting_takes_the_edits_the_architecture_says(tmp_path):
-    assert stated_edits("A training setting") == len(TRAINING_SETTING_EDITS)
-    root = _copy(tmp_path)
-    for path, anchor, text, before in TRAINING_SETTING_EDITS:
-        _edit(root, path, anchor, text, before)
+    root = _edited_copy(tmp_path, "A training setting", TRAINING_SETTING_EDITS)
     _check(root, """
         from mdgan.run_spec import RunSpec
         from mdgan_app.cli import build_parser
@@ -175,11 +179,8 @@ ALGORITHM_EDITS = [
 
 @pytest.mark.slow
 def test_an_algorithm_run_in_one_process_takes_the_edits_the_architecture_says(tmp_path):
-    assert stated_edits("An algorithm that runs in one process") == 1 + len(ALGORITHM_EDITS)  # (its module)
-    root = _copy(tmp_path)
-    open(os.path.join(root, "mdgan", "algorithms", "demo.py"), "w").write(ALGORITHM_MODULE)
-    for path, anchor, text, before in ALGORITHM_EDITS:
-        _edit(root, path, anchor, text, before)
+    root = _edited_copy(tmp_path, "An algorithm that runs in one process", ALGORITHM_EDITS, created=1)
+    open(os.path.join(root, "mdgan", "algorithms", "demo.py"), "w").write(ALGORITHM_MODULE)  # (its module)
     _check(root, f"""
         import json, os
         from mdgan_app.cli import main

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mdgan.algorithms.base import InputRejected, WorkerLost, sort_replies, why_lost
+from mdgan.algorithms.mdgan.exchange import Exchanged, IterationStrategy
 from mdgan.algorithms.mdgan.handle import WorkerHandle
 from mdgan.gan import GeneratedBatches, WorkerBatch
 from mdgan.step_results import StepResult, read_stats
@@ -66,24 +67,23 @@ class InFlight:
     due: float = float("inf")  # the event loop's time by which every answer is due
 
 
-@dataclass
-class Used:
-    """One use of the feedback on an iteration's batches: the answers used, the ones refused or lost, and
-    the seconds spent waiting for them and updating G."""
-
-    stats: list[StepResult] = field(default_factory=list)
-    rejected: int = 0
-    lost: int = 0
-    waiting: float = 0.0
-    updating: float = 0.0
-
-
-class Pipeline:
+class Pipeline(IterationStrategy):
     """The batches in flight of a run with --pipeline-depth D > 0, oldest first."""
 
     def __init__(self, depth: int):
         self.depth = depth
         self.flights: list[InFlight] = []
+
+    async def exchange(self, trainer, t: int) -> Exchanged:
+        """Iteration t: its batches out, and G updated with the feedback on those of t - D."""
+        started = time.perf_counter()
+        active = [w for w in trainer.roster.members() if not w.needs_copy]
+        lost = await self.send(trainer, t, active)
+        sent = time.perf_counter()
+        used = await self.use(trainer, t)
+        used.stats = read_stats(used.stats)
+        used.issued, used.lost, used.generate_seconds = len(active), lost + used.lost, sent - started
+        return used
 
     async def send(self, trainer, t: int, active: list[WorkerHandle]) -> int:
         """The batches of iteration t, from the current G, to `active` (rank order); the workers lost."""
@@ -112,16 +112,17 @@ class Pipeline:
             sent.outcome = lost
         return sent
 
-    async def use(self, trainer, t: int) -> Used:
-        """Iteration t's update of G: with the feedback on the batches of t - D, once every answer is in."""
+    async def use(self, trainer, t: int) -> Exchanged:
+        """Iteration t's update of G: with the feedback on the batches of t - D, once every answer is in (the
+        answers used, refused and lost, the seconds waiting and updating)."""
         if not self.flights or self.flights[0].iteration > t - self.depth:
-            return Used()
+            return Exchanged()
         flight = self.flights.pop(0)
         started = time.perf_counter()
         await self._settle(flight)
         waited = time.perf_counter()
         replies = sort_replies(flight.sent, [sent.reply() for sent in flight.sent])
-        used = Used(rejected=len(replies.rejected))
+        used = Exchanged(rejected=len(replies.rejected))
         feedback = []
         for sent, reply in replies.good:
             trainer.count_feedback(reply, sent.worker_id)
@@ -135,7 +136,7 @@ class Pipeline:
                 used.lost += await trainer.lose(sent.worker, why_lost(error))
         if feedback:  # rank order: the order the batches were sent in
             trainer.generator.update(trainer.generator.regenerate(flight.batches), feedback)
-        used.waiting, used.updating = waited - started, time.perf_counter() - waited
+        used.wait_seconds, used.update_seconds = waited - started, time.perf_counter() - waited
         return used
 
     @staticmethod
@@ -156,6 +157,12 @@ class Pipeline:
         """Every answer out in (a checkpoint holds them, not the futures that bring them)."""
         for flight in self.flights:
             await self._settle(flight)
+
+    async def close(self, trainer, stopped: bool) -> None:
+        if stopped:
+            self.abandon()
+        else:  # the feedback on the last D iterations' batches moves no G
+            await self.finish(trainer)
 
     async def finish(self, trainer) -> None:
         """The run's end: the answers on the last D iterations' batches come in (the workers finish their
@@ -178,6 +185,15 @@ class Pipeline:
         self.flights.clear()
 
     # -- durable state (settled first: drain) ---------------------------------------------------
+    def state(self) -> dict:
+        return {"pipeline": self.state_dict()}
+
+    def restore(self, state: dict, generator) -> None:
+        if "pipeline" not in state:
+            raise ValueError("this checkpoint was written without --pipeline-depth: resume it with the depth "
+                             "it was started with")
+        self.load_state_dict(state["pipeline"], generator.device)
+
     def state_dict(self) -> list[dict]:
         """The batches in flight, each answer's outcome with them: a good one's feedback and stats, or why
         it failed."""

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 from mdgan import aggregation
 from mdgan.algorithms.base import sort_replies, why_lost, with_deadline
+from mdgan.algorithms.mdgan.exchange import Exchanged, IterationStrategy
 from mdgan.config import SYNC_MODES  # noqa: F401  (the names, validated with the run's config)
 from mdgan.gan import GeneratedBatches, WorkerBatch
-from mdgan.step_results import StepResult
+from mdgan.step_results import StepResult, read_stats
 
 
 @dataclass
@@ -62,23 +63,12 @@ class Harvest:
         self.late += other.late
 
 
-@dataclass
-class Exchange:
-    """One iteration's feedback exchange under --sync quorum|async: the workers issued batches, what
-    came back (Harvest), and the seconds spent waiting for it and updating G."""
-
-    issued: int
-    harvest: Harvest
-    waiting: float
-    updating: float
-
-
 def staleness_weight(staleness: int) -> float:
     """async: how much a feedback computed `staleness` iterations ago counts."""
     return 1.0 / (1 + staleness)
 
 
-class PartialSync:
+class PartialSync(IterationStrategy):
     """The feedback exchange and G update of one iteration under --sync quorum|async.
 
     Drives a Trainer's workers through the Trainer's own helpers (active workers, drop, swap,
@@ -90,8 +80,8 @@ class PartialSync:
         self.mode = config.sync
         self.outstanding: dict[object, Issued] = {}  # worker handle -> its unanswered batches
 
-    def abandon(self) -> None:
-        """The run stopped with answers still out (a signal, or too few workers): nobody will read them,
+    async def close(self, trainer, stopped: bool) -> None:
+        """The run's end, with answers perhaps still out (a signal, or too few workers): nobody will read them,
         and a step that fails meanwhile (its worker told to stop) must not be logged as an error."""
         for issued in self.outstanding.values():
             issued.task.add_done_callback(lambda task: task.cancelled() or task.exception())
@@ -167,9 +157,10 @@ class PartialSync:
             batches.samples.backward(incoming * staleness_weight(t - origin))
         generator.optimizer.step()
 
-    async def exchange(self, trainer, t: int) -> Exchange:
+    async def exchange(self, trainer, t: int) -> Exchanged:
         """Issue, wait, apply. Under async an iteration is one update of G: while only unusable answers
         came in, the workers that gave them get fresh batches and it waits again."""
+        begun = time.perf_counter()
         # answers that came in since the last iteration closed: late (quorum) or stale (async); the
         # workers that gave them are idle again and get this iteration's batches
         harvest = await self._harvest(trainer, t)
@@ -188,4 +179,8 @@ class PartialSync:
         if t >= self.config.iterations:  # nothing may stay in flight after the last iteration
             drained = await self._harvest(trainer, t + self.config.max_staleness + 1, drain=True)
             harvest.add(Harvest(rejected=drained.rejected, lost=drained.lost, late=drained.late))
-        return Exchange(issued, harvest, waiting, time.perf_counter() - updating)
+        updated = time.perf_counter()
+        stats = read_stats(harvest.stats)
+        return Exchanged(issued, stats, harvest.rejected, harvest.lost, harvest.late,
+                         generate_seconds=max(0.0, time.perf_counter() - begun - waiting - (updated - updating)),
+                         wait_seconds=waiting, update_seconds=updated - updating)
