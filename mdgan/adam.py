@@ -78,6 +78,9 @@ def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in like]), like)]
 
 
+UNSUPPORTED = ("weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")  # torch.optim.Adam's, asked for
+
+
 class Adam(torch.optim.Adam):
     """torch.optim.Adam(params, lr, betas) with eps 1e-8, no weight decay, no amsgrad, real parameters.
 
@@ -101,6 +104,9 @@ class Adam(torch.optim.Adam):
         if closure is not None:
             raise ValueError("this Adam takes no closure")
         for index, group in enumerate(self.param_groups):
+            unsupported = [k for k in UNSUPPORTED if group.get(k)]
+            if unsupported:  # (a loaded state_dict of torch's Adam may ask for them; this step would ignore them)
+                raise ValueError(f"this Adam takes no {', '.join(unsupported)} (param group {index})")
             moments = self._flat_moments(index, group)
             if moments is not None:
                 self._flat_step(group, moments)

@@ -194,3 +194,23 @@ def test_a_run_with_every_adam_flat_ends_on_the_per_tensor_runs_generator(tmp_pa
     flat = simulate(config, data, str(tmp_path / "flat"), progress=False, algorithm=algorithm)["generator_sha256"]
     assert flat == plain
     assert len(made) > 1 and flat_steps == {id(adam) for adam in made}  # (G's, every D's: under Opacus's too)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("asked", [{"weight_decay": 0.01}, {"amsgrad": True}, {"maximize": True}])
+def test_a_loaded_state_that_asks_for_what_this_adam_does_not_do_is_refused_at_its_step(device, asked):
+    """This Adam has no weight decay, amsgrad or maximize (no setting asks for them); a torch Adam's state_dict that
+    does, loaded, would have its steps taken without them: the step refuses, the weights unchanged."""
+    nets = _nets(device, "mlp")
+    ours = Adam(nets[0].parameters(), lr=2e-4, betas=(0.9, 0.999))
+    torchs = torch.optim.Adam(nets[1].parameters(), lr=2e-4, betas=(0.9, 0.999), foreach=False, **asked)
+    _steps(nets[1:], [torchs], device, 2)
+    ours.load_state_dict(copy.deepcopy(torchs.state_dict()))
+    for p in nets[0].parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in nets[0].parameters()]
+    with pytest.raises(ValueError, match=f"takes no {next(iter(asked))}"):
+        ours.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, nets[0].parameters()))
+    with pytest.raises(TypeError):
+        Adam(nets[0].parameters(), lr=2e-4, betas=(0.9, 0.999), **asked)
