@@ -314,6 +314,8 @@ def cmd_experiment(args) -> int:
 
     configure_compute(args.threads)
     if args.dry_run:
+        if args.time_limit is not None:
+            raise ConfigError("--time-limit is for runs to train: not with --dry-run (which trains none)")
         from mdgan_app.experiment import dry_run, dry_run_header, dry_run_row, dry_run_totals
 
         if args.json:
@@ -331,17 +333,41 @@ def cmd_experiment(args) -> int:
                          on_row=lambda row: print(dry_run_row(row, width), flush=True))
         print(dry_run_totals(report))
         return 0
+    if args.time_limit is not None and args.plot_only:
+        raise ConfigError("--time-limit is for runs to train: not with --plot-only")
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the runs under way too, as Ctrl-C does
     try:
         result = run_experiment(args.config, progress=show_progress(args), only_plot=args.plot_only,
-                                jobs=args.jobs, threads=args.threads, keep=args.keep, device=args.device)
+                                jobs=args.jobs, threads=args.threads, keep=args.keep, device=args.device,
+                                time_limit=args.time_limit, probe=args.probe, on_plan=_say_plan)
     except Terminated as exc:
         print(f"mdgan experiment: {exc}: stopped; run it again to resume", file=sys.stderr)
         return 128 + exc.signum
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(json.dumps(result, indent=2))
+    left = [*result.get("stopped", []), *result.get("later", [])]
+    if left:  # (only with --time-limit)
+        print(f"mdgan experiment: --time-limit {args.time_limit:g} s: {result['ran']} runs finished now, "
+              f"{len(left)} left ({', '.join(left)}); run it again to go on", file=sys.stderr)
+        return EXIT_RUNS_LEFT
     return 0
+
+
+EXIT_RUNS_LEFT = 3  # mdgan experiment --time-limit ended with runs not finished
+
+
+def _say_plan(expected, started) -> None:
+    """--time-limit: each run's estimate as it is probed, then what starts and what is left for later."""
+    from mdgan_app.experiment import format_duration
+
+    about = f"about {format_duration(expected.seconds)} ({expected.iterations_left:,} iterations)"
+    if started is None:
+        print(f"mdgan experiment: probed {expected.name}: {expected.seconds_per_iteration * 1000:.1f} ms an "
+              f"iteration, {about}", file=sys.stderr, flush=True)
+    else:
+        print(f"mdgan experiment: {'start' if started else 'later'} {expected.name}: {about}"
+              f"{'' if started else ', past the time limit'}", file=sys.stderr, flush=True)
 
 
 def cmd_score(args) -> int:
@@ -630,7 +656,13 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--dry-run", action="store_true",
                             help="train nothing: time each unfinished run's first --probe iterations here (in a "
                                  "temporary folder) and print how long each and all would take on this device")
-    experiment.add_argument("--probe", type=int, default=20, help="--dry-run: iterations timed per run")
+    experiment.add_argument("--time-limit", metavar="SECONDS", type=positive_seconds, default=None,
+                            help="end within SECONDS: time each unfinished run's first --probe iterations, start "
+                                 "only the runs expected to end in time (shortest first), stop those under way "
+                                 "when the time is up; exit 3 when runs are left for another start (a machine "
+                                 "lent for minutes)")
+    experiment.add_argument("--probe", type=int, default=20,
+                            help="--dry-run, --time-limit: iterations timed per run")
     experiment.add_argument("--json", action="store_true", help="--dry-run: print the estimate as JSON")
     add_threads_argument(experiment, default=1)
     # --device: every run's (cpu, cuda or cuda:N); unset, each run's own `device` (cpu by default). With

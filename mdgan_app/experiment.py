@@ -43,6 +43,10 @@ iteration by direction as the run counted them, seconds per iteration, wall time
 summary.json, the history's evaluation lines, samples.png) and the tables and plots are copied into
 DIR (a folder kept under version control, say), and a run finished in DIR is put back into OUT and
 not run again. Days of runs then add up across machines that keep nothing but DIR.
+
+`--time-limit SECONDS` (mdgan_app/run_budget.py) makes it end within SECONDS, for a machine held for minutes:
+each unfinished run's first --probe iterations are timed, only the runs expected to end in time start (shortest
+first), and those under way when the time is up stop; with --keep, what finished is kept for the next start.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from mdgan.algorithms.base import option_key
 from mdgan import settings
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.run_spec import RunSpec
+from mdgan_app import run_budget
 
 # An experiment's keys: every declared setting an experiment takes (mdgan/settings.py), with its default, and these
 # of its own: crash ("every I/N": the paper's crash experiment), label and series (plots), device
@@ -639,11 +644,7 @@ def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1
     iterations. Evaluations come on top (each scores eval_samples images every eval_every iterations).
     on_start(report without its runs and totals, the runs' names), then on_row(row) as each run is timed: what a
     person watching sees before the slowest probe ends."""
-    import statistics
-    import tempfile
-
-    if probe <= PROBE_WARMUP:
-        raise ConfigError(f"--probe must be more than {PROBE_WARMUP} iterations, not {probe}")
+    check_probe(probe)
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
     config = load_config(path)
@@ -660,13 +661,7 @@ def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1
             if on_row is not None:
                 on_row(rows[-1])
             continue
-        first = min(probe, run["iterations"])
-        with tempfile.TemporaryDirectory(prefix="mdgan-dry-run-") as scratch:
-            run_one(run, scratch, progress=False, first=first)
-            with open(os.path.join(scratch, "history.jsonl"), encoding="utf-8") as fh:
-                seconds = [json.loads(line)["seconds"] for line in fh if line.strip()]
-        timed = seconds[PROBE_WARMUP:] or seconds
-        per_iteration = statistics.median(timed)
+        per_iteration = probe_pace(run, probe)
         rows.append({"name": run["name"], "finished": False, "device": run["device"],
                      "seconds_per_iteration": per_iteration, "iterations": run["iterations"],
                      "expected_seconds": per_iteration * run["iterations"]})
@@ -677,6 +672,33 @@ def dry_run(path: str, device: str | None = None, probe: int = 20, jobs: int = 1
             # K runs at once finish in about the longest of K queues of the runs, if the device serves K as fast
             # as one; a GPU kept busy by one run serves K slower, which only the runs themselves measure
             "with_jobs_seconds": _longest_queue(todo, jobs)}
+
+
+def check_probe(probe: int) -> None:
+    if probe <= PROBE_WARMUP:
+        raise ConfigError(f"--probe must be more than {PROBE_WARMUP} iterations, not {probe}")
+
+
+def probe_pace(run: dict, probe: int) -> float:
+    """A run's seconds an iteration here: its first `probe` iterations trained as the run trains them, in a
+    temporary folder, the median iteration after PROBE_WARMUP of them."""
+    import statistics
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mdgan-dry-run-") as scratch:
+        run_one(run, scratch, progress=False, first=min(probe, run["iterations"]))
+        with open(os.path.join(scratch, "history.jsonl"), encoding="utf-8") as fh:
+            seconds = [json.loads(line)["seconds"] for line in fh if line.strip()]
+    return statistics.median(seconds[PROBE_WARMUP:] or seconds)
+
+
+def iterations_left(run: dict, run_dir: str) -> int:
+    """The iterations a start of this run trains: all, less those of the complete checkpoint it resumes from."""
+    from mdgan.checkpoint import CheckpointStore
+
+    folder = os.path.join(run_dir, "checkpoints")
+    done = CheckpointStore(folder).latest_complete() if os.path.isdir(folder) else None
+    return run["iterations"] - (done or 0)
 
 
 def _longest_queue(durations: list[float], jobs: int) -> float:
@@ -724,14 +746,26 @@ def dry_run_table(report: dict) -> str:
 
 
 def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jobs: int = 1,
-                   threads: int = 1, keep: str | None = None, device: str | None = None) -> dict:
+                   threads: int = 1, keep: str | None = None, device: str | None = None,
+                   time_limit: float | None = None, probe: int = 20, on_plan=None) -> dict:
     """Runs what has not finished, then collects and plots. jobs > 1: that many runs at once, each in
     its own process with `threads` torch threads (runs are independent and deterministic, so the
     results are those of running them one by one; on a GPU they share the card). keep: a folder of
     finished runs' records, read before and written after (and after each run). device: every run's
-    (None: each run's own `device`, cpu by default)."""
+    (None: each run's own `device`, cpu by default).
+
+    time_limit: the experiment ends within this many seconds (mdgan_app/run_budget.py): each unfinished run's
+    first `probe` iterations are timed, a run is started only when it is expected to end in time (shortest
+    first), and the runs under way when the time is up are stopped (a durable run with checkpoints resumes from
+    its last one). on_plan(expected, started): each run's estimate as it is made. The result's `later` and
+    `stopped` name the runs left for another start."""
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
+    if time_limit is not None:
+        if not time_limit > 0:
+            raise ConfigError(f"--time-limit must be more than 0 seconds, not {time_limit}")
+        check_probe(probe)
+    deadline = run_budget.Deadline(time_limit) if time_limit is not None else None
     config = load_config(path)
     runs = _on_device(expand(config), device)
     validate_runs(runs)
@@ -765,46 +799,86 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
             with open(record, "w", encoding="utf-8") as fh:
                 json.dump(run, fh, indent=2)
             todo.append((run, run_dir))
-    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=config["name"], unit="run",
+    later: list[str] = []
+    if deadline is not None and todo:
+        todo, later = _in_time(todo, deadline, jobs, probe, on_plan)
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo) - len(later), desc=config["name"], unit="run",
                disable=not progress or only_plot)
+    finished: list[str] = []
+    try:
+        with run_budget.alarm(deadline.left()) if deadline is not None and todo else contextlib.nullcontext():
+            _run_all(config, runs, todo, out, keep, jobs, threads, progress, bar, finished)
+    except run_budget.TimeUp:
+        pass  # the runs under way were stopped (a pool's terminated); what finished is kept below
+    bar.close()
+    rows, plots = tabulate(config, runs, out)
+    result = {"out": out, "runs": len(runs), "ran": len(finished), "rows": len(rows), "plots": plots}
+    if deadline is not None:
+        result["later"] = later
+        result["stopped"] = [run["name"] for run, _ in todo if run["name"] not in finished]
+    if keep:
+        result["kept"] = keep_finished(runs, out, keep)
+    return result
+
+
+def _in_time(todo: list[tuple[dict, str]], deadline: run_budget.Deadline, jobs: int, probe: int,
+             on_plan) -> tuple[list[tuple[dict, str]], list[str]]:
+    """The runs a time limit lets start, shortest first (each probed here), and the names of those left."""
+    expected = []
+    for run, run_dir in todo:
+        left = iterations_left(run, run_dir)
+        expected.append(run_budget.Expected(run["name"], probe_pace(run, probe) if left else 0.0, left))
+        if on_plan is not None:
+            on_plan(expected[-1], None)
+    plan = run_budget.plan(expected, deadline.left(), jobs)
+    if on_plan is not None:
+        for run in plan.start:
+            on_plan(run, True)
+        for run in plan.later:
+            on_plan(run, False)
+    by_name = {run["name"]: (run, run_dir) for run, run_dir in todo}
+    return [by_name[e.name] for e in plan.start], [e.name for e in plan.later]
+
+
+def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: str, keep: str | None, jobs: int,
+             threads: int, progress: bool, bar, finished: list[str]) -> None:
+    """Trains `todo`, `jobs` at a time, appending each run's name to `finished` as it ends (and keeping it)."""
     if jobs == 1:
         for run, run_dir in todo:
             run_one(run, run_dir, progress)
+            finished.append(run["name"])
             if keep:  # now, with the tables and plots so far: the experiment may not live to its end
                 tabulate(config, runs, out)
                 keep_finished([run], out, keep)
             bar.update(1)
-    elif todo:
-        # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
-        # The children start with Ctrl-C ignored (an ignored signal stays ignored across exec): one that
-        # came while a child was still importing torch printed its KeyboardInterrupt traceback. A SIGTERM
-        # that comes while they start is handled once they have (scheduling.signals_held).
-        pool = None
-        try:
-            with scheduling.signals_held(signal.SIGTERM, ignoring=(signal.SIGINT,)):
-                pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
-            for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
-                bar.set_postfix_str(f"finished {name}")  # a failed run raises here
-                if keep:
-                    tabulate(config, runs, out)
-                    keep_finished([run for run in runs if run["name"] == name], out, keep)
-                bar.update(1)
-            pool.close()
-        except BaseException:
-            # a failed run, Ctrl-C or SIGTERM: the runs under way stop now (waiting for them could
-            # take hours); they and those not started are run again by a resume
-            if pool is not None:
-                pool.terminate()
-            raise
-        finally:
-            if pool is not None:
-                pool.join()
-    bar.close()
-    rows, plots = tabulate(config, runs, out)
-    result = {"out": out, "runs": len(runs), "ran": len(todo), "rows": len(rows), "plots": plots}
-    if keep:
-        result["kept"] = keep_finished(runs, out, keep)
-    return result
+        return
+    if not todo:
+        return
+    # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
+    # The children start with Ctrl-C ignored (an ignored signal stays ignored across exec): one that
+    # came while a child was still importing torch printed its KeyboardInterrupt traceback. A SIGTERM
+    # (or the time limit's alarm) that comes while they start is handled once they have (scheduling.signals_held).
+    pool = None
+    try:
+        with scheduling.signals_held(signal.SIGTERM, signal.SIGALRM, ignoring=(signal.SIGINT,)):
+            pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
+        for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
+            finished.append(name)
+            bar.set_postfix_str(f"finished {name}")  # a failed run raises here
+            if keep:
+                tabulate(config, runs, out)
+                keep_finished([run for run in runs if run["name"] == name], out, keep)
+            bar.update(1)
+        pool.close()
+    except BaseException:
+        # a failed run, Ctrl-C, SIGTERM or the time limit: the runs under way stop now (waiting for them
+        # could take hours); they and those not started are run again by a resume
+        if pool is not None:
+            pool.terminate()
+        raise
+    finally:
+        if pool is not None:
+            pool.join()
 
 
 def tabulate(config: dict, runs: list[dict], out: str) -> tuple[list[dict], list[str]]:
