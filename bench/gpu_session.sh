@@ -6,11 +6,17 @@
 #           bench/gpu.py --eager at N = 10 and 50, a row and each run's generator hash as each run is timed (at one
 #           N the CUDA simulate, local and eager runs must have the same hash); one P-WGAN divergence, traced
 #           tensor by tensor (bench/gpu_divergence.py --trace)
-#   figure3 SECONDS: Figure 3 with the CNN to 5,000 iterations (experiments/figure3-mnist-cnn-5k.yaml), its five runs
-#           sharing the card, in the SECONDS given (what is left of the loan), the kept runs in the archive
+#   figure3 SECONDS: Figure 3 with the CNN to 5,000 iterations (experiments/figure3-mnist-cnn-5k.yaml), its runs
+#           sharing the card, grown loan by loan: the runs kept in docs/results/figure3-mnist-cnn-5k (committed after
+#           earlier loans) are not run again; of the others, those expected to end within the SECONDS given (what is
+#           left of the loan) start (mdgan experiment --time-limit), the rest wait for the next loan. The kept
+#           folder, now with this loan's runs and a line in its loans.txt, is in the archive: `bash
+#           bench/gpu_keep.sh ARCHIVE` puts it back in docs/results/ to be committed. (A run is kept whole or not
+#           at all: the state a checkpoint holds, 30 to 313 MB a run, cannot travel with a loan; bench/loan_state.py)
 #
 #   OUT=/tmp/out bash bench/gpu_session.sh checks            # then: OUT=/tmp/out bash bench/gpu_session.sh figure3 300
 #   MDGAN_GPU=cpu OUT=/tmp/out bash bench/gpu_session.sh checks   # a dry run on this CPU, tiny (tests/test_gpu_session.py)
+#   (a dry run's figure3 starts from MDGAN_FIGURE_KEPT when set, a folder of its own tiny runs, else from nothing)
 #
 # From the project's root, after the line ../shared/tools/gpu_prepare.sh prints (MDGAN_DATA_ROOT set).
 set -uo pipefail
@@ -35,6 +41,8 @@ records=$work/gpu-session/$what
 mkdir -p "$records"
 archive=$OUT/gpu-session-$what.tar.gz
 ARCHIVE_S=15  # kept for the last packing
+EXIT_RUNS_LEFT=3  # mdgan experiment --time-limit: it ended in time with runs left (mdgan_app/cli.py)
+STOP_S=20  # the experiment's own time limit ends this much before its step's: its runs stopped, its records kept
 
 left() { echo $(( budget - ($(date +%s) - started) )); }
 
@@ -55,7 +63,8 @@ step() {
   local rc=${PIPESTATUS[0]}
   local said="done"
   (( rc == 124 || rc == 137 )) && said="CUT OFF at its limit"
-  (( rc != 0 && rc != 124 && rc != 137 )) && said="FAILED (exit $rc)"
+  (( rc == EXIT_RUNS_LEFT )) && said="done, runs left for the next loan,"
+  (( rc != 0 && rc != 124 && rc != 137 && rc != EXIT_RUNS_LEFT )) && said="FAILED (exit $rc)"
   echo "$said $name in $(( $(date +%s) - t0 )) s (limit $limit s)" | tee -a "$records/steps.txt"
   pack
 }
@@ -70,11 +79,23 @@ if [ "$what" = figure3 ]; then
   sed "s#^base_from: #base_from: $PWD/experiments/#; s#^out: .*#out: $work/figure3-runs#
        s#^base: {#base: {data_root: ${MDGAN_DATA_ROOT:-$PWD/../shared/data}, #" experiments/figure3-mnist-cnn-5k.yaml \
     > "$config"
+  committed=${MDGAN_FIGURE_KEPT:-docs/results/figure3-mnist-cnn-5k}
   if [ -n "$dry" ]; then  # a few iterations, unscored: what comes back, not what it measures
     sed -i 's#^base: {\(.*\)iterations: 5000, eval_every: 500}#base: {\1iterations: 2, eval_every: -1}#' "$config"
+    committed=${MDGAN_FIGURE_KEPT:-}  # (the committed runs are the real figure's, not a dry run's)
   fi
-  step figure3 "$(left)" "$PY" -m mdgan_app.cli experiment "$config" --device "$device" --jobs 5 \
-    --keep "$records/figure3-mnist-cnn-5k"
+  kept=$records/figure3-mnist-cnn-5k
+  if [ -n "$committed" ] && [ -d "$committed" ]; then
+    cp -R "$committed" "$kept"
+    echo "figure3: $(find "$kept/runs" -name summary.json 2>/dev/null | wc -l) runs kept by earlier loans ($committed)"
+  fi
+  mkdir -p "$kept"
+  limit=$(( $(left) - ARCHIVE_S ))
+  step figure3 "$limit" "$PY" -m mdgan_app.cli experiment "$config" --device "$device" --jobs 5 --no-progress \
+    --probe 10 --keep "$kept" --time-limit "$(( limit > 2 * STOP_S ? limit - STOP_S : limit / 2 ))"
+  echo "$(date -u +%Y-%m-%dT%H:%MZ) $(head -c 120 "$records/card.txt") $(cut -d' ' -f2 "$records/commit.txt" | cut -c1-10): $(tail -n 1 \
+    "$records/steps.txt"); $(find "$kept/runs" -name summary.json 2>/dev/null | wc -l) runs kept" >> "$kept/loans.txt"
+  pack
   echo "gpu_session: $(( $(date +%s) - started )) s; $archive"
   exit 0
 fi
