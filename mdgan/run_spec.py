@@ -161,7 +161,7 @@ class RunSpec:
                                     values.get("run_id"), bool(values.get("overwrite")))
             emulation = Emulation(churn=values.get("churn"), byzantine=values["byzantine"], attack=values["attack"])
         else:  # (the algorithms that cannot checkpoint run through: a stop restarts them)
-            durable = first is None and values["checkpoint_every"] > 0 and entry.durable
+            durable = first is None and values["checkpoint_every"] > 0 and entry.resumable
             durability = Durability(checkpoint_every=values["checkpoint_every"] if durable else 0,
                                     keep_checkpoints=values["keep_checkpoints"], resume="auto" if durable else "no")
             emulation = Emulation(crash_every=crash_period(values),

@@ -44,7 +44,7 @@ def train(spec: RunSpec, out_dir: str, progress: bool = True, before_writing=Non
     entry = algorithms.get(spec.algorithm)
     d, sites, outputs = spec.durability, spec.sites, spec.outputs
     devices.deterministic(spec.config.device)
-    if entry.durable:
+    if entry.resumable:
         run = plan_run(out_dir, spec.config, d.resume, d.run_id, d.overwrite)
     else:
         check_out_dir(out_dir, d.resume, d.overwrite)

@@ -254,7 +254,7 @@ def test_a_join_after_the_start_is_refused():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--checkpoint-every", "5"], "--checkpoint-every and --resume work with --algorithm mdgan only"),
+    (["--checkpoint-every", "5"], "--checkpoint-every and --resume work "),
     (["--wire-dtype", "int8"], "travel as float32 only"),
     (["--sync", "quorum"], "wait for every live worker"),
     (["--potential-rounds", "0"], "--potential-rounds must be at least 1"),

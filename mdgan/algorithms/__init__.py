@@ -75,9 +75,12 @@ def refuse(algorithm: Algorithm, *, checkpoint_every: int = 0, resume: bool = Fa
     that says which algorithm refuses what (simulate, mdgan local, experiments and mdgan-server ask it)."""
     if not (in_process or algorithm.served):
         raise ConfigError(f"{algorithm.title} has no workers: run it with `mdgan simulate {named('algorithm')} {algorithm.name}`")
-    if not algorithm.durable and (checkpoint_every or resume or churn):
-        raise ConfigError(f"{named('churn')}, {named('checkpoint_every')} and {named('resume')} work with {durable_names()} only, "
-                          f"not {named('algorithm')} {algorithm.name}")
+    if not algorithm.durable and churn:
+        raise ConfigError(f"{named('churn')} works with {durable_names()} only, not {named('algorithm')} {algorithm.name}")
+    if (checkpoint_every or resume) and not (algorithm.resumable if in_process else algorithm.durable):
+        where, which = ("in one process", lambda a: a.resumable) if in_process else ("on the services", lambda a: a.durable)
+        raise ConfigError(f"{named('checkpoint_every')} and {named('resume')} work {where} with --algorithm "
+                          f"{_names(which)} only, not {named('algorithm')} {algorithm.name}")
     if not algorithm.attackers and byzantine:
         raise ConfigError(f"emulated attackers ({named('byzantine')}) apply to {_names(lambda a: a.attackers)} runs, "
                           f"not {named('algorithm')} {algorithm.name}")

@@ -270,7 +270,8 @@ class Algorithm:
     run_traffic: Callable[[dict, list, list], tuple[dict, dict, dict]] | None = None
     options: type | None = None  # its own options: a dataclass whose fields carry their flag (see pwgan.py)
     served: bool = True  # runs over the services (mdgan local, mdgan-server); False: it has no workers
-    durable: bool = False  # checkpoints, resume and churn
+    durable: bool = False  # checkpoints and resume over the services too, and churn
+    resumable: bool = False  # checkpoints and resume in one process (`mdgan simulate`, experiments)
     attackers: bool = False  # emulated Byzantine workers (--byzantine, --attack)
     crashes: bool = True  # the paper's crash experiment (a worker fails every I/N iterations)
     whole_dataset: bool = False  # one G and one D on the whole dataset: no sites, one "worker"

@@ -18,6 +18,7 @@ from mdgan import privacy
 from mdgan.aggregation import fedavg
 from mdgan.algorithms.base import (RUN_FINISHED, Algorithm, InProcessRun, IterationRecord, RunResult, Traffic,
                                    ask_all, last_iteration, tell_to_stop, why_lost)
+from mdgan.algorithms.loop_checkpoints import LoopCheckpoints, loop_checkpoints
 from mdgan.algorithms.standalone import LocalGAN, iteration_record, site_privacy
 from mdgan.algorithms.traffic import discriminator_state_bytes, generator_state_bytes
 from mdgan.config import TrainingConfig
@@ -110,9 +111,29 @@ class FederatedTrainer:
         self.rejections = 0
         self.last_sent: dict[str, dict] = {}  # worker id -> the local D it sent at its last round (mdgan audit)
         self.privacy: dict[str, dict] = {}  # DP: worker id -> the (epsilon, delta) it last reported
+        # at_round_end(before, done): after each whole round (the averages installed, its records written), the
+        # iterations done before it and now: a boundary a run can be checkpointed at and resumed from
+        self.at_round_end: Callable[[int, int], None] | None = None
+        self.done = 0  # iterations done: whole rounds, but for a stop inside one (stop_after)
+        self.rounds = 0  # rounds averaged
+
+    def state_dict(self) -> dict:
+        """The loop's own state at a round's end (the server's G and each worker's pair are their sides')."""
+        return {"done": self.done, "rounds": self.rounds, "discriminator": dict(self.discriminator),
+                "payload_bytes": dict(self.traffic.payload_bytes), "rejections": self.rejections,
+                "last_sent": dict(self.last_sent), "privacy": dict(self.privacy),
+                "active": [w.worker_id for w in self.active]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done, self.rounds = int(state["done"]), int(state["rounds"])
+        self.discriminator = dict(state["discriminator"])
+        self.traffic.payload_bytes.update(state["payload_bytes"])
+        self.rejections = int(state["rejections"])
+        self.last_sent, self.privacy = dict(state["last_sent"]), dict(state["privacy"])
+        self.active = [w for w in self.workers if w.worker_id in set(state["active"])]
 
     async def run(self) -> RunResult:
-        done, rounds, last, stopped = 0, 0, None, None
+        done, rounds, last, stopped = self.done, self.rounds, None, None
         while done < self.until:
             if not self.active:
                 stopped = f"no workers left after iteration {done}"
@@ -153,12 +174,15 @@ class FederatedTrainer:
                                rounds if i == count - 1 else None, dict(self.privacy))
                 if self.on_iteration:
                     self.on_iteration(last)
-            done += recorded
+            before, done = done, done + recorded
             if recorded < count:  # stopped before its average: not a round of this run's record
                 rounds -= 1
                 break
             if self.on_round:
                 self.on_round({"round": rounds, "iteration": done, "workers": len(results)})
+            self.done, self.rounds = done, rounds
+            if self.at_round_end is not None:
+                self.at_round_end(before, done)
         for worker in list(self.active):
             await tell_to_stop(worker, RUN_FINISHED, 10.0)
         return RunResult(iterations=done, workers=len(self.workers), workers_alive=len(self.active), swaps=rounds,
@@ -169,14 +193,36 @@ class FederatedTrainer:
 def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard],
               on_iteration: Callable[[IterationRecord], None] | None = None,
               on_round: Callable[[dict], None] | None = None, discriminators: dict | None = None,
-              stop_after: int | None = None, sites_root: str | None = None, run_id: str = "") -> RunResult:
+              stop_after: int | None = None, sites_root: str | None = None, run_id: str = "",
+              checkpoints: LoopCheckpoints | None = None) -> RunResult:
     """FL-GAN in one process; `server` ends with the federation's averaged G (stop_after: with the G the
-    whole run holds after that many iterations); with DP each site's ledger in sites_root/worker-K."""
+    whole run holds after that many iterations); with DP each site's ledger in sites_root/worker-K. checkpoints:
+    taken at the end of the round a due one falls in (a round is the unit a run resumes from)."""
     workers = [InProcessFederatedWorker(config, shard, site_ledger(config.privacy, shard.index, sites_root, run_id))
                for shard in shards]
     initial = workers[0].gan.d.discriminator.state_dict()
     trainer = FederatedTrainer(config, server, workers, initial, on_iteration=on_iteration, on_round=on_round,
                                stop_after=stop_after)
+
+    def state() -> dict:  # every side's state (G, D, their Adams, noise and sampler) and the loop's
+        return {"generator_side": server.state_dict(), "trainer": trainer.state_dict(),
+                "sites": {w.worker_id: {"generator_side": w.gan.g.state_dict(),
+                                        "discriminator_side": w.gan.d.state_dict()} for w in workers}}
+
+    if checkpoints is not None:
+        resumed = checkpoints.restore()
+        if resumed is not None:
+            server.load_state_dict(resumed["generator_side"])
+            trainer.load_state_dict(resumed["trainer"])
+            for worker in workers:
+                worker.gan.g.load_state_dict(resumed["sites"][worker.worker_id]["generator_side"])
+                worker.gan.d.load_state_dict(resumed["sites"][worker.worker_id]["discriminator_side"])
+
+        def at_round_end(before: int, done: int) -> None:
+            checkpoints.passed(before, done)
+            checkpoints.at_boundary(done, trainer.until, state)
+
+        trainer.at_round_end = at_round_end
     result = asyncio.run(trainer.run())
     if discriminators is not None:
         discriminators.update(trainer.last_sent)
@@ -187,7 +233,7 @@ def run_in_process(run: InProcessRun) -> RunResult:
     """FL-GAN in `mdgan simulate`: its rounds are the run's swaps.jsonl lines."""
     return run_flgan(run.config, run.generator, run.shards, on_iteration=run.recorder, on_round=run.recorder.swap,
                      discriminators=run.discriminators, stop_after=run.stop_after, sites_root=run.sites_root(),
-                     run_id=run.ledger_run_id())
+                     run_id=run.ledger_run_id(), checkpoints=loop_checkpoints(run))
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
@@ -208,4 +254,5 @@ def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
 
 ALGORITHM = Algorithm(
     name="flgan", title="FL-GAN (federated averaging of G and D)", run_in_process=run_in_process,
-    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False, private=("sgd",))
+    per_worker_per_iteration=per_worker_per_iteration, run_traffic=run_traffic, crashes=False, private=("sgd",),
+    resumable=True)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from mdgan.algorithms.base import Algorithm, InProcessRun, IterationRecord, RunResult, Traffic, last_iteration
+from mdgan.algorithms.loop_checkpoints import LoopCheckpoints, loop_checkpoints
 from mdgan.config import TrainingConfig
 from mdgan.data import Shard
 from mdgan.gan import DiscriminatorSide, GeneratorSide, discriminator_loss, generator_loss
@@ -100,16 +101,25 @@ def iteration_record(t: int, workers: int, answered: int, stats: list[dict], sec
 def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Shard,
                    on_iteration: Callable[[IterationRecord], None] | None = None,
                    discriminators: dict | None = None, stop_after: int | None = None,
-                   ledger: PrivacyLedger | None = None) -> RunResult:
+                   ledger: PrivacyLedger | None = None, checkpoints: LoopCheckpoints | None = None) -> RunResult:
     gan = LocalGAN(config, dataset, generator, ledger)
-    last, until = None, last_iteration(config, stop_after)
-    for t in range(1, until + 1):
+    last, until, start = None, last_iteration(config, stop_after), 0
+    resumed = checkpoints.restore() if checkpoints is not None else None
+    if resumed is not None:
+        gan.g.load_state_dict(resumed["generator_side"])
+        gan.d.load_state_dict(resumed["discriminator_side"])
+        start = int(resumed["iteration"])
+    for t in range(start + 1, until + 1):
         started = time.perf_counter()
         stats = gan.step()
         privacy = {"worker-0": site_privacy(stats)} if "epsilon" in stats else None
         last = iteration_record(t, 1, 1, [stats], time.perf_counter() - started, None, privacy)
         if on_iteration:
             on_iteration(last)
+        if checkpoints is not None:
+            checkpoints.passed(t - 1, t)
+            checkpoints.at_boundary(t, until, lambda: {"generator_side": gan.g.state_dict(),
+                                                       "discriminator_side": gan.d.state_dict()})
     if discriminators is not None:
         discriminators["worker-0"] = {k: v.detach().clone() for k, v in gan.d.discriminator.state_dict().items()}
     return RunResult(iterations=until, workers=1, workers_alive=1, swaps=0, rejections=0,
@@ -121,7 +131,8 @@ def run_in_process(run: InProcessRun) -> RunResult:
     shard is the whole dataset."""
     return run_standalone(run.config, run.generator, run.shards[0], on_iteration=run.recorder,
                           discriminators=run.discriminators, stop_after=run.stop_after,
-                          ledger=site_ledger(run.config.privacy, 0, run.sites_root(), run.ledger_run_id()))
+                          ledger=site_ledger(run.config.privacy, 0, run.sites_root(), run.ledger_run_id()),
+                          checkpoints=loop_checkpoints(run))
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
@@ -131,4 +142,4 @@ def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=No
 ALGORITHM = Algorithm(
     name="standalone", title="a standalone GAN", run_in_process=run_in_process,
     per_worker_per_iteration=per_worker_per_iteration, served=False, crashes=False, whole_dataset=True,
-    private=("sgd",))
+    private=("sgd",), resumable=True)

@@ -58,5 +58,5 @@ def run_traffic(summary: dict, history: list[dict], swaps: list[dict]):
 
 ALGORITHM = Algorithm(
     name="mdgan", title="MD-GAN", run_in_process=run_in_process, per_worker_per_iteration=per_worker_per_iteration,
-    run_traffic=run_traffic, options=MDGANOptions, durable=True, attackers=True,
+    run_traffic=run_traffic, options=MDGANOptions, durable=True, resumable=True, attackers=True,
     private=("sgd", "feedback"))
