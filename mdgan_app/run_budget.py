@@ -68,12 +68,15 @@ def alarm(seconds: float):
     if seconds <= 0:
         raise TimeUp()
     previous = signal.signal(signal.SIGALRM, _time_up)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    earlier, _ = signal.setitimer(signal.ITIMER_REAL, seconds)  # (a timer set before, pytest-timeout's say)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if earlier:  # the earlier timer goes on, less the time the block took (due already: at once)
+            signal.setitimer(signal.ITIMER_REAL, max(earlier - (time.monotonic() - started), 1e-3))
 
 
 class Deadline:

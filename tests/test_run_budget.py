@@ -45,6 +45,23 @@ def test_an_alarm_raises_in_the_block_once_its_time_has_passed_and_never_after_i
     assert not isinstance(run_budget.TimeUp(), Exception)  # (an asyncio callback that catches Exception lets it by)
 
 
+def test_an_alarm_leaves_a_timer_set_before_it_running():
+    import signal
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30)
+        with run_budget.alarm(10):
+            pass
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < left <= 30 and signal.getsignal(signal.SIGALRM) is not run_budget._time_up
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert fired == []
+
+
 def test_a_resumed_runs_iterations_left_are_those_after_its_last_complete_checkpoint(tmp_path):
     from mdgan.checkpoint import CheckpointStore
 
