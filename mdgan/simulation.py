@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from mdgan import algorithms, checkpoint, devices
 from mdgan.algorithms.base import Emulation, InProcessRun
+from mdgan.checkpoint import CheckpointError
 from mdgan.config import DataConfig, TrainingConfig
 from mdgan.data import load_all_shards
 from mdgan.gan import GeneratorSide
@@ -50,6 +51,9 @@ def train(spec: RunSpec, out_dir: str, progress: bool = True, before_writing=Non
         check_out_dir(out_dir, d.resume, d.overwrite)
         run = RunStart(d.run_id or "", spec.config)
     config = run.config  # (a resumed run's own)
+    if run.state is not None and run.state.get("algorithm", "mdgan") != spec.algorithm:  # (MD-GAN's names none)
+        raise CheckpointError(f"{out_dir}: its checkpoint at iteration {run.resumed_from} is a "
+                              f"{run.state.get('algorithm', 'mdgan')} run's, not {spec.algorithm}'s: resume it as that")
     options = None if spec.options is None else spec.options.check(config)
     if sites.site_dirs:
         run_classes = RunClasses(sites.classes, config.model.num_classes, config.model.conditional)

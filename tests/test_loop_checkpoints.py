@@ -117,3 +117,21 @@ def test_an_experiments_flgan_run_stopped_at_its_time_limit_resumes_from_its_che
                      DataConfig("synthetic"), str(tmp_path / "plain"), algorithm="flgan", progress=False,
                      evaluation=QUIET)
     assert summary["resumed_from"] == done and summary["generator_sha256"] == plain["generator_sha256"]
+
+
+@pytest.mark.parametrize("saved, resumed_as", [("standalone", "mdgan"), ("mdgan", "flgan"), ("flgan", "standalone")])
+def test_a_checkpoint_is_resumed_only_by_the_algorithm_that_saved_it(tmp_path, saved, resumed_as):
+    config = TrainingConfig(workers=2, iterations=12, batch_size=8, swap_every=4, seed=1).validate()
+    data, out = DataConfig("synthetic"), str(tmp_path / "run")
+    simulate(config, data, out, algorithm=saved, progress=False, evaluation=QUIET,
+             durability=Durability(checkpoint_every=4, keep_checkpoints=5))
+    os.remove(os.path.join(out, "summary.json"))
+    with open(os.path.join(out, "history.jsonl")) as fh:
+        history = fh.read()
+    from mdgan.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=f"is a {saved} run's, not {resumed_as}'s: resume it as that"):
+        simulate(config, data, out, algorithm=resumed_as, progress=False, evaluation=QUIET,
+                 durability=Durability(checkpoint_every=4, resume="yes"))
+    with open(os.path.join(out, "history.jsonl")) as fh:
+        assert fh.read() == history  # refused before anything was written

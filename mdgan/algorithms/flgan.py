@@ -233,7 +233,7 @@ def run_in_process(run: InProcessRun) -> RunResult:
     """FL-GAN in `mdgan simulate`: its rounds are the run's swaps.jsonl lines."""
     return run_flgan(run.config, run.generator, run.shards, on_iteration=run.recorder, on_round=run.recorder.swap,
                      discriminators=run.discriminators, stop_after=run.stop_after, sites_root=run.sites_root(),
-                     run_id=run.ledger_run_id(), checkpoints=loop_checkpoints(run))
+                     run_id=run.ledger_run_id(), checkpoints=loop_checkpoints(run, "flgan"))
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:

@@ -15,7 +15,8 @@ from mdgan.checkpoint import CheckpointStore
 
 
 class LoopCheckpoints:
-    def __init__(self, run: InProcessRun):
+    def __init__(self, run: InProcessRun, algorithm: str):
+        self.algorithm = algorithm  # (saved: a run is resumed by the algorithm that saved it; mdgan/simulation.py)
         self.every = run.checkpoint_every
         self.run_id = run.run.run_id
         self.recorder = run.recorder
@@ -41,12 +42,12 @@ class LoopCheckpoints:
         if self._due and t < until:
             self._due = False
             started = time.perf_counter()
-            self.store.save(t, "server", {"run_id": self.run_id, "iteration": t,
+            self.store.save(t, "server", {"run_id": self.run_id, "iteration": t, "algorithm": self.algorithm,
                                           "recorder": self.recorder.state_dict(), **state()})
             self.store.mark_complete(t, {"run_id": self.run_id, "workers": [],
                                          "seconds": time.perf_counter() - started})
 
 
-def loop_checkpoints(run: InProcessRun) -> LoopCheckpoints | None:
+def loop_checkpoints(run: InProcessRun, algorithm: str) -> LoopCheckpoints | None:
     """The run's checkpoints when it takes any or resumes from one; None otherwise."""
-    return LoopCheckpoints(run) if run.checkpoint_every or run.run.state is not None else None
+    return LoopCheckpoints(run, algorithm) if run.checkpoint_every or run.run.state is not None else None

@@ -132,7 +132,7 @@ def run_in_process(run: InProcessRun) -> RunResult:
     return run_standalone(run.config, run.generator, run.shards[0], on_iteration=run.recorder,
                           discriminators=run.discriminators, stop_after=run.stop_after,
                           ledger=site_ledger(run.config.privacy, 0, run.sites_root(), run.ledger_run_id()),
-                          checkpoints=loop_checkpoints(run))
+                          checkpoints=loop_checkpoints(run, "standalone"))
 
 
 def per_worker_per_iteration(config: TrainingConfig, shard_size: int, options=None) -> dict[str, float]:
