@@ -46,8 +46,12 @@ STOP_S=20  # the experiment's own time limit ends this much before its step's: i
 
 left() { echo $(( budget - ($(date +%s) - started) )); }
 
+BACK_FILE_BYTES=16777216  # the device tool brings back no file over 16 MiB (docs/GPU.md)
 pack() {  # all the records so far, into the one archive (written beside, then renamed: never half an archive)
   tar -czf "$archive.part" -C "$work" gpu-session && mv "$archive.part" "$archive"
+  local size; size=$(stat -c %s "$archive")
+  (( size > BACK_FILE_BYTES )) && echo "gpu_session: WARNING: $archive is $size bytes, over the $BACK_FILE_BYTES a file that comes back"
+  return 0
 }
 
 # step NAME LIMIT COMMAND...: at most LIMIT seconds (never past the budget less the packing), printed as it goes and

@@ -81,9 +81,11 @@ def test_a_figure_grows_loan_by_loan_from_what_was_committed(tmp_path):
     for run in ("flgan-N10-b10-k1", "mdgan-N10-b10-k3"):
         shutil.rmtree(figure / "runs" / run)
     before = _tree(figure / "runs")
+    (figure / "large.bin").write_bytes(os.urandom(17 << 20))  # an archive too large to come back is said so
     env = {"MDGAN_FIGURE_KEPT": str(figure)}
     printed = _session(tmp_path / "second", "figure3", "240", **env)
     assert "figure3: 3 runs kept by earlier loans" in printed
+    assert re.search(r"WARNING: \S+gpu-session-figure3.tar.gz is \d+ bytes, over the 16777216 a file", printed)
     assert sorted(re.findall(r"^mdgan experiment: start (\S+):", printed, re.M)) == ["flgan-N10-b10-k1",
                                                                                      "mdgan-N10-b10-k3"]
     assert _keep(tmp_path / "second" / "gpu-session-figure3.tar.gz", results).returncode == 0
