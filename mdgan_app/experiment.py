@@ -756,8 +756,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
 
     time_limit: the experiment ends within this many seconds (mdgan_app/run_budget.py): each unfinished run's
     first `probe` iterations are timed, a run is started only when it is expected to end in time (shortest
-    first), and the runs under way when the time is up are stopped (a durable run with checkpoints resumes from
-    its last one). on_plan(expected, started): each run's estimate as it is made. The result's `later` and
+    first), and the runs under way when the time is up are stopped (a run with checkpoints resumes from its last
+    one). on_plan(expected, started): each run's estimate as it is made. The result's `later` and
     `stopped` name the runs left for another start."""
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
@@ -801,7 +801,10 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
             todo.append((run, run_dir))
     later: list[str] = []
     if deadline is not None and todo:
-        todo, later = _in_time(todo, deadline, jobs, probe, on_plan)
+        plan = _in_time(todo, deadline, jobs, probe, on_plan)
+        order = {expected.name: i for i, expected in enumerate(plan.start)}  # shortest first
+        todo = sorted((task for task in todo if task[0]["name"] in order), key=lambda task: order[task[0]["name"]])
+        later = [expected.name for expected in plan.later]
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo) - len(later), desc=config["name"], unit="run",
                disable=not progress or only_plot)
     finished: list[str] = []
@@ -822,8 +825,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
 
 
 def _in_time(todo: list[tuple[dict, str]], deadline: run_budget.Deadline, jobs: int, probe: int,
-             on_plan) -> tuple[list[tuple[dict, str]], list[str]]:
-    """The runs a time limit lets start, shortest first (each probed here), and the names of those left."""
+             on_plan) -> run_budget.TimePlan:
+    """What a time limit lets start of `todo` (each run probed here), said to on_plan as it goes."""
     expected = []
     for run, run_dir in todo:
         left = iterations_left(run, run_dir)
@@ -836,8 +839,7 @@ def _in_time(todo: list[tuple[dict, str]], deadline: run_budget.Deadline, jobs: 
             on_plan(run, True)
         for run in plan.later:
             on_plan(run, False)
-    by_name = {run["name"]: (run, run_dir) for run, run_dir in todo}
-    return [by_name[e.name] for e in plan.start], [e.name for e in plan.later]
+    return plan
 
 
 def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: str, keep: str | None, jobs: int,
