@@ -250,8 +250,8 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting("eval_downstream", 0, "> 0: the final generator's downstream accuracy on that many generated images "
             "(mdgan/downstream.py; MNIST only)", EVALUATION, int, low=0, to_workers=False, commands=()),
     Setting("checkpoint_every", 0,
-            "checkpoint every this many iterations, and on SIGTERM (server and workers at the same iteration "
-            "boundary; workers keep theirs in their state folder; 0: never)", DURABLE, int, low=0, to_workers=False,
+            "checkpoint every this many iterations (0: never); a server also on SIGTERM (the server and its "
+            "workers at the same iteration boundary, each worker in its state folder)", DURABLE, int, low=0, to_workers=False,
             commands=("simulate", "local", "server")),
     Setting("keep_checkpoints", 3, "complete checkpoints kept", DURABLE, int, low=1, to_workers=False,
             experiment=False, commands=("simulate", "local", "server", "worker")),

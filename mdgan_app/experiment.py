@@ -756,8 +756,8 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
 
     time_limit: the experiment ends within this many seconds (mdgan_app/run_budget.py): each unfinished run's
     first `probe` iterations are timed, a run is started only when it is expected to end in time (shortest
-    first), and the runs under way when the time is up are stopped (a run with checkpoints resumes from its last
-    one). on_plan(expected, started): each run's estimate as it is made. The result's `later` and
+    first), each in a process of its own, and the runs under way when the time is up are stopped (a run with
+    checkpoints resumes from its last one). on_plan(expected, started): each run's estimate as it is made. The result's `later` and
     `stopped` name the runs left for another start."""
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}")
@@ -809,10 +809,9 @@ def run_experiment(path: str, progress: bool = True, only_plot: bool = False, jo
                disable=not progress or only_plot)
     finished: list[str] = []
     try:
-        with run_budget.alarm(deadline.left()) if deadline is not None and todo else contextlib.nullcontext():
-            _run_all(config, runs, todo, out, keep, jobs, threads, progress, bar, finished)
-    except run_budget.TimeUp:
-        pass  # the runs under way were stopped (a pool's terminated); what finished is kept below
+        _run_all(config, runs, todo, out, keep, jobs, threads, progress, bar, finished, deadline)
+    except multiprocessing.TimeoutError:
+        pass  # the time limit: the runs under way were stopped (their processes ended); what finished is kept below
     bar.close()
     rows, plots = tabulate(config, runs, out)
     result = {"out": out, "runs": len(runs), "ran": len(finished), "rows": len(rows), "plots": plots}
@@ -843,9 +842,11 @@ def _in_time(todo: list[tuple[dict, str]], deadline: run_budget.Deadline, jobs: 
 
 
 def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: str, keep: str | None, jobs: int,
-             threads: int, progress: bool, bar, finished: list[str]) -> None:
-    """Trains `todo`, `jobs` at a time, appending each run's name to `finished` as it ends (and keeping it)."""
-    if jobs == 1:
+             threads: int, progress: bool, bar, finished: list[str], deadline: run_budget.Deadline | None) -> None:
+    """Trains `todo`, `jobs` at a time, appending each run's name to `finished` as it ends (and keeping it). With a
+    deadline every run trains in a process of its own, even one at a time, and multiprocessing.TimeoutError comes
+    when the deadline passes, its processes ended: a run is stopped from outside, never inside its own loop."""
+    if jobs == 1 and deadline is None:
         for run, run_dir in todo:
             run_one(run, run_dir, progress)
             finished.append(run["name"])
@@ -859,12 +860,14 @@ def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: 
     # spawn, not fork: a forked child would inherit torch's thread pools and locks mid-state
     # The children start with Ctrl-C ignored (an ignored signal stays ignored across exec): one that
     # came while a child was still importing torch printed its KeyboardInterrupt traceback. A SIGTERM
-    # (or the time limit's alarm) that comes while they start is handled once they have (scheduling.signals_held).
+    # that comes while they start is handled once they have (scheduling.signals_held).
     pool = None
     try:
-        with scheduling.signals_held(signal.SIGTERM, signal.SIGALRM, ignoring=(signal.SIGINT,)):
+        with scheduling.signals_held(signal.SIGTERM, ignoring=(signal.SIGINT,)):
             pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
-        for name in pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo]):
+        ended = pool.imap_unordered(_run_in_child, [(run, run_dir, threads) for run, run_dir in todo])
+        for _ in todo:
+            name = ended.next(timeout=None if deadline is None else max(deadline.left(), 0.0))
             finished.append(name)
             bar.set_postfix_str(f"finished {name}")  # a failed run raises here
             if keep:

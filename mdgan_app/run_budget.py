@@ -1,24 +1,18 @@
 """An experiment's time limit (`mdgan experiment --time-limit SECONDS`): which of its runs to start so that they
-end in time, and the alarm that stops the runs still under way when the time is up.
+end in time (mdgan_app/experiment.py stops those still under way when the time is up: each trains in a process of
+its own, ended from outside).
 
 A run is started only when its expected time (its pace here, probed, times the iterations it has left) ends
 before the limit on one of `jobs` lanes, the runs taken shortest first: on a machine held for minutes (a GPU
 loan) the runs that can finish do, and a run that could not is left whole for a later start instead of being
 cut off. As the dry run, it counts on the device serving `jobs` runs at once as fast as one; what it serves
-slower, the alarm stops at the limit.
+slower is stopped at the limit.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
 from dataclasses import dataclass
-
-
-class TimeUp(BaseException):
-    """The experiment's time limit came while runs were under way. A BaseException, as KeyboardInterrupt: raised
-    wherever the main thread is, it is not taken for a run's own error (asyncio's callbacks log and drop those)."""
 
 
 @dataclass(frozen=True)
@@ -56,27 +50,6 @@ def plan(expected: list[Expected], seconds_left: float, jobs: int) -> TimePlan:
         else:
             later.append(run)
     return TimePlan(start, later)
-
-
-def _time_up(signum, frame):
-    raise TimeUp()
-
-
-@contextlib.contextmanager
-def alarm(seconds: float):
-    """The block, with TimeUp raised in it (in the main thread) once `seconds` have passed; disarmed as it ends."""
-    if seconds <= 0:
-        raise TimeUp()
-    previous = signal.signal(signal.SIGALRM, _time_up)
-    started = time.monotonic()
-    earlier, _ = signal.setitimer(signal.ITIMER_REAL, seconds)  # (a timer set before, pytest-timeout's say)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if earlier:  # the earlier timer goes on, less the time the block took (due already: at once)
-            signal.setitimer(signal.ITIMER_REAL, max(earlier - (time.monotonic() - started), 1e-3))
 
 
 class Deadline:

@@ -97,23 +97,23 @@ def test_what_an_algorithm_cannot_resume_is_refused_in_one_line(tmp_path, capsys
 def test_an_experiments_flgan_run_stopped_at_its_time_limit_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     from mdgan_app import experiment
 
-    base = {"dataset": "synthetic", "workers": 2, "batch_size": 10, "iterations": 400, "eval_every": -1,
+    base = {"dataset": "synthetic", "workers": 2, "batch_size": 10, "iterations": 600, "eval_every": -1,
             "swap_every": 10}
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump({"name": "fl", "out": str(tmp_path / "out"), "base": {**base, "checkpoint_every": 10},
                                     "runs": [{"algorithm": "flgan"}]}))
     monkeypatch.setattr(experiment, "probe_pace", lambda run, probe: 1e-9)  # (it is started, whatever it takes)
-    stopped = experiment.run_experiment(str(path), progress=False, time_limit=8)
+    stopped = experiment.run_experiment(str(path), progress=False, time_limit=12)
     assert stopped["stopped"] == ["run"], stopped
     run_dir = tmp_path / "out" / "runs" / "run"
     done = CheckpointStore(str(run_dir / "checkpoints")).latest_complete()
-    assert done and 0 < done < 400 and experiment.iterations_left(
-        experiment.expand(experiment.load_config(str(path)))[0], str(run_dir)) == 400 - done
+    assert done and 0 < done < 600 and experiment.iterations_left(
+        experiment.expand(experiment.load_config(str(path)))[0], str(run_dir)) == 600 - done
     finished = experiment.run_experiment(str(path), progress=False)
     assert finished["ran"] == 1
     with open(run_dir / "summary.json") as fh:
         summary = json.load(fh)
-    plain = simulate(TrainingConfig(workers=2, batch_size=10, iterations=400, swap_every=10).validate(),
+    plain = simulate(TrainingConfig(workers=2, batch_size=10, iterations=600, swap_every=10).validate(),
                      DataConfig("synthetic"), str(tmp_path / "plain"), algorithm="flgan", progress=False,
                      evaluation=QUIET)
     assert summary["resumed_from"] == done and summary["generator_sha256"] == plain["generator_sha256"]
