@@ -61,6 +61,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -596,7 +597,11 @@ def _start_child() -> None:
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 
 
+_STOPPED: list[int] = []  # a run process's SIGTERM, once it came
+
+
 def _exit_on_sigterm(signum, frame):
+    _STOPPED.append(signum)
     sys.exit(128 + signum)
 
 
@@ -606,7 +611,12 @@ def _run_in_child(task: tuple[dict, str, int]) -> str:
 
     run, run_dir, threads = task
     configure_compute(threads)
-    run_one(run, run_dir, progress=False)
+    try:
+        run_one(run, run_dir, progress=False)
+    except Exception:
+        if _STOPPED:  # the SIGTERM's SystemExit, turned into another error on its way (torch.save's writer, say):
+            sys.exit(128 + _STOPPED[0])  # the process ends as stopped, never back to wait for work
+        raise
     return run["name"]
 
 
@@ -879,11 +889,26 @@ def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: 
         # a failed run, Ctrl-C, SIGTERM or the time limit: the runs under way stop now (waiting for them
         # could take hours); they and those not started are run again by a resume
         if pool is not None:
-            pool.terminate()
+            _end_processes(pool)
+            pool = None
         raise
     finally:
         if pool is not None:
             pool.join()
+
+
+def _end_processes(pool, grace: float = 15.0) -> None:
+    """The pool's processes ended: SIGTERM (Pool.terminate), then SIGKILL to any still alive `grace` seconds on. A
+    process that did not die of its SIGTERM (it took it as another error, or another thread of it got it while it
+    waited for work) would otherwise hold Pool.join forever."""
+    killer = threading.Timer(grace, lambda: [p.kill() for p in list(getattr(pool, "_pool", [])) if p.is_alive()])
+    killer.daemon = True
+    killer.start()
+    try:
+        pool.terminate()
+        pool.join()
+    finally:
+        killer.cancel()
 
 
 def tabulate(config: dict, runs: list[dict], out: str) -> tuple[list[dict], list[str]]:

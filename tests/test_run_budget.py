@@ -111,3 +111,21 @@ def test_a_time_limit_is_refused_where_it_means_nothing(tmp_path, capsys):
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "--time-limit" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists()  # nothing written by a refusal
+
+
+def _deaf_to_sigterm() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def test_a_run_process_that_outlives_its_sigterm_is_killed_instead_of_holding_the_experiment():
+    """A pool process that does not die of its SIGTERM (here: it ignores it; in the full suite one took the SIGTERM as
+    an ordinary error and went back to wait for work) is killed after a grace, so the experiment ends."""
+    import multiprocessing
+
+    pool = multiprocessing.get_context("spawn").Pool(processes=2, initializer=_deaf_to_sigterm)
+    processes = list(pool._pool)
+    assert pool.apply(abs, (-3,)) == 3  # (started, and waiting for work)
+    experiment._end_processes(pool, grace=1.0)
+    assert all(p.exitcode is not None for p in processes)
