@@ -144,3 +144,17 @@ def test_a_lag_past_the_period_found_from_the_shards_is_refused_before_training(
     workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=3)))
     with pytest.raises(ConfigError, match="below the swap period S = "):
         Trainer(config, GeneratorSide(config), workers, plan=TrainerPlan(swap_lag=50))
+
+
+def test_no_swap_round_without_two_members_holding_a_discriminator(tmp_path):
+    """A member still waiting for its copy (its donor's push failed: it waits for the next boundary) has no
+    discriminator to send: with one other member, the swap boundary has no round (the server failed on a KeyError)."""
+    config = TrainingConfig(workers=2, iterations=2, batch_size=8, swap_every=100, seed=1).validate()
+    workers = build_in_process_workers(config, load_all_shards(DataConfig("synthetic", num_shards=2)))
+    trainer = Trainer(config, GeneratorSide(config), workers, plan=TrainerPlan(), hooks=TrainerHooks())
+    asyncio.run(trainer.run())
+    waiting = [w for w in trainer.roster.members() if w.worker_id == "worker-1"][0]
+    waiting.needs_copy = True
+    trainer.swap_period = 2
+    assert [w.worker_id for w in trainer.swap_rounds.participants()] == ["worker-0"]
+    assert asyncio.run(trainer._swaps_after(2)).started is None and trainer.swap_rounds.swaps == 0

@@ -9,6 +9,7 @@ server's process, on its port: no site opens a port for it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from typing import Callable
@@ -22,6 +23,7 @@ from services.common.tls import peer_identity
 
 log = logging.getLogger("mdgan.relay")
 RELAY_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Relay"].full_name
+ATTACH_GRACE_S = 10.0  # how long a push waits for a member's relay stream that is not attached yet
 QUEUE_MESSAGES = 8  # chunks in flight per attached site: a slow receiver slows its senders, not the relay's memory
 
 
@@ -45,11 +47,14 @@ class RelayServicer(peer_pb2_grpc.RelayServicer):
     """Under mutual TLS only: a site is who its certificate names, attaches as itself, and must be a member of
     the run (`members()`: the identities the coordinator has admitted)."""
 
-    def __init__(self, telemetry: Telemetry, authenticated: bool, members: Callable[[], set[str]]):
+    def __init__(self, telemetry: Telemetry, authenticated: bool, members: Callable[[], set[str]],
+                 attach_grace: float = ATTACH_GRACE_S):
+        self.attach_grace = attach_grace
         self.telemetry = telemetry
         self.authenticated = authenticated
         self.members = members
         self.attached: dict[str, Attachment] = {}
+        self._attaching = asyncio.Condition()  # notified as a site attaches
         self._numbers = itertools.count(1)
 
     async def _identity(self, context) -> str:
@@ -72,6 +77,8 @@ class RelayServicer(peer_pb2_grpc.RelayServicer):
             older.close("the site attached again")
         self.attached[identity] = attachment
         log.info("relay: %s attached (%s)", identity, context.peer())
+        async with self._attaching:
+            self._attaching.notify_all()
 
         async def read_answers() -> None:
             async for message in request_iterator:
@@ -100,6 +107,16 @@ class RelayServicer(peer_pb2_grpc.RelayServicer):
                 del self.attached[identity]
             log.info("relay: %s detached", identity)
 
+    async def _receiver(self, identity: str) -> Attachment | None:
+        """The receiver's attachment; a member not attached yet is waited for attach_grace (a site admitted at
+        this boundary, whose copy is pushed while its relay stream is still being set up)."""
+        if identity not in self.attached and identity in self.members():
+            async with self._attaching:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._attaching.wait_for(lambda: identity in self.attached),
+                                           self.attach_grace)
+        return self.attached.get(identity)
+
     async def forward(self, receiver: Attachment, down: peer_pb2.RelayDown) -> None:
         """One message of a push down the receiver's stream (waits while its queue is full)."""
         await receiver.down.put(down)
@@ -113,7 +130,7 @@ class RelayServicer(peer_pb2_grpc.RelayServicer):
         if header.sender_identity != sender:
             await rpc.refuse(context, grpc.StatusCode.PERMISSION_DENIED,
                              f"{sender!r} pushes as {header.sender_identity!r}")
-        receiver = self.attached.get(header.receiver_identity)
+        receiver = await self._receiver(header.receiver_identity)
         if receiver is None:
             await rpc.refuse(context, grpc.StatusCode.UNAVAILABLE,
                              f"{header.receiver_identity!r} is not attached to the relay")

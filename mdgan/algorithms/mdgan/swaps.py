@@ -58,9 +58,13 @@ class SwapRounds:
         self.swaps_refused = 0  # discriminators a receiver's check refused (swapcheck.py)
         self.pending: PendingSwap | None = None  # the background round under way
 
+    def participants(self) -> list[WorkerHandle]:
+        """Who swaps: the members holding a discriminator of the run (not one still waiting for its copy)."""
+        return [w for w in self.membership.roster.members() if not w.needs_copy]
+
     def plan(self, swap_round: int) -> SwapPlan:
-        """The round's random derangement over the active workers, and each one's order."""
-        participants = [w for w in self.membership.roster.members() if not w.needs_copy]
+        """The round's random derangement over the participants (two at least), and each one's order."""
+        participants = self.participants()
         sends = derangement([w.worker_id for w in participants], self.seed, swap_round)
         receive_from = {dst: src for src, dst in sends.items()}
         return SwapPlan(sends, {w: SwapOrder(swap_round, sends[w.worker_id], receive_from[w.worker_id])

@@ -202,8 +202,8 @@ class Trainer:
         rounds = self.swap_rounds
         if rounds.pending is not None and rounds.pending.install_at <= t:
             lost += await rounds.finish_swap(t)
-        if self.swap_period is None or t % self.swap_period != 0 or len(self.roster.members()) < 2:
-            return SwapsAtBoundary(None, lost)
+        if self.swap_period is None or t % self.swap_period != 0 or len(rounds.participants()) < 2:
+            return SwapsAtBoundary(None, lost)  # (a member waiting for its copy has no discriminator to send)
         started = await (rounds.begin_swap(t) if rounds.swap_lag else rounds.swap(t))
         return SwapsAtBoundary(started.started, lost + started.lost)
 
