@@ -4,6 +4,7 @@ the top of $OUT, whole even when a command runs out of time, and each step print
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -57,8 +58,8 @@ def _keep(archive, results) -> subprocess.CompletedProcess:
 
 
 def _tree(folder) -> dict[str, bytes]:
-    return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
-            for d, _, names in os.walk(folder) for n in names}
+    return {str(path.relative_to(folder)): path.read_bytes() for path in pathlib.Path(folder).rglob("*")
+            if path.is_file()}
 
 
 @pytest.mark.slow

@@ -206,8 +206,7 @@ def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard]
 
     def state() -> dict:  # every side's state (G, D, their Adams, noise and sampler) and the loop's
         return {"generator_side": server.state_dict(), "trainer": trainer.state_dict(),
-                "sites": {w.worker_id: {"generator_side": w.gan.g.state_dict(),
-                                        "discriminator_side": w.gan.d.state_dict()} for w in workers}}
+                "sites": {w.worker_id: w.gan.state_dict() for w in workers}}
 
     if checkpoints is not None:
         resumed = checkpoints.restore()
@@ -215,14 +214,8 @@ def run_flgan(config: TrainingConfig, server: GeneratorSide, shards: list[Shard]
             server.load_state_dict(resumed["generator_side"])
             trainer.load_state_dict(resumed["trainer"])
             for worker in workers:
-                worker.gan.g.load_state_dict(resumed["sites"][worker.worker_id]["generator_side"])
-                worker.gan.d.load_state_dict(resumed["sites"][worker.worker_id]["discriminator_side"])
-
-        def at_round_end(before: int, done: int) -> None:
-            checkpoints.passed(before, done)
-            checkpoints.at_boundary(done, trainer.until, state)
-
-        trainer.at_round_end = at_round_end
+                worker.gan.load_state_dict(resumed["sites"][worker.worker_id])
+        trainer.at_round_end = lambda before, done: checkpoints.after(before, done, trainer.until, state)
     result = asyncio.run(trainer.run())
     if discriminators is not None:
         discriminators.update(trainer.last_sent)

@@ -31,14 +31,11 @@ class LoopCheckpoints:
         self.recorder.load_state_dict(self._resumed["recorder"])
         return self._resumed
 
-    def passed(self, before: int, now: int) -> None:
-        """The loop went from iteration `before` to `now`: a checkpoint is due if it passed a multiple of every."""
-        if self.every and now // self.every > before // self.every:
+    def after(self, before: int, t: int, until: int, state: Callable[[], dict]) -> None:
+        """The loop went from iteration `before` to boundary t, one it can resume from: the checkpoint due since the
+        last one (a multiple of every passed), unless the run ends here (its outputs are written next)."""
+        if self.every and t // self.every > before // self.every:
             self._due = True
-
-    def at_boundary(self, t: int, until: int, state: Callable[[], dict]) -> None:
-        """At a boundary the loop can resume from: the checkpoint due since the last one, unless the run ends here
-        (its outputs are written next)."""
         if self._due and t < until:
             self._due = False
             started = time.perf_counter()

@@ -44,6 +44,14 @@ class LocalGAN:
         self.g = generator or GeneratorSide(config)
         self.d = DiscriminatorSide(config, shard, ledger)
 
+    def state_dict(self) -> dict:
+        """Both sides' durable state (weights, Adam, noise, sampler): what a checkpoint of the pair holds."""
+        return {"generator_side": self.g.state_dict(), "discriminator_side": self.d.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.g.load_state_dict(state["generator_side"])
+        self.d.load_state_dict(state["discriminator_side"])
+
     def step(self) -> dict:
         spec, D = self.spec, self.d.discriminator
         batches = self.g.generate(1)  # the server's noise stream: same z and labels as MD-GAN
@@ -106,8 +114,7 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
     last, until, start = None, last_iteration(config, stop_after), 0
     resumed = checkpoints.restore() if checkpoints is not None else None
     if resumed is not None:
-        gan.g.load_state_dict(resumed["generator_side"])
-        gan.d.load_state_dict(resumed["discriminator_side"])
+        gan.load_state_dict(resumed["pair"])
         start = int(resumed["iteration"])
     for t in range(start + 1, until + 1):
         started = time.perf_counter()
@@ -117,9 +124,7 @@ def run_standalone(config: TrainingConfig, generator: GeneratorSide, dataset: Sh
         if on_iteration:
             on_iteration(last)
         if checkpoints is not None:
-            checkpoints.passed(t - 1, t)
-            checkpoints.at_boundary(t, until, lambda: {"generator_side": gan.g.state_dict(),
-                                                       "discriminator_side": gan.d.state_dict()})
+            checkpoints.after(t - 1, t, until, lambda: {"pair": gan.state_dict()})
     if discriminators is not None:
         discriminators["worker-0"] = {k: v.detach().clone() for k, v in gan.d.discriminator.state_dict().items()}
     return RunResult(iterations=until, workers=1, workers_alive=1, swaps=0, rejections=0,
