@@ -284,11 +284,12 @@ def test_a_worker_killed_mid_run_is_told_and_the_run_ends_with_the_others(tmp_pa
 
 
 def test_a_worker_paused_past_its_deadline_rejoins_when_it_wakes(tmp_path):
-    """A worker frozen (SIGSTOP: a paused VM, a swap storm) is dropped at the step deadline, or, frozen
+    """A worker frozen (SIGSTOP: a paused VM, a swap storm) is dropped at the step deadline, at the swap
+    deadline when the pause caught it in a swap (the copy a rejoining worker takes, too), or, frozen
     between steps, once it has been silent for the liveness timeout. When it wakes it finishes what it
     held, finds the stream ended, and rejoins: no traceback, and it never exits."""
     launcher = launch(tmp_path, "--dataset", "synthetic", "--workers", "2", "--workers-per-process", "1",
-                      "--iterations", "1000000", "--step-timeout", "2")
+                      "--iterations", "1000000", "--step-timeout", "2", "--swap-timeout", "10")
     logs = tmp_path / "run" / "logs"
     try:
         wait_until_training(launcher, tmp_path)
@@ -296,7 +297,7 @@ def test_a_worker_paused_past_its_deadline_rejoins_when_it_wakes(tmp_path):
         for pause in (1, 2):  # (twice: it failed only when the pause caught the worker holding a batch)
             os.kill(victim, signal.SIGSTOP)
             deadline = time.monotonic() + 60
-            # dropped at a step's deadline, or found silent when the pause caught it between steps (a swap)
+            # dropped at a step's or a swap's deadline, or found silent when the pause caught it between steps
             while sum((logs / "server.log").read_text().count(drop)
                       for drop in ("dropping worker-1", "worker-1 lost: silent")) < pause:
                 assert time.monotonic() < deadline, (logs / "server.log").read_text()
