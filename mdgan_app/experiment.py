@@ -872,6 +872,7 @@ def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: 
     # came while a child was still importing torch printed its KeyboardInterrupt traceback. A SIGTERM
     # that comes while they start is handled once they have (scheduling.signals_held).
     pool = None
+    others = set(multiprocessing.active_children())  # (the pool's processes are the children after less these)
     try:
         with scheduling.signals_held(signal.SIGTERM, ignoring=(signal.SIGINT,)):
             pool = multiprocessing.get_context("spawn").Pool(processes=jobs, initializer=_start_child)
@@ -889,7 +890,7 @@ def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: 
         # a failed run, Ctrl-C, SIGTERM or the time limit: the runs under way stop now (waiting for them
         # could take hours); they and those not started are run again by a resume
         if pool is not None:
-            _end_processes(pool)
+            _end_processes(pool, others)
             pool = None
         raise
     finally:
@@ -897,11 +898,16 @@ def _run_all(config: dict, runs: list[dict], todo: list[tuple[dict, str]], out: 
             pool.join()
 
 
-def _end_processes(pool, grace: float = 15.0) -> None:
-    """The pool's processes ended: SIGTERM (Pool.terminate), then SIGKILL to any still alive `grace` seconds on. A
-    process that did not die of its SIGTERM (it took it as another error, or another thread of it got it while it
-    waited for work) would otherwise hold Pool.join forever."""
-    killer = threading.Timer(grace, lambda: [p.kill() for p in list(getattr(pool, "_pool", [])) if p.is_alive()])
+def _end_processes(pool, others: set, grace: float = 15.0) -> None:
+    """The pool's processes (this process's children but `others`) ended: SIGTERM (Pool.terminate), then SIGKILL
+    to any still alive `grace` seconds on. A process that did not die of its SIGTERM (it took it as another error,
+    or another thread of it got it while it waited for work) would otherwise hold Pool.join forever."""
+
+    def kill_the_rest() -> None:
+        for process in set(multiprocessing.active_children()) - others:
+            process.kill()
+
+    killer = threading.Timer(grace, kill_the_rest)
     killer.daemon = True
     killer.start()
     try:

@@ -119,13 +119,37 @@ def _deaf_to_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def test_a_run_process_that_outlives_its_sigterm_is_killed_instead_of_holding_the_experiment():
-    """A pool process that does not die of its SIGTERM (here: it ignores it; in the full suite one took the SIGTERM as
-    an ordinary error and went back to wait for work) is killed after a grace, so the experiment ends."""
-    import multiprocessing
+def _busy(flag: str) -> None:
+    import time
 
-    pool = multiprocessing.get_context("spawn").Pool(processes=2, initializer=_deaf_to_sigterm)
-    processes = list(pool._pool)
-    assert pool.apply(abs, (-3,)) == 3  # (started, and waiting for work)
-    experiment._end_processes(pool, grace=1.0)
-    assert all(p.exitcode is not None for p in processes)
+    open(flag, "w").close()
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)  # (without the kill, Pool.join waits forever)
+def test_a_run_process_that_outlives_its_sigterm_is_killed_instead_of_holding_the_experiment(tmp_path):
+    """A pool process that does not die of its SIGTERM (here: it ignores it, busy; in the full suite one took the
+    SIGTERM as an ordinary error and went back to wait for work) is killed after a grace, so the experiment ends;
+    other children of the experiment's process are left alone."""
+    import multiprocessing
+    import signal
+    import time
+
+    bystander = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))  # not the pool's
+    bystander.start()
+    try:
+        others = set(multiprocessing.active_children())
+        pool = multiprocessing.get_context("spawn").Pool(processes=1, initializer=_deaf_to_sigterm)
+        processes = set(multiprocessing.active_children()) - others
+        flag = tmp_path / "busy"
+        pool.apply_async(_busy, (str(flag),))
+        deadline = time.monotonic() + 60
+        while not flag.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        experiment._end_processes(pool, others, grace=1.0)
+        assert len(processes) == 1 and [p.exitcode for p in processes] == [-signal.SIGKILL]
+        assert bystander.is_alive()  # only the pool's processes
+    finally:
+        bystander.kill()
+        bystander.join()
