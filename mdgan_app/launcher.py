@@ -22,37 +22,8 @@ import urllib.request
 from services.common import scheduling
 from mdgan.algorithms.base import RUN_FAILED
 from mdgan.config import ConfigError
-from mdgan.settings import RUN_SETTINGS, TRACKING, TRAINING_KEYS
+from mdgan_app.cluster_commands import ClusterCommands, security_flags
 from mdgan_app.run_folder import save_launch_settings
-
-def _eval_root(args) -> str | None:
-    """Scores need the MNIST test set: only for MNIST runs (with --site-dirs, --data-root may still hold it)."""
-    if args.dataset == "mnist" and args.eval_every >= 0 and not args.site_dirs:
-        return args.data_root
-    if args.eval_every >= 0 and args.site_dirs and os.path.isdir(os.path.join(args.data_root, "MNIST", "raw")):
-        return args.data_root
-    return None
-
-
-# the declared settings `mdgan local` hands its server as they are (mdgan/settings.py `commands`; the server defines
-# their flags): training's, the run settings both take (but the tracking paths, made absolute below), and the dataset
-# (which sets the server's sample shape)
-SERVER_SETTINGS = (*TRAINING_KEYS, *(s.key for s in RUN_SETTINGS if {"local", "server"} <= set(s.commands)
-                                     and s.group != TRACKING), "dataset")
-
-
-def _forwarded_training_flags(args) -> list[str]:
-    """The run's declared settings the server takes, as mdgan-server's flags."""
-    from mdgan.settings import EVERY_SETTING
-
-    flags = []
-    for key in SERVER_SETTINGS:
-        setting, value = EVERY_SETTING[key], getattr(args, key)
-        if setting.kind is bool:
-            flags += [] if value is None else [setting.flag if value else "--no-" + setting.flag[2:]]
-        elif value is not None:
-            flags += [setting.flag, str(value)]
-    return flags
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -296,28 +267,8 @@ class LocalCluster:
 
         atomic_write_json(os.path.join(self.out, "metrics_targets.json"), groups)
 
-    def _metrics_flags(self, name: str, port: int) -> list[str]:
-        return ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
-                "--metrics-dump", os.path.join(self.out, "metrics", f"{name}.prom")]
-
-    def security_flags(self) -> dict[str, list[str]]:
-        """Per process: the --tls-* flags of a throwaway PKI made in RUN/tls/ (a new CA every run), or
-        --insecure for everyone when the user asked for plaintext."""
-        names = ["server", *(f"worker-{i}" for i in range(self.args.workers))]
-        if self.args.insecure:
-            return {name: ["--insecure"] for name in names}
-        from services.common import pki  # cryptography only; no gRPC here
-
-        directory = os.path.join(self.out, "tls")
-        identities = {"server": "mdgan-server", **{n: n for n in names[1:]}}
-        issued = pki.provision_run(directory, names[1:], server=identities["server"])
-        return {name: ["--tls-ca", issued[identities[name]]["ca"], "--tls-cert", issued[identities[name]]["cert"],
-                       "--tls-key", issued[identities[name]]["key"]] for name in names}
-
     def start(self) -> multiprocessing.Process:
         from mdgan.attacks import attackers
-        from mdgan.sites import site_dir
-        from services.common.settings import algorithm_flags
 
         a = self.args
         # An earlier run's logs and exit codes here would be read as this run's (a worker "failed"
@@ -330,7 +281,7 @@ class LocalCluster:
                 print(f"mdgan local: could not keep the earlier logs: {exc}", file=sys.stderr)
         shutil.rmtree(self.logs, ignore_errors=True)
         os.makedirs(self.logs, exist_ok=True)
-        security = self.security_flags()
+        security = security_flags(a, self.out)
         port_file = os.path.join(self.out, "server.port")
         # from an earlier run here (a resumed run keeps its history: the server truncates it to the checkpoint)
         stale = ("server.port",) if a.resume else ("server.port", "history.jsonl", "swaps.jsonl", "summary.json")
@@ -348,42 +299,12 @@ class LocalCluster:
                              "labels": {"job": "mdgan-server" if name == "server" else "mdgan-worker",
                                         "process": name}}
                             for name, port in metrics_ports.items()])
-        server = self._spawn("server", [
-            "services.server", "--listen", "127.0.0.1:0", "--port-file", port_file, "--out", self.out,
-            "--threads", str(a.threads), "--cpu-scheduling", a.cpu_scheduling,  # few cores for many: batch
-            "--device", a.device, "--step-timeout", str(a.step_timeout),
-            "--swap-timeout", str(a.swap_timeout), "--join-timeout", str(a.join_timeout),
-            "--heartbeat-interval", str(a.heartbeat_interval), *self._metrics_flags("server", metrics_ports["server"]),
-            "--algorithm", a.algorithm,
-            "--stop-grace", str(a.stop_grace),
-            *(["--resume", "yes"] if a.resume else []), *(["--run-id", a.run_id] if a.run_id else []),
-            *security["server"],
-            *(["--eval-data-root", _eval_root(a)] if _eval_root(a) else []),
-            *(["--classes", a.classes] if a.classes else []), *_forwarded_training_flags(a),
-            *algorithm_flags(a.algorithm, a),
-            *(["--tensorboard", os.path.abspath(a.tensorboard)] if a.tensorboard else []),
-            *(["--mlflow", a.mlflow if "://" in a.mlflow else os.path.abspath(a.mlflow)] if a.mlflow else [])])
+        commands = ClusterCommands(a, self.out)
+        server = self._spawn("server", commands.server(port_file, security["server"], metrics_ports["server"]))
         port = self._wait_for_port(port_file, 120)
         attacking = set(attackers(a.workers, a.byzantine)) if a.attack else set()
-        workers = []
-        for index in range(a.workers):
-            name = f"worker-{index}"
-            if a.site_dirs:  # a site: worker i is given its own folder, nothing else
-                data = ["--data-root", site_dir(os.path.abspath(a.site_dirs), index), "--bad-images", a.bad_images]
-            else:  # emulation: every worker is given the shared dataset and keeps shard i
-                data = ["--num-shards", str(a.workers), "--data-root", a.data_root, "--split-seed", str(a.split_seed),
-                        "--split", a.split, "--dirichlet-alpha", str(a.dirichlet_alpha),
-                        "--max-samples", str(a.max_samples)]
-            workers.append((name, [
-                "--server", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                "--advertise-address", "127.0.0.1", "--shard-index", str(index), "--dataset", a.dataset, *data,
-                "--threads", str(a.threads), "--cpu-scheduling", a.cpu_scheduling, "--device", a.device,
-                "--server-timeout", str(a.step_timeout + 60),
-                "--state-dir", os.path.join(self.out, "workers", name),
-                *(["--dp-fixed-noise", str(a.dp_fixed_noise)] if a.dp_fixed_noise is not None else []),
-                *(["--attack", a.attack] if index in attacking else []),
-                *(["--swaps", "relay"] if index >= a.workers - getattr(a, "relayed", 0) else []),
-                *security[name], *self._metrics_flags(name, metrics_ports[name])]))
+        workers = [(name, commands.worker(index, port, index in attacking, security[name], metrics_ports[name]))
+                   for index, name in enumerate(names[1:])]
         self._spawn_workers(workers)
         return server
 

@@ -105,7 +105,7 @@ def test_every_setting_has_a_flag_in_every_command_that_trains_and_one_default()
 @pytest.mark.parametrize("key", list(SETTINGS))
 def test_a_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeypatch):
     from mdgan_app.experiment import DEFAULTS, training_config as experiment_config
-    from mdgan_app.launcher import _forwarded_training_flags
+    from mdgan_app.cluster_commands import forwarded_training_flags
     from services.common import training_spec
     from services.common.settings import settings_toml
 
@@ -135,7 +135,7 @@ def test_a_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, monkeyp
     configs["experiment"] = experiment_config({**DEFAULTS, **given})
     local = command_parser("local").parse_args([*data, *tokens])
     config_of(local)
-    configs["mdgan local -> mdgan-server"] = config_of(server_parser().parse_args(_forwarded_training_flags(local)))
+    configs["mdgan local -> mdgan-server"] = config_of(server_parser().parse_args(forwarded_training_flags(local)))
     for path, config in configs.items():
         assert config == by_flag, f"{key} by {path}"
 
@@ -242,7 +242,7 @@ def test_a_run_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, mon
     RunSpec (RunSpec.from_values, the one builder); `mdgan local` hands the server its own as the server's flags."""
     from mdgan.run_spec import RunSpec
     from mdgan_app.experiment import DEFAULTS
-    from mdgan_app.launcher import SERVER_SETTINGS, _forwarded_training_flags
+    from mdgan_app.cluster_commands import SERVER_SETTINGS, forwarded_training_flags
     from services.common.settings import settings_toml
 
     every = settings.EVERY_SETTING
@@ -281,7 +281,7 @@ def test_a_run_setting_reaches_the_run_the_same_by_every_path(key, tmp_path, mon
                 env.setenv(f"MDGAN_SIMULATE_{k.upper()}", "true" if v is True else str(v))
             specs["variable"] = command_spec(command_parser("simulate").parse_args([]))
         if key in SERVER_SETTINGS:
-            server = server_parser().parse_args(_forwarded_training_flags(local))
+            server = server_parser().parse_args(forwarded_training_flags(local))
             assert getattr(server, key) == value, f"{key}: mdgan local -> mdgan-server"
     assert specs, f"{key} has no path into a run"
     for path, spec in specs.items():
