@@ -22,7 +22,7 @@ import torch
 
 from mdgan.config import ConfigError, DataConfig, named
 from mdgan.devices import to_device
-from mdgan.images import load_imagefolder
+from mdgan.images import find_images, load_imagefolder
 
 SYNTHETIC_SIZE = 2000
 SYNTHETIC_SEED = 1234  # fixed: every worker must build the same synthetic dataset
@@ -138,16 +138,22 @@ def _idx_header(path: str, fh, dims: int, size: int | None) -> tuple[tuple[int, 
     return tuple(int.from_bytes(header[4 + 4 * i:8 + 4 * i], "big") for i in range(dims)), len(header)
 
 
-def load_mnist_uint8(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST as stored: images (n, 784) uint8, labels (n,) int64, from torchvision's layout
-    (DATA_ROOT/MNIST/raw/*-idx*-ubyte, or the same names gzip-compressed, *.gz, as MNIST is
-    distributed); never downloads. Every file is checked."""
+def _mnist_folder(data_root: str) -> str:
+    """DATA_ROOT/MNIST/raw; ConfigError saying how to make one when it is not there."""
     raw = os.path.join(data_root, "MNIST", "raw")
     if not os.path.isdir(raw):
         raise ConfigError(
             f"MNIST not found under {raw!r}: point {named('data_root')} at a folder holding MNIST/raw "
             "(torchvision.datasets.MNIST(root, download=True) creates one)"
         )
+    return raw
+
+
+def load_mnist_uint8(data_root: str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST as stored: images (n, 784) uint8, labels (n,) int64, from torchvision's layout
+    (DATA_ROOT/MNIST/raw/*-idx*-ubyte, or the same names gzip-compressed, *.gz, as MNIST is
+    distributed); never downloads. Every file is checked."""
+    raw = _mnist_folder(data_root)
     image_file, label_file = (idx_file(os.path.join(raw, name)) for name in MNIST_FILES[train])  # or *.gz
     images = read_idx_ubyte(image_file, 3)  # (n, 28, 28)
     labels = read_idx_ubyte(label_file, 1)  # (n,)
@@ -189,9 +195,8 @@ class CifarBatchUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def load_cifar10_uint8(data_root: str, train: bool = True,
-                       verify_md5: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """CIFAR-10 as stored: images (n, 3072) uint8 channel-first, labels (n,) int64 (see load_cifar10)."""
+def _cifar10_folder(data_root: str, train: bool) -> str:
+    """DATA_ROOT/cifar-10-batches-py; ConfigError naming the batch files missing there and how to make them."""
     folder = os.path.join(data_root, CIFAR10_FOLDER)
     names = CIFAR10_TRAIN_FILES if train else CIFAR10_TEST_FILES
     missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
@@ -203,6 +208,14 @@ def load_cifar10_uint8(data_root: str, train: bool = True,
             f"CIFAR-10 not found under {folder!r} (missing {', '.join(missing)}): point {named('data_root')} at a folder "
             f"holding {CIFAR10_FOLDER} (torchvision.datasets.CIFAR10(root, download=True) creates one){hint}"
         )
+    return folder
+
+
+def load_cifar10_uint8(data_root: str, train: bool = True,
+                       verify_md5: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 as stored: images (n, 3072) uint8 channel-first, labels (n,) int64 (see load_cifar10)."""
+    folder = _cifar10_folder(data_root, train)
+    names = CIFAR10_TRAIN_FILES if train else CIFAR10_TEST_FILES
     if verify_md5:
         from torchvision.datasets import CIFAR10
         from torchvision.datasets.utils import check_integrity
@@ -263,6 +276,17 @@ def make_synthetic(size: int = SYNTHETIC_SIZE, dim: int = 784, num_classes: int 
     labels = torch.randint(0, num_classes, (size,), generator=rng)  # (size,)
     noise = 0.3 * torch.randn(size, dim, generator=rng)
     return (prototypes[labels] + noise).clamp_(-1, 1), labels
+
+
+def check_stored_dataset(dataset: str, data_root: str) -> None:
+    """ConfigError when `dataset`'s training data is not under data_root (what loading it would say first), found
+    without reading it: a launcher refuses before it starts anything. Each file is checked as it is loaded."""
+    if dataset == "mnist":
+        _mnist_folder(data_root)
+    elif dataset == "cifar10":
+        _cifar10_folder(data_root, train=True)
+    elif dataset == "imagefolder":
+        find_images(data_root)
 
 
 def load_stored_dataset(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,6 +98,7 @@ def _resolve_workers(args) -> None:
 
 
 def cmd_local(args) -> int:
+    from mdgan.data import check_stored_dataset
     from mdgan.run import check_out_dir
     from mdgan.run_spec import RunSpec
     from mdgan_app.launcher import MACHINE_PORTS, workers_per_process
@@ -110,6 +111,8 @@ def cmd_local(args) -> int:
     # every setting checked here, with a clear message, rather than in a child process
     RunSpec.from_values({**vars(args), "resume": resume, "classes": class_names(args)},
                         command=True).validate(in_process=False)
+    if not args.site_dirs:  # emulation: every worker reads the shared dataset (a site kit's own folder is checked)
+        check_stored_dataset(args.dataset, args.data_root)
     check_out_dir(args.out, resume, args.overwrite)
     if not 0 <= args.relayed <= args.workers:
         raise ConfigError(f"--relayed must be in 0..{args.workers} (the workers), not {args.relayed}")

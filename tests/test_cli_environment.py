@@ -179,6 +179,12 @@ def test_mdgan_certs_runs_without_the_training_code(tmp_path):
      r"--eval-samples: must be at least 2 images \(a FID needs two to compare\), not 1"),  # (FID's traceback at the end)
     (["mdgan_app.cli", "simulate", "--eval-every", "-5", "--dataset", "synthetic", "--out", "{pki}"],
      r"--eval-every: must be a number of iterations, or 0 \(only at the end\) or -1 \(never\), not -5"),
+    # a dataset not where --data-root says: refused before the cluster (and its run folder) is made
+    (["mdgan_app.cli", "local", "--data-root", "{pki}-data", "--out", "{pki}"], r"MNIST not found under '.*made-data"),
+    (["mdgan_app.cli", "local", "--dataset", "cifar10", "--data-root", "{pki}-data", "--out", "{pki}"],
+     r"CIFAR-10 not found under '.*made-data/cifar-10-batches-py' \(missing data_batch_1"),
+    (["mdgan_app.cli", "local", "--dataset", "imagefolder", "--data-root", "{pki}-data", "--out", "{pki}"],
+     r"the data folder '.*made-data' does not exist"),
 ])
 def test_a_flag_out_of_range_or_cut_short_is_refused_before_anything_is_written(tmp_path, run, argv, message):
     """A certificate valid for no day or past X.509's dates, a port no one can reach; and a flag cut short, which
