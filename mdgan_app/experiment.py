@@ -203,6 +203,9 @@ def expand(config: dict) -> list[dict]:
             runs.append({**base, **dict(zip(keys, values))})
     for extra in config.get("runs") or []:
         runs.append({**base, **_keys(extra)})
+    if not runs:
+        raise ConfigError("the experiment has no runs: give `runs` a list of runs' settings, like "
+                          "[{algorithm: standalone}], or `grid` settings to vary, like {workers: [2, 10]}")
     for run in runs:
         unknown = set(run) - set(DEFAULTS)
         if unknown:

@@ -75,6 +75,8 @@ def test_bad_configs_are_refused(tmp_path):
     ("runs: [{gen_lr: fast}]\n", "gen_lr must be a number, not 'fast'"),
     ("runs: [{algorithm: pwgan, potential_rounds: 2.5}]\n", "potential_rounds must be a whole number"),
     ("runs: [{crash: 5}]\n", "crash must be a text or null, not 5"),
+    ("runs: []\n", "the experiment has no runs: give `runs` a list"),
+    ("base: {workers: 2}\n", "the experiment has no runs"),  # (nor a grid)
 ])
 def test_a_config_of_the_wrong_shape_or_types_is_refused_in_one_line(tmp_path, text, message):
     """`mdgan experiment` (a real process) on a config that is not YAML, holds a key of the wrong shape or a value
