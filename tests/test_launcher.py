@@ -793,25 +793,34 @@ def test_a_run_folder_that_cannot_be_made_is_a_clear_error_in_every_entry_point(
         assert "Event loop is closed" not in run.stderr, (service, run.stderr)
 
 
-def test_a_port_the_service_cannot_bind_is_a_clear_error(tmp_path):
+def test_a_port_the_service_cannot_bind_is_a_clear_error_and_nothing_is_written(tmp_path):
+    """A port taken or a host not this machine's: refused in one line (exit 2) before the run folder (the server's
+    --out) or the state folder (a worker's --state-dir) is made."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        for service, flags, message in (
+        for case, (service, flags, message) in enumerate((
                 ("services.server", ["--listen", f"127.0.0.1:{port}", "--join-timeout", "5"],
                  f"--listen 127.0.0.1:{port}: cannot listen there"),
+                ("services.server", ["--listen", "192.0.2.1:0", "--join-timeout", "5"],
+                 "--listen 192.0.2.1:0: cannot listen there"),
+                ("services.server", ["--listen", "127.0.0.1:0", "--metrics-port", str(port),
+                                     "--metrics-address", "127.0.0.1", "--join-timeout", "5"],
+                 f"--metrics-port {port}: cannot serve /metrics on 127.0.0.1:{port} (Address already in use)"),
                 ("services.worker", ["--listen", "192.0.2.1:0", "--connect-timeout", "5"],  # not this host's
                  "--listen 192.0.2.1:0: cannot listen there"),
                 ("services.worker", ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
                                      "--connect-timeout", "5"],
-                 f"--metrics-port {port}: cannot serve /metrics on 127.0.0.1:{port} (Address already in use)")):
+                 f"--metrics-port {port}: cannot serve /metrics on 127.0.0.1:{port} (Address already in use)"))):
+            folder = tmp_path / f"case-{case}"
             run = subprocess.run([sys.executable, "-m", service, *flags, "--insecure", "--dataset", "synthetic",
-                                  "--out" if service == "services.server" else "--state-dir", str(tmp_path / "x")],
+                                  "--out" if service == "services.server" else "--state-dir", str(folder)],
                                  cwd=REPO, capture_output=True, text=True, timeout=120)
             assert run.returncode == 2, (service, run.stderr)
             assert message in run.stderr and "Traceback" not in run.stderr, (service, run.stderr)
+            assert not folder.exists(), (service, flags, sorted(p.name for p in folder.iterdir()))
     finally:
         taken.close()
 

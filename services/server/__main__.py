@@ -127,13 +127,18 @@ async def serve(args) -> dict:
         from mdgan import privacy
 
         privacy.check_run(config, [])
+    # the ports bound before the run folder is touched: an address this machine cannot listen on is a setting refused
+    telemetry = Telemetry("server")
+    receive, send = message_limits(config)
+    guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
+    server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)
+    port = tls.add_port(server, args.listen, credentials)
+    telemetry.serve(args.metrics_port, args.metrics_address)
     start_run(args.out, run)  # every setting accepted: the run folder is written from here on
     devices.deterministic(config.device)
     log.info("run %s%s", run.run_id, f", resumed from iteration {run.resumed_from}" if run.resuming else "")
     liveness = args.liveness_timeout or (min(args.step_timeout, LIVENESS_STEP_CAP) + 3 * args.heartbeat_interval)
-    telemetry = Telemetry("server")
     telemetry.run_info.labels(run.run_id).set(1)
-    telemetry.serve(args.metrics_port, args.metrics_address)
     initial_discriminator = build_discriminator(config.model, derive_seed(config.seed, "discriminator-init"))
     generator = GeneratorSide(config)
     layouts = {"generator": codec.layout_of(generator.generator.state_dict()),
@@ -171,14 +176,10 @@ async def serve(args) -> dict:
                               deadlines=Deadlines(args.heartbeat_interval, args.swap_timeout, liveness),
                               admission=admission, roster=roster, run_id=run.run_id, swap_round=session.swap_round,
                               class_names=class_names(args), describe_run=getattr(session, "describe", None))
-    receive, send = message_limits(config)
-    guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
-    server = rpc.make_server(max_receive_bytes=receive, max_send_bytes=send, guard=guard)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     peer_pb2_grpc.add_RelayServicer_to_server(RelayServicer(telemetry, authenticated=credentials is not None,
                                                             members=coordinator.member_identities), server)
     health = rpc.add_health_and_reflection(server, [SERVICE])
-    port = tls.add_port(server, args.listen, credentials)
     await server.start()
     await rpc.set_serving(health, [SERVICE], True)
     log.info("serving %s on port %d (%s); waiting for %d workers", SERVICE, port,

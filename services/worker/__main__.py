@@ -203,6 +203,18 @@ async def serve(args) -> str:
     if args.dp_fixed_noise is not None and args.dp_fixed_noise < 0:
         raise ConfigError(f"--dp-fixed-noise must be a whole number >= 0, got {args.dp_fixed_noise}")
     index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
+    credentials = tls.from_args(args, "mdgan-worker")
+    if args.swaps == "relay" and credentials is None:
+        raise ConfigError("--swaps relay needs mutual TLS (relayed discriminators are sealed between the sites' "
+                          "certificates): give --tls-ca, --tls-cert and --tls-key, or --swaps direct")
+    # the ports bound before the state folder is touched: an address this host cannot listen on is a setting refused
+    telemetry = Telemetry("worker")
+    guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
+    # A peer sends one chunk (<= 1 MiB) or one header per message: nothing bigger is accepted.
+    server = rpc.make_server(max_receive_bytes=rpc.message_bytes_for(codec.CHUNK_BYTES), guard=guard,
+                             max_send_bytes=rpc.message_bytes_for(0), max_concurrent_streams=8)
+    port = tls.add_port(server, args.listen, credentials)
+    telemetry.serve(args.metrics_port, args.metrics_address)
     if args.state_dir and index is None:
         # Replicas without an ordinal share one state volume: each locks a folder of its own in it,
         # and one restarted after a crash takes back the folder (and the shard) of an unfinished run.
@@ -229,17 +241,7 @@ async def serve(args) -> str:
         source = {"shard": shard, "split": data}
         log.info("holding shard %d of %d (%d samples)", shard.index, shard.num_shards, len(shard))
 
-    credentials = tls.from_args(args, "mdgan-worker")
-    if args.swaps == "relay" and credentials is None:
-        raise ConfigError("--swaps relay needs mutual TLS (relayed discriminators are sealed between the sites' "
-                          "certificates): give --tls-ca, --tls-cert and --tls-key, or --swaps direct")
     identity = worker_identity(args, credentials, index)
-    telemetry = Telemetry("worker")
-    telemetry.serve(args.metrics_port, args.metrics_address)
-    guard = rpc.HostileInputGuard(on_reject=lambda reason: telemetry.rejected.labels(reason).inc())
-    # A peer sends one chunk (<= 1 MiB) or one header per message: nothing bigger is accepted.
-    server = rpc.make_server(max_receive_bytes=rpc.message_bytes_for(codec.CHUNK_BYTES), guard=guard,
-                             max_send_bytes=rpc.message_bytes_for(0), max_concurrent_streams=8)
     node = WorkerNode(
         ServerLink(args.server, credentials, identity, args.tls_server_name, args.connect_timeout, args.server_timeout),
         WorkerData(**source), telemetry=telemetry, device=args.device,
@@ -252,7 +254,6 @@ async def serve(args) -> str:
     # (relayed: it still listens, for its own healthcheck on this host, but tells nobody the address)
     peer_pb2_grpc.add_PeerServicer_to_server(node.peer_servicer, server)
     health = rpc.add_health_and_reflection(server, [PEER_SERVICE])
-    port = tls.add_port(server, args.listen, credentials)
     await server.start()
     await rpc.set_serving(health, [PEER_SERVICE], True)
     if args.swaps == "relay":
