@@ -373,6 +373,16 @@ def _say_plan(expected, started) -> None:
               f"{'' if started else ', past the time limit'}", file=sys.stderr, flush=True)
 
 
+def _trained_on(run: str) -> str | None:
+    """The dataset a finished run trained on, as its summary.json says (None where it does not)."""
+    try:
+        with open(os.path.join(run, "summary.json"), encoding="utf-8") as fh:
+            summary = json.load(fh)
+        return summary["data"]["dataset"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def cmd_score(args) -> int:
     import torch
 
@@ -387,6 +397,8 @@ def cmd_score(args) -> int:
     spec = generator.spec
     if tuple(spec.sample_shape) != (784,):
         raise ConfigError(f"the scores are MNIST's: this run's samples have shape {tuple(spec.sample_shape)}")
+    if _trained_on(args.run) == "synthetic":  # (MNIST's shape, but no digits to score against)
+        raise ConfigError("the scores are MNIST's: this run trained on the synthetic dataset")
     noise = torch.Generator().manual_seed(args.seed)
     z = torch.randn(args.samples, spec.latent_dim, generator=noise).to(args.device)
     labels = torch.arange(args.samples, device=args.device) % spec.num_classes if spec.conditional else None

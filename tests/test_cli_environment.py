@@ -217,3 +217,13 @@ def test_scoring_on_a_missing_gpu_is_refused_in_one_line(tmp_path, run):
         pytest.skip("this machine has CUDA")
     result = run(["mdgan_app.cli", "score", str(tmp_path), "--device", "cuda"])
     assert result.returncode == 2 and "--device cuda: no CUDA device is available here" in result.stderr, result.stderr
+
+
+def test_scoring_a_run_on_the_synthetic_dataset_is_refused_in_one_line(tmp_path, run):
+    """Its samples have MNIST's shape, but there are no digits to score them against: refused, no scores.json."""
+    trained = run(["mdgan_app.cli", "simulate", "--dataset", "synthetic", "--workers", "2", "--iterations", "2",
+                   "--eval-every", "-1", "--no-progress", "--out", str(tmp_path / "run")])
+    assert trained.returncode == 0, trained.stderr
+    result = run(["mdgan_app.cli", "score", str(tmp_path / "run")])
+    assert result.returncode == 2 and "this run trained on the synthetic dataset" in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "scores.json").exists()

@@ -679,7 +679,7 @@ def test_downstream_accuracy_is_high_for_true_labelled_images_and_chance_for_noi
     assert scores == read_json(out / "scores.json")
     assert {"mnist_score", "fid", "downstream_accuracy"} <= set(scores) and scores["downstream_samples"] == 500
     assert scores["downstream_accuracy"] < 0.3, scores
-    assert main(["simulate", "--gan", "gan", "--algorithm", "standalone", "--iterations", "0", "--dataset", "synthetic",
+    assert main(["simulate", "--gan", "gan", "--algorithm", "standalone", "--iterations", "0", "--data-root", data_root,
                  "--eval-every", "-1", "--no-progress", "--out", str(tmp_path / "plain")]) == 0
     capsys.readouterr()
     assert main(["score", str(tmp_path / "plain"), "--data-root", data_root, "--downstream"]) == 2
