@@ -468,6 +468,12 @@ def check_out_dir(out_dir: str, resume: str = "no", overwrite: bool = False) -> 
     resume one that has finished: called before anything is written to out_dir."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"{named('resume')} must be one of {RESUME_MODES}, got {resume!r}")
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):  # the nearest part of the path that is there must be a folder
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "" if existing == os.path.abspath(out_dir) else f": {existing}"
+        raise ConfigError(f"{named('out')} {out_dir}{where} is a file, not a folder: choose another {named('out')}")
     if not is_finished(out_dir):
         return
     if resume == "yes":

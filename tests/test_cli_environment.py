@@ -227,3 +227,15 @@ def test_scoring_a_run_on_the_synthetic_dataset_is_refused_in_one_line(tmp_path,
     result = run(["mdgan_app.cli", "score", str(tmp_path / "run")])
     assert result.returncode == 2 and "this run trained on the synthetic dataset" in result.stderr, result.stderr
     assert not (tmp_path / "run" / "scores.json").exists()
+
+
+@pytest.mark.parametrize("command, under", [("local", False), ("simulate", False), ("simulate", True)])
+def test_an_out_that_is_a_file_or_inside_one_is_refused_in_one_line(tmp_path, run, command, under):
+    """(It was Python's `[Errno 17] File exists` or `[Errno 20] Not a directory`.) The file is left as it was."""
+    taken = tmp_path / "taken"
+    taken.write_text("a user's file\n")
+    out = taken / "run" if under else taken
+    result = run(["mdgan_app.cli", command, "--dataset", "synthetic", "--iterations", "2", "--out", str(out)])
+    said = f"--out {out}: {taken} is a file" if under else f"--out {out} is a file"
+    assert result.returncode == 2 and f"{said}, not a folder: choose another --out" in result.stderr, result.stderr
+    assert "Errno" not in result.stderr and taken.read_text() == "a user's file\n"
