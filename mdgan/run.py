@@ -463,17 +463,23 @@ def is_finished(out_dir: str) -> bool:
     return os.path.exists(os.path.join(out_dir, "summary.json"))
 
 
+def refuse_a_file_on_the_way(folder: str, key: str) -> None:
+    """ConfigError naming setting `key` when `folder`, or the nearest part of its path that is there, is a file:
+    no folder can be made there."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "" if existing == os.path.abspath(folder) else f": {existing}"
+        raise ConfigError(f"{named(key)} {folder}{where} is a file, not a folder: choose another {named(key)}")
+
+
 def check_out_dir(out_dir: str, resume: str = "no", overwrite: bool = False) -> None:
     """Refuses, reading only, a run that would overwrite a finished one without `overwrite`, or
     resume one that has finished: called before anything is written to out_dir."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"{named('resume')} must be one of {RESUME_MODES}, got {resume!r}")
-    existing = os.path.abspath(out_dir)
-    while not os.path.exists(existing):  # the nearest part of the path that is there must be a folder
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        where = "" if existing == os.path.abspath(out_dir) else f": {existing}"
-        raise ConfigError(f"{named('out')} {out_dir}{where} is a file, not a folder: choose another {named('out')}")
+    refuse_a_file_on_the_way(out_dir, "out")
     if not is_finished(out_dir):
         return
     if resume == "yes":

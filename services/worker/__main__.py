@@ -24,6 +24,7 @@ from mdgan.settings import DURABLE, EMULATION
 from mdgan.config import ConfigError, TrainingConfig
 from mdgan.data import load_shard, load_stored_dataset
 from mdgan.sites import load_site
+from mdgan.run import refuse_a_file_on_the_way
 from services.common import scheduling
 from services.common.settings import (add_setting_arguments, add_version, command_settings, EnvArgumentParser, add_affinity_argument, add_data_arguments, add_scheduling_argument,
                             add_threads_argument, configure_compute, data_config, dial_address, listen_address,
@@ -202,6 +203,8 @@ async def serve(args) -> str:
         raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
     if args.dp_fixed_noise is not None and args.dp_fixed_noise < 0:
         raise ConfigError(f"--dp-fixed-noise must be a whole number >= 0, got {args.dp_fixed_noise}")
+    if args.state_dir:
+        refuse_a_file_on_the_way(args.state_dir, "state_dir")
     index = resolve_shard_index(args.shard_index, ordinal_required=not own_data)
     credentials = tls.from_args(args, "mdgan-worker")
     if args.swaps == "relay" and credentials is None:
