@@ -183,12 +183,13 @@ def split_to_sites(config: DataConfig, out_dir: str, fmt: str = "png", samples: 
     pixels = images.add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8).reshape(-1, channels, height, width)
     num_classes = int(labels.max()) + 1 if labels.numel() else 0
     names = [str(c).zfill(len(str(num_classes - 1))) for c in range(num_classes)]
+    taken = [site_dir(out_dir, site) for site in range(len(pieces)) if os.path.exists(site_dir(out_dir, site))]
+    if taken:  # (all looked at before any is written: no split half-made next to an earlier one)
+        raise ConfigError(f"{taken[0]!r} exists; choose an empty --out")
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for site, picked in enumerate(pieces):
         root = site_dir(out_dir, site)
-        if os.path.exists(root):
-            raise ConfigError(f"{root!r} exists; choose an empty --out")
         tmp = root + ".partial"
         if os.path.exists(tmp):  # left by an interrupted split: not to be mixed with this one
             shutil.rmtree(tmp)

@@ -250,8 +250,12 @@ def _certs_secrets(args) -> int:
 
 def cmd_split(args) -> int:
     from mdgan.config import DataConfig
+    from mdgan.run import refuse_a_file_on_the_way
     from mdgan.sites import split_to_sites
 
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    refuse_a_file_on_the_way(args.out, "out")
     data = DataConfig(args.dataset, args.data_root, args.workers, args.split_seed, split=args.split,
                       dirichlet_alpha=args.alpha).validate()
     sites = split_to_sites(data, args.out, samples=args.samples)

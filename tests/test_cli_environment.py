@@ -239,3 +239,18 @@ def test_an_out_that_is_a_file_or_inside_one_is_refused_in_one_line(tmp_path, ru
     said = f"--out {out}: {taken} is a file" if under else f"--out {out} is a file"
     assert result.returncode == 2 and f"{said}, not a folder: choose another --out" in result.stderr, result.stderr
     assert "Errno" not in result.stderr and taken.read_text() == "a user's file\n"
+
+
+def test_mdgan_split_refuses_before_it_writes_a_site(tmp_path, run):
+    """No sites, an --out that is a file, and a site folder already there (site-1: site-0 was written before it was
+    seen): each one line, and nothing written."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    (tmp_path / "sites" / "site-1").mkdir(parents=True)
+    for flags, said in ((["--workers", "0", "--out", str(tmp_path / "none")], "--workers must be at least 1, got 0"),
+                        (["--workers", "2", "--out", str(taken)], f"--out {taken} is a file, not a folder"),
+                        (["--workers", "2", "--out", str(tmp_path / "sites")], "site-1' exists; choose an empty --out")):
+        result = run(["mdgan_app.cli", "split", "synthetic", "--samples", "40", *flags])
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sites", "taken"]
+    assert [p.name for p in (tmp_path / "sites").iterdir()] == ["site-1"] and not any((tmp_path / "sites").rglob("*.png"))
