@@ -48,7 +48,8 @@ EXIT_CODES = """exit status:
   1    the run failed: a worker's or the server's own error, or the run stopped early; the last line
        says who and why (mdgan local prints it)
   2    a bad setting or input, said in one line (a flag, a variable, a data file, a certificate)
-  3    (mdgan-worker) the server refused this worker: its reason is in the log
+  3    (mdgan-worker) the server refused this worker: its reason is in the log; (mdgan experiment
+       --time-limit) runs were left for another start: the last line names them
   128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM); a stopped run resumes with --resume"""
 
 
