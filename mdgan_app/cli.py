@@ -379,12 +379,13 @@ def _say_plan(expected, started) -> None:
 
 def _trained_on(run: str) -> str | None:
     """The dataset a finished run trained on, as its summary.json says (None where it does not)."""
+    from mdgan.sampling import read_summary
+
     try:
-        with open(os.path.join(run, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
-        return summary["data"]["dataset"]
-    except (OSError, ValueError, KeyError, TypeError):
+        data = read_summary(run).get("data")
+    except ConfigError:
         return None
+    return data.get("dataset") if isinstance(data, dict) else None
 
 
 def cmd_score(args) -> int:
